@@ -1,0 +1,1 @@
+"""Benchmarks behind the ``chaos-bench`` console script. Each prints a table and writes JSON."""

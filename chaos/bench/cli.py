@@ -1,0 +1,21 @@
+"""``chaos-bench``: the project's benchmarks as one click group.
+
+Subcommands are registered here; each lives in its own module of :mod:`chaos.bench`.
+"""
+
+from __future__ import annotations
+
+import click
+
+from chaos.bench.assign import assign_command
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Chaos benchmarks: each prints a table and writes JSON."""
+
+
+main.add_command(assign_command)
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

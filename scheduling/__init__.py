@@ -1,0 +1,26 @@
+"""Pure shard-assignment and sync-policy algorithms. No sockets, no files, no torch.
+
+Public API::
+
+    from chaos.scheduling import Neighbor, plan_replication, Plan, lower_bound
+"""
+
+from chaos.scheduling.bounds import lower_bound, shard_lower_bound, water_level
+from chaos.scheduling.layout import LAYOUTS, candidate_shard_sizes, cut_shards
+from chaos.scheduling.model import Neighbor, Plan, finish_times, makespan
+from chaos.scheduling.plan import METHODS, plan_replication
+
+__all__ = [
+    "LAYOUTS",
+    "METHODS",
+    "Neighbor",
+    "Plan",
+    "candidate_shard_sizes",
+    "cut_shards",
+    "finish_times",
+    "lower_bound",
+    "makespan",
+    "plan_replication",
+    "shard_lower_bound",
+    "water_level",
+]
