@@ -153,13 +153,16 @@ def _equal_shard_bound(
     """Lower bound at shard size s: the larger of two valid bounds.
 
     * every shard shrunk to the shortest one: shards are then equal, and the greedy is exact;
+    * the longest shards alone, the others dropped: again equal shards (tight for ``"flat"``,
+      where only the last shard is shorter);
     * water-filling with a per-byte rate of ``trans + c / s`` (each shard holds <= s bytes).
     """
     classes = shard_classes(tensor_sizes, s, layout)
     shortest = classes[-1][0]
     total = sum(k for _, k in classes)
-    equal = greedy_counts([(shortest, total)], neighbors, c)[1]
-    return max(equal, shard_lower_bound(sum(tensor_sizes), neighbors, c, s))
+    shrunk = greedy_counts([(shortest, total)], neighbors, c)[1]
+    longest = greedy_counts(classes[:1], neighbors, c)[1]
+    return max(shrunk, longest, shard_lower_bound(sum(tensor_sizes), neighbors, c, s))
 
 
 def milp_search(

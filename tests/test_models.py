@@ -246,19 +246,24 @@ def _real_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> list[
 
 
 def test_counting_matches_real_torch_optimizers() -> None:
+    # The counted optimizer state (after params and buffers) equals what torch really allocates,
+    # including AdamW's 4-byte float32 ``step``.
     from chaos.models import _model_state, _Spec
 
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=40, n_ctx=8)
-    for lora in (False, True):
-        model = apply_lora(GPT2(cfg), rank=2) if lora else GPT2(cfg)
+    builders: list[Callable[[], nn.Module]] = [
+        lambda: GPT2(cfg),
+        lambda: apply_lora(GPT2(cfg), rank=2),
+    ]
+    for build in builders:
+        model = build()
         trained = [p for p in model.parameters() if p.requires_grad]
         real = _real_optimizer_state(model, torch.optim.AdamW(trained))
-        n = len(trained)
-        counted = _model_state(_Spec(lambda: GPT2(cfg) if not lora else apply_lora(GPT2(cfg), 2),
-                                     "adamw")).sizes
-        assert list(counted[n:]) == real
+        counted = _model_state(_Spec(build, "adamw")).sizes
+        assert list(counted[len(trained) :]) == real  # GPT-2 has no buffers
     small = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2))
     real = _real_optimizer_state(small, torch.optim.SGD(small.parameters(), lr=0.1, momentum=0.9))
     counted = _model_state(_Spec(lambda: small, "sgd-momentum")).sizes
-    assert list(counted[4 + 3 :]) == real  # after 4 params... see below
+    assert list(counted[6 + 3 :]) == real  # 6 parameters, 3 batch-norm buffers, then momentum
+    assert counted[6:9] == (16, 16, 8)

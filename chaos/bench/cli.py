@@ -8,6 +8,7 @@ from __future__ import annotations
 import click
 
 from chaos.bench.assign import assign_command
+from chaos.bench.shard_cost import shard_cost_command
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -16,6 +17,7 @@ def main() -> None:
 
 
 main.add_command(assign_command)
+main.add_command(shard_cost_command)
 
 if __name__ == "__main__":  # pragma: no cover
     main()
