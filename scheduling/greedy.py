@@ -40,7 +40,7 @@ def take_earliest(loads: Sequence[float], costs: Sequence[float], m: int) -> lis
     if m <= 0:
         return [0] * n
     level = water_level(loads, [1.0 / b for b in costs], float(m))
-    counts = [max(0, math.floor((level - l) / b)) for l, b in zip(loads, costs, strict=True)]
+    counts = [max(0, math.floor((level - ld) / b)) for ld, b in zip(loads, costs, strict=True)]
     excess = sum(counts) - m
     if excess > 0:  # rounding put the level a hair too high: drop the latest finishes
         late = [(-(loads[u] + counts[u] * costs[u]), u) for u in range(n) if counts[u] > 0]
@@ -88,7 +88,7 @@ def greedy_counts(
                 loads[u] += k * costs[u]
                 used[u] = True
         per_class.append(counts)
-    span = max((l for l, is_used in zip(loads, used, strict=True) if is_used), default=0.0)
+    span = max((ld for ld, is_used in zip(loads, used, strict=True) if is_used), default=0.0)
     return per_class, span
 
 

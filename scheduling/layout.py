@@ -73,7 +73,9 @@ def check_shard_size(shard_size: int) -> None:
         raise ValueError(f"shard size must be a positive int number of bytes, got {shard_size!r}")
 
 
-def shard_classes(tensor_sizes: Sequence[int], shard_size: int, layout: str) -> list[tuple[int, int]]:
+def shard_classes(
+    tensor_sizes: Sequence[int], shard_size: int, layout: str
+) -> list[tuple[int, int]]:
     """Groups the shards by length.
 
     Returns:
@@ -127,5 +129,7 @@ def candidate_shard_sizes(
         if s < floor_s:
             break
         sizes.add(s)
+        if s == 1:  # every larger k gives s = 1 too; without this stop the loop never ends
+            break
         k = k + 1 if k < _DENSE_SHARD_COUNTS else max(k + 1, int(k * _GEOMETRIC_STEP))
     return sorted(sizes)

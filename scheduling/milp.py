@@ -28,15 +28,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pulp
-
-from chaos.errors import SolverError
 from chaos.scheduling.bounds import shard_lower_bound
 from chaos.scheduling.greedy import greedy_counts, realize
 from chaos.scheduling.layout import candidate_shard_sizes, cut_shards, shard_classes
 from chaos.scheduling.model import Neighbor, makespan
 
-BINARY_FORM_LIMIT = 100
-"""Largest |U| * K for which the paper's binary form is used instead of the count form."""
+from chaos.errors import SolverError
+
+BINARY_FORM_LIMIT = 40
+"""Largest |U| * K for which the paper's binary form is tried first. Equal shards make the binary
+form highly symmetric, and CBC then fails to prove optimality within 10 s on some instances with
+as few as 75 binaries; when the binary form is not proven, the count form re-solves it."""
 
 DEFAULT_TIME_LIMIT_S = 10.0
 """Time limit of one CBC solve. Raise it for large per-tensor instances."""
@@ -79,7 +81,10 @@ def _count_form(
     theta = pulp.LpVariable("theta", lowBound=0)
     prob += theta
     n = [
-        [pulp.LpVariable(f"n_{u}_{i}", lowBound=0, upBound=k, cat="Integer") for u in range(len(neighbors))]
+        [
+            pulp.LpVariable(f"n_{u}_{i}", lowBound=0, upBound=k, cat="Integer")
+            for u in range(len(neighbors))
+        ]
         for i, (_, k) in enumerate(classes)
     ]
     z = [pulp.LpVariable(f"z_{u}", cat="Binary") for u in range(len(neighbors))]
@@ -102,7 +107,10 @@ def _binary_form(
     prob = pulp.LpProblem("p3_binary", pulp.LpMinimize)
     theta = pulp.LpVariable("theta", lowBound=0)
     prob += theta
-    x = [[pulp.LpVariable(f"x_{u}_{j}", cat="Binary") for j in range(len(shards))] for u in range(len(neighbors))]
+    x = [
+        [pulp.LpVariable(f"x_{u}_{j}", cat="Binary") for j in range(len(shards))]
+        for u in range(len(neighbors))
+    ]
     z = [pulp.LpVariable(f"z_{u}", cat="Binary") for u in range(len(neighbors))]
     for j in range(len(shards)):
         prob += pulp.lpSum(x[u][j] for u in range(len(neighbors))) == 1
@@ -135,14 +143,16 @@ def solve_fixed(
         SolverError: CBC failed to find any solution.
     """
     shards = cut_shards(tensor_sizes, shard_size, layout)
+    proven = False
+    form = ""
     if len(shards) * len(neighbors) <= BINARY_FORM_LIMIT:
         assignment, proven = _binary_form(shards, neighbors, per_shard_cost_s, time_limit_s)
         form = "binary"
-    else:
+    if not proven:  # large, or the binary form hit its time limit (shard symmetry)
         classes = shard_classes(tensor_sizes, shard_size, layout)
         counts, proven = _count_form(classes, neighbors, per_shard_cost_s, time_limit_s)
         assignment = realize(shards, classes, counts, neighbors)
-        form = "count"
+        form = "binary+count" if form else "count"
     span = makespan(assignment, neighbors, per_shard_cost_s)
     return MilpResult(shard_size, span, assignment, proven, form)
 
@@ -188,7 +198,8 @@ def milp_search(
     t0 = time.perf_counter()
     cands = candidate_shard_sizes(tensor_sizes, layout, min_shard_bytes)
     bounds = sorted(
-        (_equal_shard_bound(tensor_sizes, neighbors, per_shard_cost_s, layout, s), -s) for s in cands
+        (_equal_shard_bound(tensor_sizes, neighbors, per_shard_cost_s, layout, s), -s)
+        for s in cands
     )
     best: MilpResult | None = None
     all_proven = True

@@ -1,12 +1,12 @@
-"""The time model of multi-neighbour state replication (paper section III, eq. 1, plus a per-shard cost).
+"""The time model of multi-neighbour state replication (paper section III, eq. 1, plus c).
 
 A neighbour ``u`` that sends ``n_u`` shards holding ``bytes_u`` bytes in total finishes at::
 
     t_u = prop_u + sync_u + bytes_u * trans_u + n_u * c        (n_u > 0)
     t_u = 0                                                    (n_u = 0: u sends nothing)
 
-where ``prop_u`` is the propagation delay, ``sync_u`` (the paper's tau_u^sync) is when ``u`` finishes
-its current allreduce, ``trans_u`` is seconds per byte, and ``c`` is a fixed per-shard cost
+where ``prop_u`` is the propagation delay, ``sync_u`` (the paper's tau_u^sync) is when ``u``
+finishes its current allreduce, ``trans_u`` is seconds per byte, and ``c`` is a fixed per-shard cost
 (message overhead). With equal shards of ``s`` bytes this is the paper's eq. (1) plus ``n_u * c``.
 The plan's makespan (the paper's theta) is the largest ``t_u``.
 

@@ -66,8 +66,11 @@ def make_instances(count: int, seed: int, models: Sequence[str]) -> list[Instanc
     rng = random.Random(seed)
     sizes = {m: list(state_tensor_sizes(m)) for m in models}
     return [
-        Instance(models[i % len(models)], sizes[models[i % len(models)]],
-                 random_neighbors(rng, rng.randint(2, 16)))
+        Instance(
+            models[i % len(models)],
+            sizes[models[i % len(models)]],
+            random_neighbors(rng, rng.randint(2, 16)),
+        )
         for i in range(count)
     ]
 
@@ -95,8 +98,13 @@ def run_instances(
         }
         for label, method, layout in METHODS:
             plan = plan_replication(
-                inst.tensor_sizes, inst.neighbors, c, layout, method,
-                time_limit_s=milp_time_limit_s, total_time_limit_s=6 * milp_time_limit_s,
+                inst.tensor_sizes,
+                inst.neighbors,
+                c,
+                layout,
+                method,
+                time_limit_s=milp_time_limit_s,
+                total_time_limit_s=6 * milp_time_limit_s,
             )
             rec["methods"][label] = {
                 "makespan_s": plan.makespan_s,
@@ -170,18 +178,44 @@ def print_table(result: dict[str, Any]) -> None:
 @click.command("assign")
 @click.option("--instances", type=click.IntRange(min=1), default=200, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
-              default=None, help="Write the results as JSON to this file.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
-              default=None, help="Draw a Fig. 16-style PNG to this file.")
-@click.option("--per-shard-cost", "c", type=click.FloatRange(min=0.0), default=DEFAULT_PER_SHARD_COST_S,
-              show_default=True, help="Per-shard cost c in seconds (measure: chaos-bench shard-cost).")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Write the results as JSON to this file.",
+)
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Draw a Fig. 16-style PNG to this file.",
+)
+@click.option(
+    "--per-shard-cost",
+    "c",
+    type=click.FloatRange(min=0.0),
+    default=DEFAULT_PER_SHARD_COST_S,
+    show_default=True,
+    help="Per-shard cost c in seconds (measure: chaos-bench shard-cost).",
+)
 @click.option("--models", default=None, help="Comma-separated model names (default: all).")
-@click.option("--milp-time-limit", type=click.FloatRange(min=0.1), default=10.0, show_default=True,
-              help="CBC time limit per solve, seconds.")
+@click.option(
+    "--milp-time-limit",
+    type=click.FloatRange(min=0.1),
+    default=10.0,
+    show_default=True,
+    help="CBC time limit per solve, seconds.",
+)
 def assign_command(
-    instances: int, seed: int, json_path: Path | None, plot_path: Path | None, c: float,
-    models: str | None, milp_time_limit: float,
+    instances: int,
+    seed: int,
+    json_path: Path | None,
+    plot_path: Path | None,
+    c: float,
+    models: str | None,
+    milp_time_limit: float,
 ) -> None:
     """Shard-assignment quality vs the MILP optimum, and planning time (Fig. 16)."""
     from chaos.models import MODEL_NAMES

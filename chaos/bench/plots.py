@@ -16,8 +16,12 @@ def plot_assign(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     records = [r for r in result["records"] if r["methods"]["milp"]["proven_optimal"]]
-    models = sorted({r["model"] for r in records}, key=lambda m: [r["model"] for r in records].index(m))
-    ratios: dict[str, dict[str, list[float]]] = {lab: {m: [] for m in models} for lab in PLOT_LABELS}
+    models = sorted(
+        {r["model"] for r in records}, key=lambda m: [r["model"] for r in records].index(m)
+    )
+    ratios: dict[str, dict[str, list[float]]] = {
+        lab: {m: [] for m in models} for lab in PLOT_LABELS
+    }
     for r in records:
         opt = r["methods"]["milp"]["makespan_s"]
         for lab in PLOT_LABELS:

@@ -117,8 +117,10 @@ def shard_cost_command(payload_mb: float, repeats: int, json_path: Path | None) 
     print(f"{'messages':>10}{'median':>12}")
     for n, t in res["median_s_by_messages"].items():
         print(f"{n:>10}{t * 1e3:>10.2f}ms")
-    print(f"per-shard cost c = {res['per_shard_cost_s'] * 1e6:.1f} us "
-          f"(one-message throughput {res['throughput_bps_one_message'] / 1e9:.2f} Gbit/s)")
+    print(
+        f"per-shard cost c = {res['per_shard_cost_s'] * 1e6:.1f} us "
+        f"(one-message throughput {res['throughput_bps_one_message'] / 1e9:.2f} Gbit/s)"
+    )
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(res, indent=1))
