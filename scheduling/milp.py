@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,8 +63,12 @@ def _solve(prob: pulp.LpProblem, time_limit_s: float) -> bool:
     Raises:
         SolverError: CBC found no feasible solution.
     """
-    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=0.0, gapAbs=0.0)
-    prob.solve(solver)
+    with warnings.catch_warnings():
+        # PuLP 3.x deprecates its bundled CBC in favour of `pulp[cbc]`; the bundled binary is what
+        # works offline, and pyproject pins pulp < 4, which still ships it.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=0.0, gapAbs=0.0)
+        prob.solve(solver)
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         raise SolverError(f"CBC found no feasible solution (sol_status={prob.sol_status})")
     return bool(prob.sol_status == pulp.LpSolutionOptimal)
@@ -78,16 +83,16 @@ def _count_form(
     classes: Sequence[tuple[int, int]], neighbors: Sequence[Neighbor], c: float, limit_s: float
 ) -> tuple[list[list[int]], bool]:
     prob = pulp.LpProblem("p3_counts", pulp.LpMinimize)
-    theta = pulp.LpVariable("theta", lowBound=0)
+    theta = prob.add_variable("theta", lowBound=0)
     prob += theta
     n = [
         [
-            pulp.LpVariable(f"n_{u}_{i}", lowBound=0, upBound=k, cat="Integer")
+            prob.add_variable(f"n_{u}_{i}", lowBound=0, upBound=k, cat="Integer")
             for u in range(len(neighbors))
         ]
         for i, (_, k) in enumerate(classes)
     ]
-    z = [pulp.LpVariable(f"z_{u}", cat="Binary") for u in range(len(neighbors))]
+    z = [prob.add_variable(f"z_{u}", cat="Binary") for u in range(len(neighbors))]
     for i, (_, k) in enumerate(classes):
         prob += pulp.lpSum(n[i]) == k
         for u in range(len(neighbors)):
@@ -105,13 +110,13 @@ def _binary_form(
     shards: Sequence[tuple[int, int]], neighbors: Sequence[Neighbor], c: float, limit_s: float
 ) -> tuple[dict[str, list[tuple[int, int]]], bool]:
     prob = pulp.LpProblem("p3_binary", pulp.LpMinimize)
-    theta = pulp.LpVariable("theta", lowBound=0)
+    theta = prob.add_variable("theta", lowBound=0)
     prob += theta
     x = [
-        [pulp.LpVariable(f"x_{u}_{j}", cat="Binary") for j in range(len(shards))]
+        [prob.add_variable(f"x_{u}_{j}", cat="Binary") for j in range(len(shards))]
         for u in range(len(neighbors))
     ]
-    z = [pulp.LpVariable(f"z_{u}", cat="Binary") for u in range(len(neighbors))]
+    z = [prob.add_variable(f"z_{u}", cat="Binary") for u in range(len(neighbors))]
     for j in range(len(shards)):
         prob += pulp.lpSum(x[u][j] for u in range(len(neighbors))) == 1
     for u, nb in enumerate(neighbors):
@@ -207,7 +212,11 @@ def milp_search(
     for bound, neg_s in bounds:
         if best is not None and bound >= best.makespan_s * (1 - 1e-12):
             break
-        if total_time_limit_s is not None and time.perf_counter() - t0 > total_time_limit_s:
+        if (  # the budget stops the scan, but only after one solve: running out is no failure
+            best is not None
+            and total_time_limit_s is not None
+            and time.perf_counter() - t0 > total_time_limit_s
+        ):
             all_proven = False
             break
         res = solve_fixed(tensor_sizes, neighbors, per_shard_cost_s, layout, -neg_s, time_limit_s)
