@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import operator
 import time
 from collections.abc import Sequence
 
@@ -21,6 +23,25 @@ from chaos.scheduling.search import (
 )
 
 METHODS = ("chaos", "scan", "milp", "even", "single-source")
+
+
+def _as_sizes(tensor_sizes: Sequence[int]) -> list[int]:
+    """Plain ``int`` sizes; integer types such as numpy's are accepted, bools and floats are not.
+
+    Raises:
+        ValueError: a size is not an integer.
+    """
+    out = []
+    for i, size in enumerate(tensor_sizes):
+        if isinstance(size, bool):
+            raise ValueError(f"tensor_sizes[{i}] must be an int number of bytes, got {size!r}")
+        try:
+            out.append(operator.index(size))
+        except TypeError:
+            raise ValueError(
+                f"tensor_sizes[{i}] must be an int number of bytes, got {size!r}"
+            ) from None
+    return out
 
 
 def plan_replication(
@@ -61,10 +82,19 @@ def plan_replication(
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
+    tensor_sizes = _as_sizes(tensor_sizes)
     total = validate_problem(tensor_sizes, neighbors, per_shard_cost_s, layout)
     check_shard_size(min_shard_bytes)
     if shard_size is not None:
         check_shard_size(shard_size)
+        if method not in ("chaos", "scan", "milp"):
+            raise ValueError(f"shard_size applies to chaos, scan and milp, not to {method!r}")
+    if not (isinstance(time_limit_s, (int, float)) and 0 < time_limit_s < math.inf):
+        raise ValueError(f"time_limit_s must be a positive finite number, got {time_limit_s!r}")
+    if total_time_limit_s is not None and not (
+        isinstance(total_time_limit_s, (int, float)) and 0 <= total_time_limit_s < math.inf
+    ):
+        raise ValueError(f"total_time_limit_s must be >= 0 and finite, got {total_time_limit_s!r}")
     t0 = time.perf_counter()
     proven: bool | None = None
     extra: dict[str, float] = {}
