@@ -18,8 +18,21 @@ def _run(args: list[str], timeout_s: float = 300.0) -> subprocess.CompletedProce
 def test_assign_writes_schema(tmp_path: Path) -> None:
     out = tmp_path / "assign.json"
     png = tmp_path / "assign.png"
-    proc = _run(["assign", "--instances", "3", "--seed", "7", "--models", "alexnet,gpt2-lora",
-                 "--json", str(out), "--plot", str(png)])
+    proc = _run(
+        [
+            "assign",
+            "--instances",
+            "3",
+            "--seed",
+            "7",
+            "--models",
+            "alexnet,gpt2-lora",
+            "--json",
+            str(out),
+            "--plot",
+            str(png),
+        ]
+    )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(out.read_text())
     assert data["instances"] == 3

@@ -1,0 +1,231 @@
+"""Loader of the Chaos native ops (``chaos._native``): a torch C++ extension built on first use.
+
+:func:`load` JIT-builds ``ops.cpp`` with :func:`torch.utils.cpp_extension.load` into a cache
+directory (default ``~/.cache/chaos/native/<torch>-<python>``), holding an exclusive file lock so
+that concurrent processes neither corrupt nor duplicate the build. Later calls (and later
+processes) reuse the cached library. Build ahead of time with ``python -m chaos._native build``.
+
+When the compiler or ninja is missing, or the build fails, :func:`load` warns once and returns
+``None``; :mod:`chaos.ops` then uses its pure-torch fallback.
+
+The CUDA kernels in ``cuda/`` are loaded by :func:`load_cuda` only when torch has CUDA and a GPU
+is present; see ``docs/native.md``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from chaos.errors import ChaosTimeout
+
+__all__ = ["BUILD_LOCK_TIMEOUT_S", "build", "default_build_dir", "load", "load_cuda"]
+
+log = logging.getLogger("chaos.native")
+
+#: How long a process waits for another process's build to finish. A cold build takes about
+#: 30-60 s; raise this on very slow machines.
+BUILD_LOCK_TIMEOUT_S = 600.0
+_LOCK_POLL_S = 0.2
+
+_SRC_DIR = Path(__file__).resolve().parent
+_EXT_NAME = "chaos_native_ops"
+_CUDA_EXT_NAME = "chaos_native_cuda"
+
+_lock = threading.Lock()
+_cache: dict[str, ModuleType | None] = {}
+
+
+def default_build_dir() -> Path:
+    """The cache directory for this torch and Python: ``~/.cache/chaos/native/<tag>``."""
+    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
+    return Path.home() / ".cache" / "chaos" / "native" / tag
+
+
+def _cpu_flags() -> list[str]:
+    """Compiler flags for the ISA extensions this CPU has (the cache is per machine)."""
+    flags = ["-O3", "-ffp-contract=off"]
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return flags
+    words = set(cpuinfo.split())
+    if {"avx2", "f16c"} <= words:
+        flags += ["-mavx2", "-mf16c"]
+    return flags
+
+
+class _BuildLock:
+    """An exclusive ``flock`` on ``<dir>/.chaos-build.lock``, acquired with a timeout."""
+
+    def __init__(self, directory: Path, timeout_s: float) -> None:
+        self.path = directory / ".chaos-build.lock"
+        self.timeout_s = timeout_s
+        self._fd = -1
+
+    def __enter__(self) -> _BuildLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + self.timeout_s
+        waited = False
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    os.close(self._fd)
+                    raise
+            if not waited:
+                log.info("chaos native: waiting for another process's build (%s)", self.path)
+                waited = True
+            if time.monotonic() >= deadline:
+                os.close(self._fd)
+                raise ChaosTimeout(
+                    f"native build lock {self.path} still held after {self.timeout_s:.0f} s"
+                )
+            time.sleep(_LOCK_POLL_S)  # polling a file lock held by another process
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+
+
+def _missing_toolchain() -> str | None:
+    """Why the extension cannot be built here, or None when the tools are present."""
+    from torch.utils.cpp_extension import get_cxx_compiler, verify_ninja_availability
+
+    cxx = get_cxx_compiler()  # the compiler torch's builder will use
+    if shutil.which(cxx) is None:
+        return f"C++ compiler {cxx!r} not found"
+    try:
+        verify_ninja_availability()
+    except RuntimeError:
+        return "ninja not found (pip install ninja)"
+    return None
+
+
+def build(
+    build_dir: Path | None = None,
+    *,
+    verbose: bool = False,
+    lock_timeout_s: float = BUILD_LOCK_TIMEOUT_S,
+) -> ModuleType:
+    """Build (or reuse the cached build of) the CPU extension and import it.
+
+    Args:
+        build_dir: Cache directory; defaults to :func:`default_build_dir`.
+        verbose: Show the compiler's output.
+        lock_timeout_s: How long to wait for a concurrent build by another process.
+
+    Returns:
+        The extension module, with ``reduce_into``, ``pack``, ``unpack`` and ``checksum``.
+
+    Raises:
+        RuntimeError: If the toolchain is missing or compilation fails.
+        ChaosTimeout: If another process holds the build lock for longer than the timeout.
+    """
+    reason = _missing_toolchain()
+    if reason is not None:
+        raise RuntimeError(f"cannot build chaos native ops: {reason}")
+    from torch.utils.cpp_extension import load as torch_load
+
+    directory = build_dir if build_dir is not None else default_build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    with _BuildLock(directory, lock_timeout_s):
+        started = time.monotonic()
+        log.info("chaos native: loading ops from %s (a first build compiles, ~30-60 s)", directory)
+        module = torch_load(
+            name=_EXT_NAME,
+            sources=[str(_SRC_DIR / "ops.cpp")],
+            extra_cflags=_cpu_flags(),
+            build_directory=str(directory),
+            verbose=verbose,
+        )
+        log.info("chaos native: ops ready in %.1f s", time.monotonic() - started)
+    return module
+
+
+def load(build_dir: Path | None = None) -> ModuleType | None:
+    """The CPU extension, building it on first use; None (after one warning) if it cannot be built.
+
+    Args:
+        build_dir: Cache directory; defaults to :func:`default_build_dir`.
+
+    Returns:
+        The extension module, or None when the toolchain is missing or the build failed.
+    """
+    key = f"cpu:{build_dir}"
+    with _lock:
+        if key in _cache:
+            return _cache[key]
+        module: ModuleType | None
+        try:
+            module = build(build_dir)
+        except (RuntimeError, OSError, ImportError, ChaosTimeout) as exc:
+            warnings.warn(
+                f"chaos native ops unavailable, using the torch fallback: {exc}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            module = None
+        _cache[key] = module
+        return module
+
+
+def load_cuda(build_dir: Path | None = None) -> ModuleType | None:
+    """The CUDA extension (``cuda_binding.cpp`` + ``cuda/*.cu``), or None without CUDA.
+
+    Used only when torch was built with CUDA and a GPU is visible; never on the CPU-only
+    machines this project is tested on (there the ``.cu`` files are only compiled by ``nvcc``).
+
+    Args:
+        build_dir: Cache directory; defaults to :func:`default_build_dir`.
+
+    Returns:
+        The module with ``reduce_into`` and ``checksum`` for CUDA tensors, or None.
+    """
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        return None
+    key = f"cuda:{build_dir}"
+    with _lock:
+        if key in _cache:
+            return _cache[key]
+        from torch.utils.cpp_extension import load as torch_load
+
+        directory = (build_dir if build_dir is not None else default_build_dir()) / "cuda"
+        directory.mkdir(parents=True, exist_ok=True)
+        module: ModuleType | None
+        try:
+            with _BuildLock(directory, BUILD_LOCK_TIMEOUT_S):
+                module = torch_load(
+                    name=_CUDA_EXT_NAME,
+                    sources=[
+                        str(_SRC_DIR / "cuda_binding.cpp"),
+                        str(_SRC_DIR / "cuda" / "reduce_into.cu"),
+                        str(_SRC_DIR / "cuda" / "checksum.cu"),
+                    ],
+                    extra_cflags=["-O3"],
+                    extra_cuda_cflags=["-O3", "--fmad=false"],
+                    build_directory=str(directory),
+                )
+        except (RuntimeError, OSError, ImportError, ChaosTimeout) as exc:
+            warnings.warn(
+                f"chaos CUDA ops unavailable, using torch on the GPU: {exc}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            module = None
+        _cache[key] = module
+        return module
