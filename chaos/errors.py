@@ -25,3 +25,53 @@ class ProtocolError(ChaosError):
 
 class SolverError(ChaosError):
     """A reference solver (MILP) failed to produce a usable solution."""
+
+
+class PeerFailure(ChaosError):
+    """A collective could not finish because a neighbour failed, timed out or was reported dead.
+
+    The caller's input tensor is untouched; the step can be rerun after the communicator's topology
+    has been updated (a new membership epoch).
+
+    Attributes:
+        peer: The node id that failed, as far as this node can tell (the neighbour that stopped
+            sending, or the peer named in an abort notice).
+        reported_by: The node that reported it (this node, or the neighbour whose abort notice
+            arrived).
+        timed_out: Whether this node saw a receive timeout (rather than a disconnect or a notice).
+    """
+
+    def __init__(
+        self, peer: str, reason: str, *, reported_by: str = "", timed_out: bool = False
+    ) -> None:
+        super().__init__(f"peer {peer!r} failed: {reason}")
+        self.peer = peer
+        self.reason = reason
+        self.reported_by = reported_by
+        self.timed_out = timed_out
+
+
+class PeerTimeout(PeerFailure, ChaosTimeout):
+    """A neighbour sent nothing (or took no frames) within the collective's timeout."""
+
+    def __init__(self, peer: str, reason: str, *, reported_by: str = "") -> None:
+        super().__init__(peer, reason, reported_by=reported_by, timed_out=True)
+
+
+class StateLayoutError(ChaosError, ValueError):
+    """A training-state stream has another layout (tensor names, shapes, dtypes, optimizer) than
+    the state it is meant for, or its header is malformed; nothing was loaded."""
+
+
+class ReplicationError(ChaosError):
+    """State replication to a joining node failed: no donor is left (all died or refused), or a
+    shard could not be fetched intact from any donor.
+
+    Attributes:
+        failed_donors: Donor id -> why it was dropped (a refusal reason code, ``"timeout"``,
+            ``"disconnected"``).
+    """
+
+    def __init__(self, message: str, failed_donors: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.failed_donors = dict(failed_donors or {})

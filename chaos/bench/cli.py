@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import click
 
+from chaos.bench.allreduce import allreduce_command
 from chaos.bench.assign import assign_command
+from chaos.bench.native import native_command
 from chaos.bench.shard_cost import shard_cost_command
 
 
@@ -16,8 +18,10 @@ def main() -> None:
     """Chaos benchmarks: each prints a table and writes JSON."""
 
 
+main.add_command(allreduce_command)
 main.add_command(assign_command)
 main.add_command(shard_cost_command)
+main.add_command(native_command)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

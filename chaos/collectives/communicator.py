@@ -1,0 +1,578 @@
+"""The data-plane communicator: neighbour sockets, framing, and the allreduce entry point.
+
+A :class:`Communicator` lives in the training process. It binds one ZeroMQ ROUTER socket on its
+data endpoint (everything addressed to this node arrives there) and keeps one DEALER socket per
+neighbour link of the current :class:`~chaos.collectives.topology.Topology` (everything this node
+sends to that neighbour leaves there). :meth:`Communicator.update_topology` edits that set in
+place: it opens sockets for new links and closes dead ones, and keeps the others.
+
+The algorithms (ring and pipelined tree) are in :mod:`chaos.collectives.algorithms`; this module
+owns the sockets, the receive loop with its timeout, stale-frame filtering and failure handling.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from chaos.collectives import algorithms
+from chaos.collectives.frames import WIRE_DTYPES, Header, Op, decode_header, encode_header
+from chaos.collectives.topology import Topology
+from chaos.errors import PeerFailure, PeerTimeout, ProtocolError
+
+ReduceOp = Literal["sum", "mean"]
+
+_WIRE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+               "float64": torch.float64}  # fmt: skip
+_MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+_MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
+_NOBLOCK = int(zmq.NOBLOCK)
+
+
+@dataclass(frozen=True)
+class CommunicatorConfig:
+    """Settings of one node's :class:`Communicator`.
+
+    Args:
+        node_id: This node's id, as it appears in topologies.
+        listen: The data endpoint to bind (``tcp://HOST:PORT``; port ``*`` picks a free one, see
+            :attr:`Communicator.address`).
+        chunk_bytes: Wire bytes per frame. Smaller chunks pipeline deeper (tree stages overlap
+            more, ring reduce and send overlap) but cost a fixed per-frame overhead; tune it up
+            on fast links, down on slow deep trees.
+        timeout_s: Default progress timeout of a collective: the longest wait for the next frame
+            (or for the last sends to leave) before the neighbour is declared failed.
+        wire_dtype: Default wire format: ``None`` sends in the accumulation dtype (float32 for
+            half inputs); ``"float16"``/``"bfloat16"`` halve the bytes, accumulating in float32.
+        sndhwm: Per-link send queue limit in frames (0: unlimited).
+        sock_buf_bytes: Kernel socket buffer size (SO_SNDBUF/SO_RCVBUF) of every link; 0 keeps
+            the OS default. Raise it on links with a large bandwidth-delay product.
+        io_threads: ZeroMQ I/O threads of the context; more help only with many fast links.
+        max_early_frames: Frames of a future (epoch, step) kept until their allreduce starts;
+            beyond this they are dropped and counted.
+        poll_slice_s: Longest single poll, so that a peer reported dead from another thread
+            (:meth:`Communicator.report_dead`) is noticed within this time.
+
+    Raises:
+        ValueError: an empty node id, a non-positive size or timeout, or an unknown wire dtype.
+    """
+
+    node_id: str
+    listen: str = "tcp://127.0.0.1:*"
+    chunk_bytes: int = 1 << 20
+    timeout_s: float = 30.0
+    wire_dtype: str | None = None
+    sndhwm: int = 0
+    sock_buf_bytes: int = 0
+    io_threads: int = 1
+    max_early_frames: int = 4096
+    poll_slice_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not self.node_id:
+            raise ValueError("node_id must not be empty")
+        if not self.listen.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"listen must be a ZeroMQ endpoint, not {self.listen!r}")
+        if self.chunk_bytes < 64:
+            raise ValueError("chunk_bytes must be >= 64")
+        for name in ("timeout_s", "poll_slice_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.wire_dtype is not None and self.wire_dtype not in _WIRE_NAMES:
+            raise ValueError(f"wire_dtype must be one of {sorted(_WIRE_NAMES)} or None")
+        for name in ("sndhwm", "sock_buf_bytes", "max_early_frames"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.io_threads < 1:
+            raise ValueError("io_threads must be >= 1")
+
+
+@dataclass
+class CollectiveStats:
+    """Counters of one communicator (monotonic, for metrics and tests)."""
+
+    allreduces: int = 0
+    failures: int = 0
+    frames_received: int = 0
+    dropped_stale: int = 0
+    """Frames of an older (epoch, step) than the running or last allreduce: dropped unread."""
+    dropped_malformed: int = 0
+    dropped_unknown_peer: int = 0
+    dropped_early_overflow: int = 0
+    early_buffered: int = 0
+
+
+@dataclass
+class _Link:
+    peer: str
+    address: str
+    socket: zmq.Socket
+    monitor: zmq.Socket
+    connected: bool = False
+    lost: bool = False
+
+
+@dataclass
+class _Frame:
+    peer: str
+    header: Header
+    raw_header: zmq.Frame
+    payload: zmq.Frame
+
+
+@dataclass
+class _Fault:
+    step: int
+    after_frames: int
+    sent: int = field(default=0)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0 = a.untyped_storage().data_ptr()
+    b0 = b.untyped_storage().data_ptr()
+    return a0 == b0 or (a.numel() > 0 and b.numel() > 0 and a0 < b0 + b.untyped_storage().nbytes()
+                        and b0 < a0 + a.untyped_storage().nbytes())  # fmt: skip
+
+
+class Communicator:
+    """One node's end of the data plane.
+
+    Not thread-safe: one thread calls :meth:`allreduce` and :meth:`update_topology`; only
+    :meth:`report_dead` may be called from other threads.
+
+    Args:
+        config: The settings.
+        topology: The initial topology (may be given later with :meth:`update_topology`).
+
+    Raises:
+        zmq.ZMQError: the listen endpoint cannot be bound.
+        ValueError: see :meth:`update_topology`.
+    """
+
+    def __init__(self, config: CommunicatorConfig, topology: Topology | None = None) -> None:
+        self.config = config
+        self.node_id = config.node_id
+        self.stats = CollectiveStats()
+        self._ctx = zmq.Context(config.io_threads)
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer takes over its id
+        self._router.setsockopt(zmq.RCVHWM, config.sndhwm)
+        if config.sock_buf_bytes:
+            self._router.setsockopt(zmq.RCVBUF, config.sock_buf_bytes)
+        self._router.bind(config.listen)
+        self.address: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._links: dict[str, _Link] = {}
+        self._poller = zmq.Poller()
+        self._poller.register(self._router, zmq.POLLIN)
+        self._topology: Topology | None = None
+        self._last_key: tuple[int, int] = (-1, -1)
+        self._failed_step: int | None = None
+        self._early: deque[_Frame] = deque()
+        self._ready: deque[_Frame] = deque()
+        self._dead: set[str] = set()
+        self._dead_lock = threading.Lock()
+        self._fault: _Fault | None = None
+        self._wire_cache: dict[torch.dtype, torch.Tensor] = {}
+        self._closed = False
+        if topology is not None:
+            self.update_topology(topology)
+
+    # ------------------------------------------------------------------ topology
+
+    @property
+    def topology(self) -> Topology | None:
+        """The current topology (``None`` before the first :meth:`update_topology`)."""
+        return self._topology
+
+    def link_socket(self, peer: str) -> zmq.Socket | None:
+        """The DEALER socket of the link to ``peer``, or ``None`` (for inspection and tests)."""
+        link = self._links.get(peer)
+        return None if link is None else link.socket
+
+    def update_topology(self, topology: Topology) -> None:
+        """Switches to a new topology, editing the links in place.
+
+        Links to neighbours that stay (same peer, same address) keep their socket; links that are
+        gone are closed; new links are opened. Frames of older epochs still queued are dropped.
+        Dead-peer reports are cleared: the new epoch is authoritative.
+
+        Args:
+            topology: The new topology; this node must be a member.
+
+        Raises:
+            ValueError: this node is not a member, the epoch went backwards, or the same epoch
+                came with a different structure.
+        """
+        self._check_open()
+        if self.node_id not in topology.addresses:
+            raise ValueError(f"{self.node_id!r} is not a member of the topology")
+        old = self._topology
+        if old is not None:
+            if topology.epoch < old.epoch:
+                raise ValueError(f"epoch went backwards: {old.epoch} -> {topology.epoch}")
+            if topology.epoch == old.epoch and topology != old:
+                raise ValueError(f"epoch {old.epoch} reissued with a different topology")
+        wanted = {p: topology.addresses[p] for p in topology.neighbours(self.node_id)}
+        for peer in [p for p, link in self._links.items() if wanted.get(p) != link.address]:
+            self._close_link(self._links.pop(peer))
+        for peer, address in sorted(wanted.items()):
+            if peer not in self._links:
+                self._links[peer] = self._open_link(peer, address)
+        self._topology = topology
+        with self._dead_lock:
+            self._dead.clear()
+        kept = deque(f for f in self._early if f.header.epoch >= topology.epoch)
+        self.stats.dropped_stale += len(self._early) - len(kept)
+        self._early = kept
+
+    def _open_link(self, peer: str, address: str) -> _Link:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.ROUTING_ID, self.node_id.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self.config.sndhwm)
+        if self.config.sock_buf_bytes:
+            sock.setsockopt(zmq.SNDBUF, self.config.sock_buf_bytes)
+        monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
+        sock.connect(address)
+        self._poller.register(monitor, zmq.POLLIN)
+        return _Link(peer, address, sock, monitor)
+
+    def _close_link(self, link: _Link) -> None:
+        self._poller.unregister(link.monitor)
+        link.socket.disable_monitor()
+        link.monitor.close(linger=0)
+        link.socket.close(linger=0)
+
+    def report_dead(self, peer: str) -> None:
+        """Marks a peer dead (e.g. on the daemon's notice); thread-safe.
+
+        A running or later allreduce that needs this peer raises :class:`PeerFailure` (within
+        ``poll_slice_s`` for a running one), until the next :meth:`update_topology`.
+        """
+        with self._dead_lock:
+            self._dead.add(peer)
+
+    def fail_at(self, step: int, after_frames: int = 0) -> None:
+        """Fault injection by name: exit this process abruptly in the middle of an allreduce.
+
+        The process calls ``os._exit(70)`` during the allreduce of ``step``, once it has sent
+        ``after_frames`` data frames of it, as a ``kill -9`` would stop it (no cleanup, sockets
+        torn down by the kernel). For tests and emulation only.
+
+        Raises:
+            ValueError: a negative step or frame count.
+        """
+        if step < 0 or after_frames < 0:
+            raise ValueError("step and after_frames must be >= 0")
+        self._fault = _Fault(step, after_frames)
+
+    # ------------------------------------------------------------------ allreduce
+
+    def allreduce(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp = "mean",
+        *,
+        timeout_s: float | None = None,
+        out: torch.Tensor | None = None,
+        wire_dtype: str | None = None,
+        step: int | None = None,
+    ) -> torch.Tensor:
+        """Allreduces ``tensor`` over the current topology's members.
+
+        The input is never modified: the reduction runs in a separate buffer and the result is
+        returned (or copied into ``out`` once complete). Every member ends with a bitwise
+        identical result.
+
+        Args:
+            tensor: A float32/float64/float16/bfloat16 CPU tensor, same shape on every member.
+            op: ``"sum"`` or ``"mean"`` (divides by the member count).
+            timeout_s: Progress timeout (see :attr:`CommunicatorConfig.timeout_s`).
+            out: Optional output of the same shape and dtype as ``tensor`` (may be ``tensor``
+                itself, which is then written only on success).
+            wire_dtype: Overrides :attr:`CommunicatorConfig.wire_dtype` for this call; must be
+                the same on every member.
+            step: The training step; ``(epoch, step)`` must increase from call to call. Default:
+                the last step + 1, or the failed step again after a failure (which needs a new
+                epoch from :meth:`update_topology`).
+
+        Returns:
+            The reduced tensor (``out`` when given).
+
+        Raises:
+            PeerFailure: a neighbour died, was reported dead or sent an abort notice.
+            PeerTimeout: a neighbour sent nothing within the timeout (a :class:`PeerFailure`).
+            ProtocolError: a neighbour's frames disagree with this call (size, dtype).
+            ValueError, TypeError: bad arguments, no topology, or a non-increasing (epoch, step).
+        """
+        self._check_open()
+        topo = self._require_topology()
+        timeout = self.config.timeout_s if timeout_s is None else float(timeout_s)
+        if not timeout > 0:
+            raise ValueError("timeout_s must be > 0")
+        acc_dtype, wire = self._check_tensors(tensor, op, out, wire_dtype)
+        key = self._next_key(topo, step)
+        self._last_key = key
+        self.stats.allreduces += 1
+        src = tensor.detach().reshape(-1)
+        acc = self._result_buffer(tensor, out, acc_dtype)
+        buf = None if wire == acc_dtype else self._wire_buffer(wire, src.numel())
+        run = algorithms.Round(self, topo, key, src, acc, buf, op, timeout)
+        self._start_round(key)
+        try:
+            run.execute()
+        except (PeerFailure, ProtocolError) as exc:
+            self.stats.failures += 1
+            self._failed_step = key[1]
+            self._send_abort(key, exc)
+            raise
+        self._failed_step = None
+        result = acc.view(tensor.shape)
+        if out is None:
+            return result if result.dtype == tensor.dtype else result.to(tensor.dtype)
+        if result.data_ptr() != out.data_ptr():
+            out.copy_(result)
+        return out
+
+    def _result_buffer(
+        self, tensor: torch.Tensor, out: torch.Tensor | None, acc_dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``out`` itself when it can accumulate (right dtype, contiguous, not the input)."""
+        if (
+            out is not None
+            and out.dtype == acc_dtype
+            and out.is_contiguous()
+            and not _overlaps(out, tensor)
+        ):
+            return out.view(-1)
+        return torch.empty(tensor.numel(), dtype=acc_dtype)
+
+    def _wire_buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A reused wire-format buffer: every send from it has left when a round ends."""
+        buf = self._wire_cache.get(dtype)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype)
+            self._wire_cache[dtype] = buf
+        return buf[:numel]
+
+    def _require_topology(self) -> Topology:
+        if self._topology is None:
+            raise ValueError("no topology yet: call update_topology() first")
+        return self._topology
+
+    def _check_tensors(
+        self, tensor: torch.Tensor, op: str, out: torch.Tensor | None, wire_dtype: str | None
+    ) -> tuple[torch.dtype, torch.dtype]:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"allreduce takes a torch.Tensor, not {type(tensor).__name__}")
+        if tensor.dtype not in WIRE_DTYPES or tensor.device.type != "cpu":
+            raise TypeError(f"allreduce supports float CPU tensors, not {tensor.dtype}")
+        if op not in ("sum", "mean"):
+            raise ValueError(f"op must be 'sum' or 'mean', not {op!r}")
+        if out is not None and (out.shape != tensor.shape or out.dtype != tensor.dtype):
+            raise ValueError("out must have the input's shape and dtype")
+        acc = torch.float64 if tensor.dtype == torch.float64 else torch.float32
+        name = wire_dtype if wire_dtype is not None else self.config.wire_dtype
+        if name is None:
+            return acc, acc
+        if name not in _WIRE_NAMES:
+            raise ValueError(f"wire_dtype must be one of {sorted(_WIRE_NAMES)} or None")
+        return acc, _WIRE_NAMES[name]
+
+    def _next_key(self, topo: Topology, step: int | None) -> tuple[int, int]:
+        if step is None:
+            last = self._last_key[1]
+            step = self._failed_step if self._failed_step is not None else last + 1
+        if step < 0:
+            raise ValueError("step must be >= 0")
+        key = (topo.epoch, step)
+        if key <= self._last_key:
+            raise ValueError(
+                f"(epoch, step) {key} does not follow {self._last_key}: after a failure, call "
+                "update_topology() with a new epoch before rerunning the step"
+            )
+        return key
+
+    def _start_round(self, key: tuple[int, int]) -> None:
+        self._ready.clear()
+        later: deque[_Frame] = deque()
+        for f in self._early:
+            k = f.header.key
+            if k == key:
+                self._ready.append(f)
+            elif k < key:
+                self.stats.dropped_stale += 1
+            else:
+                later.append(f)
+        self._early = later
+
+    # ------------------------------------------------------------------ sending
+
+    def send(
+        self,
+        peer: str,
+        header: bytes | zmq.Frame,
+        payload: zmq.Frame | memoryview,
+        *,
+        track: bool = False,
+    ) -> zmq.MessageTracker | None:
+        """Sends one frame (header, payload) zero-copy to a neighbour. Used by the algorithms.
+
+        Raises:
+            PeerTimeout: the link's queue stayed full for the whole timeout.
+            PeerFailure: no link to ``peer``.
+        """
+        link = self._links.get(peer)
+        if link is None:
+            raise PeerFailure(peer, "no link to this peer in the current topology")
+        try:
+            link.socket.send(header, _MORE_NOBLOCK, copy=True)
+            tracker = link.socket.send(payload, _NOBLOCK, copy=False, track=track)
+        except zmq.Again:
+            raise PeerTimeout(peer, "send queue full") from None
+        if self._fault is not None:
+            self._count_fault()
+        return tracker if track else None
+
+    def _count_fault(self) -> None:
+        fault = self._fault
+        if fault is None or self._last_key[1] != fault.step:
+            return
+        fault.sent += 1
+        if fault.sent > fault.after_frames:
+            os._exit(70)
+
+    def _send_abort(self, key: tuple[int, int], exc: Exception) -> None:
+        failed = exc.peer if isinstance(exc, PeerFailure) else self.node_id
+        header = encode_header(Op.ABORT, torch.float32, 0, key[0], key[1], 0, 0)
+        for link in self._links.values():
+            try:
+                link.socket.send(header, zmq.SNDMORE | zmq.NOBLOCK)
+                link.socket.send(failed.encode(), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                continue  # best effort: the neighbour will time out instead
+
+    # ------------------------------------------------------------------ receiving
+
+    def recv(
+        self, key: tuple[int, int], timeout_s: float, waiting_for: str | Callable[[], str]
+    ) -> _Frame:
+        """The next frame of ``key`` from a neighbour. Used by the algorithms.
+
+        Frames of older keys are dropped and counted; frames of newer keys are kept for their
+        allreduce; frames from non-neighbours or malformed frames are dropped and counted.
+
+        Args:
+            key: The running allreduce's (epoch, step).
+            timeout_s: Longest wait for this frame.
+            waiting_for: The neighbour blamed if nothing comes (or a function naming it).
+
+        Raises:
+            PeerFailure: a neighbour's connection dropped, was reported dead, or sent an abort.
+            PeerTimeout: nothing arrived within ``timeout_s``.
+        """
+        if self._ready:
+            return self._ready.popleft()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                parts = self._router.recv_multipart(_NOBLOCK, copy=False)
+            except zmq.Again:
+                self._wait(deadline, waiting_for)
+                continue
+            frame = self._classify(parts, key)
+            if frame is not None:
+                return frame
+
+    def _wait(self, deadline: float, waiting_for: str | Callable[[], str]) -> None:
+        self._check_dead()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            peer = waiting_for if isinstance(waiting_for, str) else waiting_for()
+            raise PeerTimeout(peer, "no frame within the timeout", reported_by=self.node_id)
+        events = dict(self._poller.poll(max(1, int(min(left, self.config.poll_slice_s) * 1000))))
+        for link in self._links.values():
+            if link.monitor in events:
+                self._drain_monitor(link)
+        self._check_dead()
+
+    def _drain_monitor(self, link: _Link) -> None:
+        while link.monitor.poll(0):
+            event = recv_monitor_message(link.monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                link.connected, link.lost = True, False
+            elif event == zmq.EVENT_DISCONNECTED and link.connected:
+                link.lost = True
+
+    def _check_dead(self) -> None:
+        with self._dead_lock:
+            dead = sorted(self._dead & self._links.keys())
+        if dead:
+            raise PeerFailure(dead[0], "reported dead", reported_by=self.node_id)
+        for link in self._links.values():
+            if link.lost:
+                raise PeerFailure(link.peer, "connection lost", reported_by=self.node_id)
+
+    def _classify(self, parts: list[zmq.Frame], key: tuple[int, int]) -> _Frame | None:
+        self.stats.frames_received += 1
+        if len(parts) != 3:
+            self.stats.dropped_malformed += 1
+            return None
+        try:
+            peer = parts[0].bytes.decode()
+            header = decode_header(parts[1].buffer)
+        except (ProtocolError, UnicodeDecodeError):
+            self.stats.dropped_malformed += 1
+            return None
+        k = header.key
+        if k < key:
+            self.stats.dropped_stale += 1
+            return None
+        frame = _Frame(peer, header, parts[1], parts[2])
+        if k > key:
+            if len(self._early) >= self.config.max_early_frames:
+                self.stats.dropped_early_overflow += 1
+            else:
+                self.stats.early_buffered += 1
+                self._early.append(frame)
+            return None
+        if peer not in self._links:
+            self.stats.dropped_unknown_peer += 1
+            return None
+        if header.op == Op.ABORT:
+            failed = parts[2].bytes.decode(errors="replace")[:64] or peer
+            raise PeerFailure(failed, "aborted by a neighbour", reported_by=peer)
+        return frame
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("communicator is closed")
+
+    def close(self) -> None:
+        """Closes every socket and the context. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for link in self._links.values():
+            self._close_link(link)
+        self._links.clear()
+        self._router.close(linger=0)
+        self._ctx.term()
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,169 @@
+"""The reduction structure a :class:`~chaos.collectives.Communicator` runs on.
+
+A :class:`Topology` is the data plane's view of the sync policy: which members take part, whether
+they reduce around a ring or up and down a tree, the membership epoch it belongs to, and the
+address of every member's data endpoint. It is immutable and validated on construction.
+
+:func:`topology_from_sync_policy` converts the pure scheduler's
+:class:`chaos.scheduling.sync_policy.SyncPolicy` into one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # chaos.scheduling pulls in networkx; the converter only reads attributes
+    from chaos.scheduling.sync_policy import SyncPolicy
+
+Kind = Literal["ring", "tree"]
+
+
+@dataclass(frozen=True)
+class Topology:
+    """One reduction structure over overlay links, at one membership epoch.
+
+    Args:
+        kind: ``"ring"`` (reduce-scatter then allgather around ``ring_order``) or ``"tree"``
+            (pipelined reduce up to the root, broadcast down, along ``parent``).
+        members: The member node ids (any order; stored sorted).
+        addresses: Each member's data endpoint, ``tcp://HOST:PORT``.
+        epoch: The membership epoch; every frame carries it, and frames of an older epoch are
+            dropped.
+        ring_order: For a ring: every member once, in ring order (a member sends to the next).
+        parent: For a tree: each member's parent, ``None`` for the (single) root.
+
+    Raises:
+        ValueError: empty or duplicate members, a missing address, a negative epoch, a ring order
+            that is not a permutation of the members, or a parent map that is not one tree
+            spanning exactly the members.
+    """
+
+    kind: Kind
+    members: tuple[str, ...]
+    addresses: Mapping[str, str]
+    epoch: int
+    ring_order: tuple[str, ...] | None = None
+    parent: Mapping[str, str | None] | None = None
+    _children: Mapping[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("ring", "tree"):
+            raise ValueError(f"topology kind must be 'ring' or 'tree', not {self.kind!r}")
+        if not self.members:
+            raise ValueError("a topology needs at least one member")
+        if len(set(self.members)) != len(self.members):
+            raise ValueError("duplicate members")
+        if not isinstance(self.epoch, int) or self.epoch < 0:
+            raise ValueError(f"epoch must be an int >= 0, not {self.epoch!r}")
+        object.__setattr__(self, "members", tuple(sorted(self.members)))
+        missing = [m for m in self.members if not self.addresses.get(m)]
+        if missing:
+            raise ValueError(f"no data address for members {missing}")
+        object.__setattr__(
+            self, "addresses", MappingProxyType({m: self.addresses[m] for m in self.members})
+        )
+        children: dict[str, list[str]] = {m: [] for m in self.members}
+        if self.kind == "ring":
+            if self.ring_order is None or sorted(self.ring_order) != list(self.members):
+                raise ValueError("ring_order must list every member exactly once")
+            object.__setattr__(self, "ring_order", tuple(self.ring_order))
+            object.__setattr__(self, "parent", None)
+        else:
+            self._check_tree(children)
+            object.__setattr__(self, "ring_order", None)
+        object.__setattr__(
+            self, "_children", MappingProxyType({k: tuple(sorted(v)) for k, v in children.items()})
+        )
+
+    def _check_tree(self, children: dict[str, list[str]]) -> None:
+        parent = self.parent
+        if parent is None or set(parent) != set(self.members):
+            raise ValueError("parent must map every member (the root to None)")
+        roots = [m for m, p in parent.items() if p is None]
+        if len(roots) != 1:
+            raise ValueError(f"a tree needs exactly one root, found {len(roots)}")
+        for m, p in parent.items():
+            if p is not None:
+                if p not in children or p == m:
+                    raise ValueError(f"parent of {m!r} is {p!r}, not another member")
+                children[p].append(m)
+        seen = {roots[0]}
+        frontier = [roots[0]]
+        while frontier:
+            nxt = [c for f in frontier for c in children[f]]
+            seen.update(nxt)
+            frontier = nxt
+        if len(seen) != len(self.members):
+            raise ValueError("parent map has a cycle or does not span the members")
+        object.__setattr__(self, "parent", MappingProxyType(dict(parent)))
+
+    @property
+    def root(self) -> str | None:
+        """The tree's root (``None`` for a ring)."""
+        if self.parent is None:
+            return None
+        return next(m for m, p in self.parent.items() if p is None)
+
+    def children(self, node: str) -> tuple[str, ...]:
+        """The node's children in a tree, sorted (empty for a ring or a leaf)."""
+        return self._children[node]
+
+    def ring_neighbours(self, node: str) -> tuple[str, str]:
+        """Returns ``(left, right)``: the ring member ``node`` receives from and sends to.
+
+        Raises:
+            ValueError: not a ring, or ``node`` is not a member.
+        """
+        if self.ring_order is None or node not in self.ring_order:
+            raise ValueError(f"{node!r} is not on a ring of this topology")
+        i = self.ring_order.index(node)
+        n = len(self.ring_order)
+        return self.ring_order[(i - 1) % n], self.ring_order[(i + 1) % n]
+
+    def neighbours(self, node: str) -> frozenset[str]:
+        """The members ``node`` exchanges frames with (its overlay links in this structure).
+
+        Raises:
+            ValueError: ``node`` is not a member.
+        """
+        if node not in self.addresses:
+            raise ValueError(f"{node!r} is not a member of this topology")
+        if len(self.members) == 1:
+            return frozenset()
+        if self.kind == "ring":
+            return frozenset(self.ring_neighbours(node))
+        if self.parent is None:  # pragma: no cover - guaranteed by __post_init__
+            raise ValueError("tree without parents")
+        up = self.parent[node]
+        return frozenset(self.children(node)) | (frozenset() if up is None else frozenset([up]))
+
+
+def topology_from_sync_policy(
+    policy: SyncPolicy, addresses: Mapping[str, str], epoch: int
+) -> Topology:
+    """Converts the scheduler's sync policy into the data plane's topology.
+
+    Args:
+        policy: A :class:`chaos.scheduling.sync_policy.SyncPolicy`.
+        addresses: Data endpoint of every node of the policy.
+        epoch: The membership epoch the policy was issued in (the policy itself carries none).
+
+    Returns:
+        The topology. A ``"single"`` policy becomes a one-member ring.
+
+    Raises:
+        ValueError: the policy is for a disconnected overlay (a forest cannot reduce globally),
+            is of an unknown kind, or does not validate as a topology.
+    """
+    if not policy.connected:
+        raise ValueError("the sync policy covers a disconnected overlay")
+    if policy.kind == "ring":
+        return Topology("ring", policy.nodes, addresses, epoch, ring_order=policy.ring)
+    if policy.kind == "single":
+        return Topology("ring", policy.nodes, addresses, epoch, ring_order=policy.nodes)
+    if policy.kind == "tree":
+        return Topology("tree", policy.nodes, addresses, epoch, parent=dict(policy.parents))
+    raise ValueError(f"unknown sync policy kind {policy.kind!r}")

@@ -1,0 +1,387 @@
+"""Data-plane collectives: real processes allreducing over ZeroMQ on loopback.
+
+Each multi-process test starts a small cluster of spawned worker processes, each holding one
+:class:`Communicator`; the test drives them through command queues and compares their results
+with a single-process reference. Every child is reaped, even when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import queue
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import zmq
+from chaos.scheduling.sync_policy import LinkEstimate, build_sync_policy
+
+from chaos.collectives import (
+    Communicator,
+    CommunicatorConfig,
+    PeerFailure,
+    Topology,
+    topology_from_sync_policy,
+)
+from chaos.collectives.frames import HEADER_BYTES, Op, decode_header, encode_header
+from chaos.errors import PeerTimeout, ProtocolError
+
+CHUNK_BYTES = 4096  # small chunks: many frames (deep pipelines) with small tensors
+REPLY_TIMEOUT_S = 60.0
+FAILED_EXIT = 70
+
+
+# ---------------------------------------------------------------------------- worker process
+
+
+def _input(name: str, numel: int, seed: int, dtype: str) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1000 + int(name[1:]))
+    return torch.randn(numel, generator=gen, dtype=torch.float32).to(getattr(torch, dtype))
+
+
+def _worker(name: str, commands: Any, replies: Any) -> None:
+    """A cluster member: runs the commands it is sent and replies with what happened."""
+    torch.set_num_threads(1)
+    comm = Communicator(CommunicatorConfig(node_id=name, chunk_bytes=CHUNK_BYTES, timeout_s=10.0))
+    replies.put(("address", name, comm.address))
+    while True:
+        cmd, arg = commands.get(timeout=REPLY_TIMEOUT_S * 3)
+        if cmd == "exit":
+            break
+        if cmd == "topology":
+            comm.update_topology(Topology(**arg))
+            replies.put(("ok", name, None))
+        elif cmd == "fail_at":
+            comm.fail_at(**arg)
+            replies.put(("ok", name, None))
+        elif cmd == "allreduce":
+            replies.put(_allreduce(comm, name, arg))
+    comm.close()
+
+
+def _allreduce(comm: Communicator, name: str, spec: dict[str, Any]) -> tuple[str, str, Any]:
+    x = _input(name, spec["numel"], spec["seed"], spec.get("dtype", "float32"))
+    before = x.clone()
+    try:
+        out = comm.allreduce(x, spec["op"], wire_dtype=spec.get("wire"),
+                             timeout_s=spec.get("timeout_s"))  # fmt: skip
+    except PeerFailure as exc:
+        info = {"peer": exc.peer, "timed_out": exc.timed_out,
+                "input_intact": torch.equal(x, before), "stale": comm.stats.dropped_stale}
+        return ("failure", name, info)
+    info = {"result": out.float().numpy().copy(), "dtype": str(out.dtype),
+            "input_intact": torch.equal(x, before), "stale": comm.stats.dropped_stale}
+    return ("result", name, info)
+
+
+# ---------------------------------------------------------------------------- cluster driver
+
+
+class Cluster:
+    """Drives spawned members ``n0 .. n{k-1}``; see :func:`cluster`."""
+
+    def __init__(self, size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.names = [f"n{i}" for i in range(size)]
+        self.replies = ctx.Queue()
+        self.commands = {n: ctx.Queue() for n in self.names}
+        self.procs = {n: ctx.Process(target=_worker, args=(n, self.commands[n], self.replies),
+                                     daemon=True) for n in self.names}  # fmt: skip
+        self.addresses: dict[str, str] = {}
+        self.epoch = 0
+
+    def start(self) -> None:
+        for p in self.procs.values():
+            p.start()
+        for _ in self.names:
+            _kind, name, address = self._reply()
+            self.addresses[name] = address
+
+    def reap(self) -> None:
+        for name, p in self.procs.items():
+            if p.is_alive():
+                try:
+                    self.commands[name].put(("exit", None))
+                except (OSError, ValueError):
+                    pass
+        for p in self.procs.values():
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+    def _reply(self) -> tuple[str, str, Any]:
+        try:
+            reply: tuple[str, str, Any] = self.replies.get(timeout=REPLY_TIMEOUT_S)
+        except queue.Empty:
+            codes = {n: p.exitcode for n, p in self.procs.items()}
+            raise AssertionError(f"no reply from the workers; exit codes {codes}") from None
+        return reply
+
+    def send(self, names: list[str], cmd: str, arg: Any) -> dict[str, tuple[str, Any]]:
+        for n in names:
+            self.commands[n].put((cmd, arg))
+        out: dict[str, tuple[str, Any]] = {}
+        for _ in names:
+            kind, name, info = self._reply()
+            out[name] = (kind, info)
+        return out
+
+    def topology(self, members: list[str], kind: str, **shape: Any) -> None:
+        self.epoch += 1
+        addrs = {m: self.addresses[m] for m in members}
+        arg = {"kind": kind, "members": tuple(members), "addresses": addrs, "epoch": self.epoch,
+               **shape}  # fmt: skip
+        replies = self.send(members, "topology", arg)
+        assert all(kind == "ok" for kind, _ in replies.values()), replies
+
+    def allreduce(self, members: list[str], **spec: Any) -> dict[str, tuple[str, Any]]:
+        return self.send(members, "allreduce", spec)
+
+
+@contextmanager
+def cluster(size: int) -> Iterator[Cluster]:
+    c = Cluster(size)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.reap()
+
+
+def _reference(members: list[str], numel: int, seed: int, op: str, dtype: str) -> np.ndarray:
+    xs = [_input(m, numel, seed, dtype).double() for m in members]
+    total = torch.stack(xs).sum(0)
+    return (total / len(members) if op == "mean" else total).numpy()
+
+
+def _check(replies: dict[str, tuple[str, Any]], ref: np.ndarray, atol: float, rtol: float) -> None:
+    kinds = {n: k for n, (k, _) in replies.items()}
+    assert set(kinds.values()) == {"result"}, replies
+    results = [info["result"] for _, info in replies.values()]
+    for info in (i for _, i in replies.values()):
+        assert info["input_intact"]
+    np.testing.assert_allclose(results[0], ref, atol=atol, rtol=rtol)
+    for r in results[1:]:  # bitwise equal on every member
+        assert r.tobytes() == results[0].tobytes()
+
+
+TREE = {"parent": {"n0": None, "n1": "n0", "n2": "n0", "n3": "n1"}}  # depth 2, fan-out 2
+RING = {"ring_order": ("n0", "n2", "n1", "n3")}
+
+
+# ---------------------------------------------------------------------------- multi-process
+
+
+def test_ring_and_tree_match_reference_and_are_bitwise_equal() -> None:
+    members = ["n0", "n1", "n2", "n3"]
+    with cluster(4) as c:
+        for kind, shape in (("ring", RING), ("tree", TREE)):
+            c.topology(members, kind, **shape)
+            # odd sizes: not divisible by the members nor the chunk; fewer elements than members
+            for seed, (numel, op) in enumerate([(10_007, "sum"), (3, "mean"), (1, "sum"),
+                                                (40_961, "mean")]):  # fmt: skip
+                replies = c.allreduce(members, numel=numel, seed=seed, op=op)
+                _check(replies, _reference(members, numel, seed, op, "float32"), 1e-5, 1e-5)
+        # low-precision wire formats accumulate in float32; half inputs come back as half
+        for kind, shape in (("ring", RING), ("tree", TREE)):
+            c.topology(members, kind, **shape)
+            for wire in ("float16", "bfloat16"):
+                replies = c.allreduce(members, numel=9_999, seed=7, op="mean", wire=wire)
+                ref = _reference(members, 9_999, 7, "mean", "float32")
+                _check(replies, ref, 5e-2, 2e-2)
+            replies = c.allreduce(members, numel=5_001, seed=8, op="sum", dtype="float16")
+            assert {i["dtype"] for _, i in replies.values()} == {"torch.float16"}
+            _check(replies, _reference(members, 5_001, 8, "sum", "float16"), 2e-2, 2e-2)
+        # a member leaves the structure: the others reduce among themselves
+        c.topology(["n0", "n1", "n3"], "tree", parent={"n0": None, "n1": "n0", "n3": "n1"})
+        replies = c.allreduce(["n0", "n1", "n3"], numel=777, seed=9, op="sum")
+        _check(replies, _reference(["n0", "n1", "n3"], 777, 9, "sum", "float32"), 1e-5, 1e-5)
+
+
+def test_stale_epoch_frames_are_dropped_and_the_step_reruns() -> None:
+    members = ["n0", "n1", "n2"]
+    with cluster(3) as c:
+        c.topology(members, "ring", ring_order=("n0", "n1", "n2"))
+        # n2 does not take part: n0 and n1 fail, leaving epoch-1 frames queued at n2
+        failed = c.allreduce(["n0", "n1"], numel=5_000, seed=1, op="sum", timeout_s=1.0)
+        for kind, info in failed.values():
+            assert kind == "failure"
+            assert info["peer"] == "n2"
+            assert info["input_intact"]
+        c.topology(members, "ring", ring_order=("n0", "n1", "n2"))  # epoch 2, same links
+        replies = c.allreduce(members, numel=5_000, seed=1, op="sum")
+        _check(replies, _reference(members, 5_000, 1, "sum", "float32"), 1e-5, 1e-5)
+        assert replies["n2"][1]["stale"] >= 1  # n1's epoch-1 frames reached n2 and were dropped
+
+
+@pytest.mark.parametrize(("kind", "shape", "victim"), [("ring", RING, "n2"), ("tree", TREE, "n1")])
+def test_member_killed_mid_allreduce(kind: str, shape: dict[str, Any], victim: str) -> None:
+    members = ["n0", "n1", "n2", "n3"]
+    survivors = [m for m in members if m != victim]
+    with cluster(4) as c:
+        c.topology(members, kind, **shape)
+        _check(c.allreduce(members, numel=20_000, seed=1, op="mean"),
+               _reference(members, 20_000, 1, "mean", "float32"), 1e-5, 1e-5)  # fmt: skip
+        c.send([victim], "fail_at", {"step": 1, "after_frames": 2})
+        for m in members:
+            c.commands[m].put(("allreduce", {"numel": 20_000, "seed": 2, "op": "mean"}))
+        replies = {}
+        for _ in survivors:
+            kind_, name, info = c._reply()
+            replies[name] = (kind_, info)
+        c.procs[victim].join(timeout=REPLY_TIMEOUT_S)
+        assert c.procs[victim].exitcode == FAILED_EXIT
+        for name, (k, info) in replies.items():
+            assert k == "failure", (name, info)
+            assert info["peer"] == victim, (name, info)
+            assert info["input_intact"], name
+        # the survivors rerun the step under the new policy and agree bitwise
+        c.topology(survivors, "ring", ring_order=tuple(survivors))
+        _check(c.allreduce(survivors, numel=20_000, seed=2, op="mean"),
+               _reference(survivors, 20_000, 2, "mean", "float32"), 1e-5, 1e-5)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- in-process
+
+
+def _addrs(names: str) -> dict[str, str]:
+    return {n: f"tcp://127.0.0.1:{40000 + i}" for i, n in enumerate(names)}
+
+
+def test_update_topology_edits_links_in_place() -> None:
+    addrs = _addrs("abcd")
+    with Communicator(CommunicatorConfig(node_id="a")) as comm:
+        addrs["a"] = comm.address
+        comm.update_topology(Topology("ring", tuple("abcd"), addrs, 1, ring_order=tuple("abcd")))
+        sock_b, sock_d = comm.link_socket("b"), comm.link_socket("d")
+        assert sock_b is not None and sock_d is not None and comm.link_socket("c") is None
+        comm.update_topology(Topology("ring", tuple("abcd"), addrs, 2, ring_order=tuple("abdc")))
+        assert comm.link_socket("b") is sock_b  # unchanged link: same socket object
+        assert comm.link_socket("d") is None and sock_d.closed  # dead link closed
+        assert comm.link_socket("c") is not None  # new link opened
+        tree = Topology("tree", tuple("abcd"), addrs, 3, parent={"a": None, "b": "a", "c": "b",
+                                                                 "d": "b"})  # fmt: skip
+        comm.update_topology(tree)
+        assert comm.link_socket("b") is sock_b and comm.link_socket("c") is None
+        ring = tuple("abcd")
+        with pytest.raises(ValueError, match="backwards"):
+            comm.update_topology(Topology("ring", ring, addrs, 2, ring_order=ring))
+        with pytest.raises(ValueError, match="different"):
+            comm.update_topology(Topology("ring", ring, addrs, 3, ring_order=ring))
+        with pytest.raises(ValueError, match="not a member"):
+            comm.update_topology(Topology("ring", tuple("bcd"), addrs, 4, ring_order=tuple("bcd")))
+
+
+def test_single_member_and_step_ordering() -> None:
+    with Communicator(CommunicatorConfig(node_id="a")) as comm:
+        with pytest.raises(ValueError, match="no topology"):
+            comm.allreduce(torch.ones(3))
+        comm.update_topology(Topology("ring", ("a",), {"a": comm.address}, 5, ring_order=("a",)))
+        x = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+        assert torch.equal(comm.allreduce(x, "mean", step=10), x)
+        with pytest.raises(ValueError, match="does not follow"):
+            comm.allreduce(x, step=10)
+        out = torch.empty_like(x)
+        assert comm.allreduce(x, "sum", out=out) is out and torch.equal(out, x)
+        with pytest.raises(ValueError, match="op must be"):
+            comm.allreduce(x, "max")  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            comm.allreduce(torch.ones(3, dtype=torch.int64))
+
+
+def test_reported_dead_neighbour_fails_fast_with_input_intact() -> None:
+    addrs = _addrs("ab")
+    with Communicator(CommunicatorConfig(node_id="a")) as comm:
+        addrs["a"] = comm.address
+        comm.update_topology(Topology("ring", ("a", "b"), addrs, 1, ring_order=("a", "b")))
+        comm.report_dead("b")
+        x = torch.ones(100)
+        with pytest.raises(PeerFailure) as info:
+            comm.allreduce(x, timeout_s=30.0)
+        assert info.value.peer == "b" and not info.value.timed_out
+        assert torch.equal(x, torch.ones(100))
+        comm.update_topology(Topology("ring", ("a", "b"), addrs, 2, ring_order=("a", "b")))
+        with pytest.raises(PeerTimeout) as timeout:  # a PeerFailure and a ChaosTimeout
+            comm.allreduce(x, timeout_s=0.2)
+        assert timeout.value.peer == "b" and isinstance(timeout.value, TimeoutError)
+
+
+def test_malformed_and_unknown_frames_are_dropped() -> None:
+    addrs = _addrs("ab")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    with Communicator(CommunicatorConfig(node_id="a")) as comm:
+        addrs["a"] = comm.address
+        comm.update_topology(Topology("ring", ("a", "b"), addrs, 1, ring_order=("a", "b")))
+        stranger = ctx.socket(zmq.DEALER)
+        stranger.setsockopt(zmq.ROUTING_ID, b"mallory")
+        stranger.connect(comm.address)
+        good = encode_header(Op.RING_REDUCE_SCATTER, torch.float32, 0, 1, 0, 0, 1)
+        stranger.send_multipart([b"\x09" * HEADER_BYTES, b"abcd"])  # bad version
+        stranger.send_multipart([b"short"])  # wrong part count
+        stranger.send_multipart([good, b"abcd"])  # right key, not a neighbour
+        with pytest.raises(PeerTimeout):
+            comm.allreduce(torch.ones(4), timeout_s=0.5, step=0)
+        stranger.close(linger=0)
+        assert comm.stats.dropped_malformed == 2
+        assert comm.stats.dropped_unknown_peer == 1
+
+
+def test_header_roundtrip_and_validation() -> None:
+    raw = encode_header(Op.TREE_DOWN, torch.bfloat16, 3, 7, 11, 13, 17)
+    h = decode_header(raw)
+    assert (h.op, h.dtype, h.seg, h.key, h.chunk, h.nelem) == (
+        Op.TREE_DOWN, torch.bfloat16, 3, (7, 11), 13, 17)  # fmt: skip
+    with pytest.raises(ProtocolError, match="version"):
+        decode_header(b"\x02" + raw[1:])
+    with pytest.raises(ProtocolError, match="op"):
+        decode_header(raw[:1] + b"\x63" + raw[2:])
+    with pytest.raises(ProtocolError, match="bytes"):
+        decode_header(raw[:-1])
+    with pytest.raises(ValueError):
+        encode_header(Op.TREE_UP, torch.int32, 0, 0, 0, 0, 0)
+
+
+def test_topology_validation_and_sync_policy_conversion() -> None:
+    addrs = _addrs("abcd")
+    with pytest.raises(ValueError, match="ring_order"):
+        Topology("ring", tuple("abc"), addrs, 1, ring_order=("a", "b"))
+    with pytest.raises(ValueError, match="root"):
+        Topology("tree", tuple("ab"), addrs, 1, parent={"a": "b", "b": "a"})
+    with pytest.raises(ValueError, match="cycle"):
+        Topology("tree", tuple("abcd"), addrs, 1, parent={"a": None, "b": "c", "c": "b", "d": "a"})
+    with pytest.raises(ValueError, match="address"):
+        Topology("ring", ("a", "z"), addrs, 1, ring_order=("a", "z"))
+    links = [LinkEstimate(a, b, 1e9 if {a, b} != {"a", "c"} else 1e6)
+             for a, b in [("a", "b"), ("b", "c"), ("c", "d"), ("d", "a"), ("a", "c")]]  # fmt: skip
+    ring = topology_from_sync_policy(build_sync_policy("abcd", links), addrs, epoch=4)
+    assert ring.kind == "ring" and ring.epoch == 4 and ring.neighbours("a") == {"b", "d"}
+    star = [LinkEstimate("a", x, 1e9) for x in "bcd"]
+    tree = topology_from_sync_policy(build_sync_policy("abcd", star), addrs, epoch=5)
+    assert tree.kind == "tree" and tree.root == "a" and tree.neighbours("a") == {"b", "c", "d"}
+    assert tree.neighbours("b") == {"a"}
+
+
+def test_allreduce_bench_writes_its_json(tmp_path: Path) -> None:
+    out = tmp_path / "allreduce.json"
+    proc = subprocess.run([sys.executable, "-m", "chaos.bench.cli", "allreduce", "--nodes", "2",
+                           "--sizes", "64KB,1MB", "--repeats", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(out.read_text())
+    assert set(data["sizes"]) == {"64KB", "1MB"}
+    for row in data["sizes"].values():
+        assert row["chaos_s"] > 0 and row["gloo_s"] > 0
+        assert row["ratio"] == pytest.approx(row["gloo_s"] / row["chaos_s"])
+        assert row["chaos_s"] == min(row["ring_s"], row["tree_s"])
+    assert "ratio" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "chaos.bench.cli", "allreduce", "--sizes", "3MiB"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode != 0 and "bad size" in bad.stderr
