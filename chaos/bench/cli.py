@@ -9,6 +9,7 @@ import click
 
 from chaos.bench.allreduce import allreduce_command
 from chaos.bench.assign import assign_command
+from chaos.bench.control import control_command
 from chaos.bench.native import native_command
 from chaos.bench.shard_cost import shard_cost_command
 
@@ -20,6 +21,7 @@ def main() -> None:
 
 main.add_command(allreduce_command)
 main.add_command(assign_command)
+main.add_command(control_command)
 main.add_command(shard_cost_command)
 main.add_command(native_command)
 

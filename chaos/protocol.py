@@ -1,0 +1,606 @@
+"""The daemon's wire protocol: every message once, as a typed, versioned msgspec schema.
+
+Every message is a :class:`msgspec.Struct` of the tagged union :data:`Message` (tag field
+``"type"``), encoded with msgpack. Each one carries the protocol version ``v``, the ``sender``'s
+node id and the sender's membership ``epoch``; messages that belong to an election term also carry
+``term``. Nothing is ever pickled.
+
+All untrusted input goes through one function, :func:`validate`, which turns every bad frame into a
+:class:`Refusal` with a reason code from :class:`Reason` instead of raising. The daemon answers a
+refusal (or drops and counts the frame) and keeps running.
+
+Message kinds (the ``KIND`` class variable) decide which semantic checks apply:
+
+* ``"peer"``: sent by a cluster member; refused with ``unknown_peer`` when the sender is not in
+  the receiver's membership.
+* ``"command"``: sent by the scheduler to members; refused with ``stale_term`` or
+  ``stale_epoch`` when older than the receiver's term or epoch.
+* ``"leader"``: the scheduler's heartbeat; refused with ``stale_term`` only (it is how members
+  discover a newly elected scheduler).
+* ``"open"``: joins, probes, replies and refusals; accepted from anyone.
+* ``"client"``: the local CLI and the training process; not epoch-checked.
+
+Messages with ``TO_SCHEDULER = True`` are refused with ``not_scheduler`` by a non-scheduler
+(joins are forwarded instead), and with ``paused`` by a scheduler without a majority.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Annotated, ClassVar, Literal, Union
+
+import msgspec
+
+from chaos.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+"""Bumped on every incompatible change of any schema below."""
+
+DEFAULT_MAX_FRAME_BYTES = 1 << 20
+"""Default cap on one encoded frame (1 MiB); bandwidth-probe chunks must fit below it."""
+
+NodeId = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+Address = Annotated[str, msgspec.Meta(min_length=6, max_length=256, pattern=r"^tcp://[^\s]+:\d+$")]
+OpId = Annotated[str, msgspec.Meta(max_length=64)]
+Detail = Annotated[str, msgspec.Meta(max_length=1024)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
+
+
+class Reason(str, enum.Enum):
+    """Reason codes of a :class:`Refusal` (and of a failed :class:`OpResult`)."""
+
+    BAD_VERSION = "bad_version"
+    STALE_EPOCH = "stale_epoch"
+    STALE_TERM = "stale_term"
+    UNKNOWN_PEER = "unknown_peer"
+    MALFORMED = "malformed"
+    TOO_LARGE = "too_large"
+    NOT_SCHEDULER = "not_scheduler"
+    PAUSED = "paused"
+    DUPLICATE_ID = "duplicate_id"
+    UNREACHABLE = "unreachable"
+    WOULD_DISCONNECT = "would_disconnect"
+    BAD_REQUEST = "bad_request"
+    TIMEOUT = "timeout"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return self.value.__format__(spec)
+
+
+NodeStateName = Literal["joining", "active", "leaving", "failed"]
+ApplyAt = Literal["after_allreduce", "before_next_allreduce"]
+FaultName = Literal["drop_to", "drop_from", "cut_link", "partition", "clear"]
+
+
+class _Base(msgspec.Struct, kw_only=True, frozen=True, tag_field="type"):
+    """Fields every message carries."""
+
+    KIND: ClassVar[str] = "open"
+    TO_SCHEDULER: ClassVar[bool] = False
+    MUTATING: ClassVar[bool] = False
+
+    v: int = PROTOCOL_VERSION
+    sender: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    epoch: NonNeg = 0
+
+
+# ----------------------------------------------------------------------------- shared structs
+
+
+class Resources(msgspec.Struct, kw_only=True, frozen=True):
+    """A node's local resources, sampled with psutil."""
+
+    cpu_percent: float = 0.0
+    memory_percent: float = 0.0
+    memory_available_bytes: NonNeg = 0
+    battery_percent: float | None = None
+
+
+class NodeInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """One node of the cluster view."""
+
+    id: NodeId
+    address: Address
+    state: NodeStateName
+    joined_at: float
+    neighbors: list[NodeId] = []
+    resources: Resources | None = None
+
+
+class LinkInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """One overlay link of the cluster view (``None``: not measured yet)."""
+
+    a: NodeId
+    b: NodeId
+    bandwidth_bps: float | None = None
+    latency_s: float | None = None
+    tau_sync_s: float | None = None
+    up: bool = True
+
+
+class SyncPolicyWire(msgspec.Struct, kw_only=True, frozen=True):
+    """The model synchronization policy (see :mod:`chaos.scheduling.sync_policy`)."""
+
+    kind: Literal["tree", "ring", "single"]
+    nodes: list[NodeId]
+    root: NodeId | None = None
+    parents: dict[NodeId, NodeId | None] = {}
+    ring: list[NodeId] = []
+    bottleneck_bps: float = 0.0
+    est_time_s: float = 0.0
+    connected: bool = True
+
+
+class ReplicationWire(msgspec.Struct, kw_only=True, frozen=True):
+    """The state replication policy for one joiner (``skipped`` names why there is none)."""
+
+    target: NodeId
+    shard_size: NonNeg = 0
+    assignment: dict[NodeId, list[tuple[int, int]]] = {}
+    makespan_s: float = 0.0
+    skipped: str = ""
+
+
+class ClusterView(msgspec.Struct, kw_only=True, frozen=True):
+    """The scheduler's cluster view at one epoch."""
+
+    epoch: NonNeg
+    term: NonNeg
+    scheduler: NodeId | None
+    nodes: list[NodeInfo]
+    links: list[LinkInfo]
+
+
+# ----------------------------------------------------------------------------- peer messages
+
+
+class LeaderHeartbeat(_Base, frozen=True, tag="leader_heartbeat"):
+    """Scheduler -> every member, every heartbeat interval."""
+
+    KIND: ClassVar[str] = "leader"
+    term: NonNeg
+
+
+class MemberHeartbeat(_Base, frozen=True, tag="member_heartbeat"):
+    """Member -> scheduler, every heartbeat interval, with local resources."""
+
+    KIND: ClassVar[str] = "peer"
+    TO_SCHEDULER: ClassVar[bool] = True
+    term: NonNeg
+    resources: Resources | None = None
+
+
+class RequestVote(_Base, frozen=True, tag="request_vote"):
+    """Candidate -> members (Raft). ``epoch`` is the candidate's view epoch."""
+
+    KIND: ClassVar[str] = "peer"
+    term: NonNeg
+    transfer: bool = False
+
+
+class VoteReply(_Base, frozen=True, tag="vote_reply"):
+    """Member -> candidate."""
+
+    KIND: ClassVar[str] = "peer"
+    term: NonNeg
+    granted: bool
+
+
+class TimeoutNow(_Base, frozen=True, tag="timeout_now"):
+    """Leaving scheduler -> chosen successor: start an election now (leadership transfer)."""
+
+    KIND: ClassVar[str] = "command"
+    term: NonNeg
+
+
+class JoinRequest(_Base, frozen=True, tag="join_request"):
+    """Joiner -> any member (forwarded to the scheduler): scale-out."""
+
+    TO_SCHEDULER: ClassVar[bool] = True
+    node_id: NodeId
+    address: Address
+    neighbors: Annotated[list[NodeId], msgspec.Meta(max_length=256)] = []
+    state_bytes: NonNeg | None = None
+    tensor_sizes: Annotated[list[NonNeg], msgspec.Meta(max_length=100_000)] | None = None
+    forwarded_by: NodeId | None = None
+    op_id: OpId = ""
+
+
+class LeaveRequest(_Base, frozen=True, tag="leave_request"):
+    """Member -> scheduler: scale-in for a graceful leave."""
+
+    KIND: ClassVar[str] = "peer"
+    TO_SCHEDULER: ClassVar[bool] = True
+    node_id: NodeId
+    op_id: OpId = ""
+
+
+class LinkRequest(_Base, frozen=True, tag="link_request"):
+    """Member -> scheduler: connect-link or disconnect-link between ``a`` and ``b``."""
+
+    KIND: ClassVar[str] = "peer"
+    TO_SCHEDULER: ClassVar[bool] = True
+    a: NodeId
+    b: NodeId
+    op: Literal["connect", "disconnect"]
+    reason: Literal["requested", "probe_failed", "probe_recovered"] = "requested"
+    op_id: OpId = ""
+
+
+class ConnectCommand(_Base, frozen=True, tag="connect_command"):
+    """Scheduler -> member: connect to ``peer`` and measure the link, then send a LinkReport."""
+
+    KIND: ClassVar[str] = "command"
+    term: NonNeg
+    peer: NodeId
+    address: Address
+    measure_bandwidth: bool = True
+    op_id: OpId = ""
+
+
+class LinkReport(_Base, frozen=True, tag="link_report"):
+    """Member -> scheduler: the measured link from ``sender`` to ``peer``."""
+
+    KIND: ClassVar[str] = "peer"
+    TO_SCHEDULER: ClassVar[bool] = True
+    term: NonNeg
+    peer: NodeId
+    up: bool
+    latency_s: Seconds | None = None
+    bandwidth_bps: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    op_id: OpId = ""
+
+
+class AgentReport(_Base, frozen=True, tag="agent_report"):
+    """Member -> new scheduler after an election: what this agent knows about itself."""
+
+    KIND: ClassVar[str] = "peer"
+    TO_SCHEDULER: ClassVar[bool] = True
+    term: NonNeg
+    address: Address
+    joined_at: float
+    links: Annotated[list[LinkInfo], msgspec.Meta(max_length=256)] = []
+    resources: Resources | None = None
+
+
+class ClusterUpdate(_Base, frozen=True, tag="cluster_update"):
+    """Scheduler -> every member: the new view and policies, applied at a step boundary."""
+
+    KIND: ClassVar[str] = "command"
+    term: NonNeg
+    view: ClusterView
+    sync: SyncPolicyWire
+    replication: ReplicationWire | None = None
+    apply_at: ApplyAt = "after_allreduce"
+    restart_allreduce: bool = False
+    cause: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    op_id: OpId = ""
+
+
+class PolicyAck(_Base, frozen=True, tag="policy_ack"):
+    """Member -> scheduler: the policy of ``epoch`` is installed."""
+
+    KIND: ClassVar[str] = "peer"
+    TO_SCHEDULER: ClassVar[bool] = True
+    term: NonNeg
+
+
+class Ping(_Base, frozen=True, tag="ping"):
+    """Latency probe."""
+
+    seq: NonNeg
+    t: float
+
+
+class Pong(_Base, frozen=True, tag="pong"):
+    """Latency probe answer; echoes ``seq`` and ``t``."""
+
+    seq: NonNeg
+    t: float
+
+
+class BulkData(_Base, frozen=True, tag="bulk_data"):
+    """One chunk of a timed bulk bandwidth probe."""
+
+    probe_id: OpId
+    index: NonNeg
+    count: Annotated[int, msgspec.Meta(ge=1)]
+    payload: bytes
+
+
+class BulkAck(_Base, frozen=True, tag="bulk_ack"):
+    """Answer to the last chunk of a bulk probe."""
+
+    probe_id: OpId
+    received_bytes: NonNeg
+
+
+class OpResult(_Base, frozen=True, tag="op_result"):
+    """The outcome of a primitive, once every member acknowledged its policy (or it failed)."""
+
+    op_id: OpId
+    ok: bool
+    reason: Reason | None = None
+    detail: Detail = ""
+    elapsed_s: Seconds = 0.0
+
+
+class Refusal(_Base, frozen=True, tag="refusal"):
+    """A refused message: ``reason`` says why; ``term`` and ``scheduler`` help the sender."""
+
+    reason: Reason
+    detail: Detail = ""
+    ref_type: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    term: NonNeg = 0
+    scheduler: NodeId | None = None
+
+
+# ----------------------------------------------------------------------------- client messages
+
+
+class StatusRequest(_Base, frozen=True, tag="status_request"):
+    """CLI -> daemon."""
+
+    KIND: ClassVar[str] = "client"
+
+
+class StatusReply(_Base, frozen=True, tag="status_reply"):
+    """Daemon -> CLI: the local node's state and its copy of the cluster view."""
+
+    node_id: NodeId
+    role: Literal["follower", "candidate", "scheduler"]
+    state: Annotated[str, msgspec.Meta(max_length=32)]
+    paused: bool
+    scheduler: NodeId | None
+    term: NonNeg
+    nodes: list[NodeInfo]
+    links: list[LinkInfo]
+    sync: SyncPolicyWire | None = None
+
+
+class LeaveCommand(_Base, frozen=True, tag="leave_command"):
+    """CLI -> daemon: leave the cluster gracefully (scale-in), then exit."""
+
+    KIND: ClassVar[str] = "client"
+    MUTATING: ClassVar[bool] = True
+
+
+class LinkCommand(_Base, frozen=True, tag="link_command"):
+    """CLI -> daemon: add or remove the overlay link to ``peer``."""
+
+    KIND: ClassVar[str] = "client"
+    MUTATING: ClassVar[bool] = True
+    peer: NodeId
+    op: Literal["connect", "disconnect"]
+
+
+class FaultCommand(_Base, frozen=True, tag="fault_command"):
+    """CLI/tests -> daemon: inject a named transport fault (``clear`` removes them all)."""
+
+    KIND: ClassVar[str] = "client"
+    name: FaultName
+    peers: Annotated[list[NodeId], msgspec.Meta(max_length=256)] = []
+
+
+class FaultReply(_Base, frozen=True, tag="fault_reply"):
+    """Daemon -> CLI: the faults now active, as readable strings."""
+
+    active: list[str]
+
+
+class PolicyRequest(_Base, frozen=True, tag="policy_request"):
+    """Trainer -> daemon: the current policies and step-boundary rule."""
+
+    KIND: ClassVar[str] = "client"
+
+
+class PolicyReply(_Base, frozen=True, tag="policy_reply"):
+    """Daemon -> trainer (``epoch`` is the policy's epoch)."""
+
+    term: NonNeg
+    members: list[NodeId]
+    sync: SyncPolicyWire | None
+    replication: ReplicationWire | None = None
+    apply_at: ApplyAt = "after_allreduce"
+    restart_allreduce: bool = False
+    paused: bool = False
+
+
+Message = Union[
+    LeaderHeartbeat,
+    MemberHeartbeat,
+    RequestVote,
+    VoteReply,
+    TimeoutNow,
+    JoinRequest,
+    LeaveRequest,
+    LinkRequest,
+    ConnectCommand,
+    LinkReport,
+    AgentReport,
+    ClusterUpdate,
+    PolicyAck,
+    Ping,
+    Pong,
+    BulkData,
+    BulkAck,
+    OpResult,
+    Refusal,
+    StatusRequest,
+    StatusReply,
+    LeaveCommand,
+    LinkCommand,
+    FaultCommand,
+    FaultReply,
+    PolicyRequest,
+    PolicyReply,
+]
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(Message)
+
+
+class _Envelope(msgspec.Struct):
+    """Loose first pass: just enough to tell a wrong version from garbage."""
+
+    v: int = -1
+
+
+_ENVELOPE_DECODER = msgspec.msgpack.Decoder(_Envelope)
+
+
+def encode(msg: Message) -> bytes:
+    """Encodes one message as msgpack.
+
+    Args:
+        msg: Any member of :data:`Message`.
+
+    Returns:
+        The frame.
+
+    Raises:
+        ProtocolError: ``msg`` is not a protocol message.
+    """
+    if not isinstance(msg, _Base):
+        raise ProtocolError(f"not a protocol message: {type(msg).__name__}")
+    return _ENCODER.encode(msg)
+
+
+def decode(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
+    """Decodes a trusted-shape frame (e.g. a reply the CLI awaits), raising on bad input.
+
+    Args:
+        frame: The msgpack frame.
+        max_frame_bytes: Reject frames longer than this.
+
+    Returns:
+        The message.
+
+    Raises:
+        ProtocolError: too large, wrong version or malformed.
+    """
+    result = _decode_checked(frame, max_frame_bytes)
+    if isinstance(result, tuple):
+        raise ProtocolError(f"{result[0].value}: {result[1]}")
+    return result
+
+
+def _decode_checked(frame: bytes, max_frame_bytes: int) -> Message | tuple[Reason, str]:
+    if len(frame) > max_frame_bytes:
+        return Reason.TOO_LARGE, f"{len(frame)} bytes > {max_frame_bytes}"
+    try:
+        env = _ENVELOPE_DECODER.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return Reason.MALFORMED, str(exc)[:200]
+    if env.v != PROTOCOL_VERSION:
+        return Reason.BAD_VERSION, f"version {env.v}, expected {PROTOCOL_VERSION}"
+    try:
+        return _DECODER.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return Reason.MALFORMED, str(exc)[:200]
+
+
+@dataclass(frozen=True)
+class ValidationContext:
+    """What the receiver knows when it checks a frame.
+
+    Args:
+        max_frame_bytes: Frame size cap.
+        epoch: The receiver's membership epoch.
+        term: The receiver's election term.
+        members: The receiver's current membership.
+        is_scheduler: Whether the receiver is the scheduler.
+        paused: Whether the receiver pauses (no majority / no scheduler).
+        joining: Whether the receiver is still joining (it then accepts the term of the
+            scheduler that admits it).
+        node_id: The receiver's own id, for refusals.
+    """
+
+    max_frame_bytes: int
+    epoch: int
+    term: int
+    members: frozenset[str]
+    is_scheduler: bool
+    paused: bool
+    joining: bool
+    node_id: str = ""
+
+
+def refusal(
+    reason: Reason, ctx: ValidationContext, detail: str = "", ref_type: str = ""
+) -> Refusal:
+    """Builds a refusal stamped with the receiver's identity, epoch and term.
+
+    Args:
+        reason: The reason code.
+        ctx: The receiver's context.
+        detail: Human-readable detail (truncated to 1024 characters).
+        ref_type: The refused message's type tag, when known.
+
+    Returns:
+        The refusal.
+    """
+    return Refusal(
+        sender=ctx.node_id,
+        epoch=ctx.epoch,
+        reason=reason,
+        detail=detail[:1024],
+        ref_type=ref_type[:64],
+        term=ctx.term,
+    )
+
+
+def tag_of(msg: Message) -> str:
+    """Returns the wire tag of a message (e.g. ``"ping"``)."""
+    return str(type(msg).__struct_config__.tag)
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The result of :func:`validate` for a refused frame.
+
+    Args:
+        refusal: The refusal to answer with (or to count when the frame is dropped).
+    """
+
+    refusal: Refusal
+
+
+def validate(frame: bytes, ctx: ValidationContext) -> Message | Rejected:
+    """The single validation point: decodes ``frame`` and applies the semantic checks.
+
+    Never raises on bad input.
+
+    Args:
+        frame: The raw frame.
+        ctx: The receiver's context.
+
+    Returns:
+        The decoded message, or :class:`Rejected` with a refusal that says why.
+    """
+    result = _decode_checked(frame, ctx.max_frame_bytes)
+    if isinstance(result, tuple):
+        return Rejected(refusal(result[0], ctx, result[1]))
+    msg = result
+    kind = type(msg).KIND
+    tag = tag_of(msg)
+    term = getattr(msg, "term", None)
+    if kind == "peer" and msg.sender not in ctx.members:
+        return Rejected(refusal(Reason.UNKNOWN_PEER, ctx, f"{msg.sender!r}", tag))
+    if kind in ("command", "leader") and term is not None and term < ctx.term and not ctx.joining:
+        return Rejected(refusal(Reason.STALE_TERM, ctx, f"term {term} < {ctx.term}", tag))
+    if kind == "command" and msg.epoch < ctx.epoch and not ctx.joining:
+        return Rejected(refusal(Reason.STALE_EPOCH, ctx, f"epoch {msg.epoch} < {ctx.epoch}", tag))
+    if type(msg).TO_SCHEDULER and not isinstance(msg, JoinRequest):
+        if not ctx.is_scheduler:
+            return Rejected(refusal(Reason.NOT_SCHEDULER, ctx, "", tag))
+        if ctx.paused:
+            return Rejected(refusal(Reason.PAUSED, ctx, "no majority", tag))
+    if type(msg).MUTATING and ctx.paused:
+        return Rejected(refusal(Reason.PAUSED, ctx, "no scheduler with a majority", tag))
+    return msg

@@ -1,0 +1,327 @@
+"""The node agent: heartbeats, link probes, link measurements and local resources.
+
+* **Heartbeats** go to the scheduler every ``heartbeat_interval_s`` (the scheduler's own
+  heartbeats go the other way, see :mod:`chaos.daemon.node`).
+* **Light link probes**: a ping every ``link_probe_interval_s`` on each overlay link. A link with
+  no answer for ``link_failure_timeout_s`` is reported down as *disconnect-link* (reason
+  ``probe_failed``), never as a node failure; an answer on a down link reports it back up.
+* **Measurements** (on a :class:`~chaos.protocol.ConnectCommand`: scale-out and connect-link):
+  latency by ping-pong, then, if asked, bandwidth by a timed in-process bulk transfer of
+  ``bandwidth_probe_bytes`` (iperf-like). Only then is the link reported to the scheduler.
+* **Resources** via psutil: CPU, memory and battery where present.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import msgspec
+import psutil
+from chaos.daemon.config import DaemonConfig
+
+from chaos.protocol import (
+    BulkAck,
+    BulkData,
+    ClusterView,
+    ConnectCommand,
+    LinkReport,
+    LinkRequest,
+    Message,
+    Ping,
+    Pong,
+    Resources,
+)
+
+log = logging.getLogger("chaos.daemon.agent")
+
+_MEASURE_RETRY_S = 0.05
+_MEASURE_PINGS = 3
+
+
+class AgentHost(Protocol):
+    """What the agent needs from its daemon."""
+
+    node_id: str
+
+    @property
+    def epoch(self) -> int: ...  # noqa: D102
+
+    @property
+    def term(self) -> int: ...  # noqa: D102
+
+    def send(self, peer: str, msg: Message) -> bool: ...  # noqa: D102
+
+    def to_scheduler(self, msg: Message) -> bool: ...  # noqa: D102
+
+    def connect_peer(self, peer: str, address: str) -> None: ...  # noqa: D102
+
+    def event(self, name: str, **fields: object) -> None: ...  # noqa: D102
+
+
+@dataclass
+class LinkProbe:
+    """Probe state of one overlay link, as this end sees it."""
+
+    peer: str
+    up: bool
+    last_pong: float
+    latency_s: float | None = None
+    reported_up: bool = True
+    last_report: float = float("-inf")
+
+
+@dataclass
+class Measurement:
+    """A link measurement ordered by the scheduler."""
+
+    cmd: ConnectCommand
+    started: float
+    deadline: float
+    seq: int
+    rtt_s: float | None = None
+    pongs: int = 0
+    probe_id: str = ""
+    bulk_started: float = 0.0
+    bulk_bytes: int = 0
+    last_ping: float = float("-inf")
+
+
+@dataclass
+class _Incoming:
+    first: float
+    received: int = 0
+
+
+@dataclass
+class Agent:
+    """One node's agent.
+
+    Args:
+        host: The daemon (sending, events).
+        cfg: Probe and heartbeat settings.
+    """
+
+    host: AgentHost
+    cfg: DaemonConfig
+    links: dict[str, LinkProbe] = field(default_factory=dict)
+    measurements: dict[int, Measurement] = field(default_factory=dict)
+    incoming: dict[str, _Incoming] = field(default_factory=dict)
+    resources: Resources | None = None
+    _seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+
+    def __post_init__(self) -> None:
+        self._chunk = bytes(self.cfg.bandwidth_probe_chunk_bytes)
+        psutil.cpu_percent(interval=None)  # prime the non-blocking CPU sampler
+
+    # -- view ------------------------------------------------------------------------------
+
+    def set_view(self, view: ClusterView, now: float) -> None:
+        """Tracks the overlay links this node has in ``view`` (up or down)."""
+        me = self.host.node_id
+        wanted: dict[str, bool] = {}
+        for link in view.links:
+            if me in (link.a, link.b):
+                wanted[link.b if link.a == me else link.a] = link.up
+        for peer in list(self.links):
+            if peer not in wanted:
+                del self.links[peer]
+        for peer, up in wanted.items():
+            cur = self.links.get(peer)
+            if cur is None:
+                self.links[peer] = LinkProbe(peer, up=up, last_pong=now, reported_up=up)
+            else:
+                cur.reported_up = up
+
+    # -- periodic --------------------------------------------------------------------------
+
+    def sample_resources(self) -> Resources:
+        """Samples CPU, memory and battery (non-blocking)."""
+        vm = psutil.virtual_memory()
+        battery = None
+        try:
+            b = psutil.sensors_battery() if hasattr(psutil, "sensors_battery") else None
+            battery = float(b.percent) if b is not None else None
+        except (OSError, RuntimeError):
+            battery = None
+        self.resources = Resources(
+            cpu_percent=float(psutil.cpu_percent(interval=None)),
+            memory_percent=float(vm.percent),
+            memory_available_bytes=int(vm.available),
+            battery_percent=battery,
+        )
+        return self.resources
+
+    def probe_links(self, now: float) -> None:
+        """Sends the light latency pings and reports links whose state changed."""
+        for probe in self.links.values():
+            self.host.send(
+                probe.peer, Ping(sender=self.host.node_id, epoch=self.host.epoch, seq=0, t=now)
+            )
+            if probe.up and now - probe.last_pong > self.cfg.link_failure_timeout_s:
+                probe.up = False
+                self.host.event("link_probe_failed", peer=probe.peer)
+            self._maybe_report(probe, now)
+
+    def _maybe_report(self, probe: LinkProbe, now: float) -> None:
+        if probe.up == probe.reported_up:
+            return
+        if now - probe.last_report < 2 * self.cfg.failure_timeout_s:
+            return  # a request is in flight; re-send only if it was lost
+        probe.last_report = now
+        req = LinkRequest(
+            sender=self.host.node_id,
+            epoch=self.host.epoch,
+            a=self.host.node_id,
+            b=probe.peer,
+            op="disconnect",
+            reason="probe_failed",
+            op_id=uuid.uuid4().hex[:12],
+        )
+        if probe.up:
+            req = msgspec.structs.replace(req, op="connect", reason="probe_recovered")
+        self.host.to_scheduler(req)
+
+    # -- pings -----------------------------------------------------------------------------
+
+    def on_pong(self, msg: Pong, now: float) -> None:
+        """Records a pong: link liveness, latency, or a measurement's round trip."""
+        rtt = max(0.0, now - msg.t)
+        if msg.seq == 0:
+            probe = self.links.get(msg.sender)
+            if probe is None:
+                return
+            probe.last_pong = now
+            probe.latency_s = (
+                rtt / 2 if probe.latency_s is None else 0.8 * probe.latency_s + 0.1 * rtt
+            )
+            if not probe.up:
+                probe.up = True
+                self.host.event("link_probe_recovered", peer=msg.sender)
+                self._maybe_report(probe, now)
+            return
+        m = self.measurements.get(msg.seq)
+        if m is None or m.pongs >= _MEASURE_PINGS or msg.sender != m.cmd.peer:
+            return
+        # the first round trip may include connection setup: keep the best of a few
+        m.rtt_s = rtt if m.rtt_s is None else min(m.rtt_s, rtt)
+        m.pongs += 1
+        if m.pongs < _MEASURE_PINGS:
+            self._ping(m, now)
+            return
+        if m.cmd.measure_bandwidth:
+            self._start_bulk(m, now)
+        else:
+            self._finish(m, up=True)
+
+    # -- measurements ----------------------------------------------------------------------
+
+    def on_connect(self, cmd: ConnectCommand, now: float) -> None:
+        """Starts measuring the link to ``cmd.peer`` (ping, then maybe bulk)."""
+        self.host.connect_peer(cmd.peer, cmd.address)
+        seq = next(self._seq)
+        m = Measurement(cmd=cmd, started=now, deadline=now + self.cfg.probe_timeout_s, seq=seq)
+        self.measurements[seq] = m
+        self._ping(m, now)
+
+    def _ping(self, m: Measurement, now: float) -> None:
+        m.last_ping = now
+        self.host.send(
+            m.cmd.peer, Ping(sender=self.host.node_id, epoch=self.host.epoch, seq=m.seq, t=now)
+        )
+
+    def tick_measurements(self, now: float) -> None:
+        """Retries pings of fresh connections and times measurements out."""
+        for m in list(self.measurements.values()):
+            if now >= m.deadline:
+                self._finish(m, up=m.rtt_s is not None)
+            elif m.pongs == 0 and now - m.last_ping >= _MEASURE_RETRY_S:
+                self._ping(m, now)
+        stale = [k for k, v in self.incoming.items() if now - v.first > self.cfg.probe_timeout_s]
+        for k in stale:
+            del self.incoming[k]
+
+    @property
+    def busy(self) -> bool:
+        """Whether a measurement is in progress (the loop then ticks often)."""
+        return bool(self.measurements)
+
+    def _start_bulk(self, m: Measurement, now: float) -> None:
+        chunk = self.cfg.bandwidth_probe_chunk_bytes
+        count = max(1, math.ceil(self.cfg.bandwidth_probe_bytes / chunk))
+        m.probe_id = f"{self.host.node_id}-{m.seq}"
+        m.bulk_started = time.monotonic()
+        m.bulk_bytes = count * chunk
+        for i in range(count):
+            ok = self.host.send(
+                m.cmd.peer,
+                BulkData(
+                    sender=self.host.node_id,
+                    epoch=self.host.epoch,
+                    probe_id=m.probe_id,
+                    index=i,
+                    count=count,
+                    payload=self._chunk,
+                ),
+            )
+            if not ok:
+                log.debug("bulk probe to %s: chunk %d not sent", m.cmd.peer, i)
+                break
+
+    def on_bulk_data(self, msg: BulkData, now: float) -> BulkAck | None:
+        """Counts a bulk chunk; answers the last one."""
+        inc = self.incoming.get(msg.probe_id)
+        if inc is None:
+            if len(self.incoming) >= 64:
+                return None  # bounded: never let probes eat memory
+            inc = self.incoming[msg.probe_id] = _Incoming(first=now)
+        inc.received += len(msg.payload)
+        if msg.index + 1 < msg.count:
+            return None
+        del self.incoming[msg.probe_id]
+        return BulkAck(
+            sender=self.host.node_id,
+            epoch=self.host.epoch,
+            probe_id=msg.probe_id,
+            received_bytes=inc.received,
+        )
+
+    def on_bulk_ack(self, msg: BulkAck, now: float) -> None:
+        """Completes a bandwidth measurement."""
+        for m in self.measurements.values():
+            if m.probe_id == msg.probe_id and msg.sender == m.cmd.peer:
+                elapsed = max(1e-6, time.monotonic() - m.bulk_started - (m.rtt_s or 0.0) / 2)
+                bw = msg.received_bytes * 8 / elapsed if msg.received_bytes > 0 else None
+                self._finish(m, up=True, bandwidth_bps=bw)
+                return
+
+    def _finish(self, m: Measurement, up: bool, bandwidth_bps: float | None = None) -> None:
+        self.measurements.pop(m.seq, None)
+        latency = m.rtt_s / 2 if m.rtt_s is not None else None
+        if up and m.cmd.peer in self.links:
+            self.links[m.cmd.peer].last_pong = time.monotonic()
+        self.host.event(
+            "link_measured",
+            peer=m.cmd.peer,
+            up=up,
+            latency_s=latency,
+            bandwidth_bps=bandwidth_bps,
+            op_id=m.cmd.op_id,
+        )
+        self.host.to_scheduler(
+            LinkReport(
+                sender=self.host.node_id,
+                epoch=self.host.epoch,
+                term=self.host.term,
+                peer=m.cmd.peer,
+                up=up,
+                latency_s=latency,
+                bandwidth_bps=bandwidth_bps,
+                op_id=m.cmd.op_id,
+            )
+        )

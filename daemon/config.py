@@ -1,0 +1,338 @@
+"""The daemon's configuration: one frozen dataclass, validated once.
+
+Precedence (documented once, here and in ``docs/daemon.md``): **command-line flags (and the
+``CHAOS_DAEMON_*`` environment variables, read only by the CLI) over the TOML file over the
+defaults below.** :func:`load_config` merges the three layers; nothing else re-derives defaults.
+
+TOML keys are the field names below (e.g. ``heartbeat_interval_s = 0.5``); an unknown key is an
+error, so a typo never goes unnoticed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from chaos.errors import ConfigError
+from chaos.protocol import DEFAULT_MAX_FRAME_BYTES
+
+_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_TCP_RE = re.compile(r"^tcp://([^\s:/]+|\[[0-9a-fA-F:]+\]):(\d{1,5})$")
+
+
+def default_run_dir() -> str:
+    """The default run directory: ``$TMPDIR/chaos-<uid>`` (one daemon per run directory)."""
+    base = os.environ.get("TMPDIR", "/tmp")
+    return str(Path(base) / f"chaos-{os.getuid()}")
+
+
+def check_node_id(value: str, what: str = "node id") -> str:
+    """Checks a node id (1-64 characters of ``A-Za-z0-9_.:-``).
+
+    Args:
+        value: The id.
+        what: What the id is, for the error message.
+
+    Returns:
+        The id.
+
+    Raises:
+        ConfigError: the id is invalid.
+    """
+    if not isinstance(value, str) or not _ID_RE.match(value):
+        raise ConfigError(f"invalid {what} {value!r}: use 1-64 characters of A-Za-z0-9_.:-")
+    return value
+
+
+def check_tcp_endpoint(value: str, what: str = "endpoint") -> str:
+    """Checks a ``tcp://HOST:PORT`` endpoint with a port in 1..65535.
+
+    Args:
+        value: The endpoint.
+        what: What the endpoint is, for the error message.
+
+    Returns:
+        The endpoint.
+
+    Raises:
+        ConfigError: the endpoint is invalid.
+    """
+    m = _TCP_RE.match(value) if isinstance(value, str) else None
+    if m is None or not 1 <= int(m.group(2)) <= 65535:
+        raise ConfigError(f"invalid {what} {value!r}: expected tcp://HOST:PORT, port 1-65535")
+    return value
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DaemonConfig:
+    """Configuration of one ``chaos-daemon``.
+
+    Args:
+        node_id: This node's unique id.
+        listen: TCP endpoint the daemon's ROUTER binds, ``tcp://HOST:PORT``. Peers reach it here.
+        join: A member's endpoint to join through; ``None`` starts a new cluster.
+        neighbors: Ids of the overlay neighbours wanted at join time. Empty: the node it joins
+            through.
+        heartbeat_interval_s: Heartbeat period. Lower detects failures sooner at more traffic.
+        failure_timeout_s: A member silent this long is failed (scale-in). Keep it at least
+            three heartbeat intervals on lossy links.
+        election_timeout_min_s: Lower bound of the randomized Raft election timeout
+            (``None``: ``failure_timeout_s``).
+        election_timeout_max_s: Upper bound (``None``: twice ``failure_timeout_s``). A wider range
+            avoids split votes; a narrower one elects sooner.
+        link_probe_interval_s: Period of the light latency probes on each overlay link.
+        link_failure_timeout_s: A link without a probe answer this long is reported down
+            (disconnect-link). Must exceed ``failure_timeout_s`` so that a dead node is detected
+            as a node failure first.
+        bandwidth_probe_bytes: Size of the timed bulk transfer that measures a new link. Larger is
+            more accurate on fast links and slower on slow ones.
+        bandwidth_probe_chunk_bytes: Chunk size of that transfer (must fit ``max_frame_bytes``).
+        probe_timeout_s: Give up a link measurement after this long.
+        default_bandwidth_bps: Bandwidth assumed for a link before it is measured.
+        sync_message_bytes: Gradient size assumed when comparing tree and ring sync policies.
+        per_shard_cost_s: Per-shard message cost c for the replication planner.
+        join_timeout_s: A joiner that is not admitted within this long exits with an error.
+        op_timeout_s: A primitive whose policy is not acknowledged by every member within this
+            long completes as failed.
+        leave_timeout_s: How long a graceful leave (SIGINT/SIGTERM, ``leave``) waits.
+        resource_interval_s: Period of the psutil resource samples.
+        max_frame_bytes: Largest accepted frame; bigger ones are refused (``too_large``).
+        metrics_port: Serve Prometheus metrics on this port (``None``: off).
+        run_dir: Directory of the IPC socket and the default event log.
+        ipc_endpoint: Local endpoint for the CLI and the trainer (``None``:
+            ``ipc://<run_dir>/daemon.ipc``).
+        event_log: JSONL event log path (``None``: ``<run_dir>/events-<node_id>.jsonl``).
+        faults: Named transport faults active from the start, e.g. ``["drop_to:n2"]``
+            (test and harness use only).
+
+    Raises:
+        ConfigError: any value is invalid or the values are inconsistent.
+    """
+
+    node_id: str
+    listen: str
+    join: str | None = None
+    neighbors: tuple[str, ...] = ()
+    heartbeat_interval_s: float = 0.5
+    failure_timeout_s: float = 1.5
+    election_timeout_min_s: float | None = None
+    election_timeout_max_s: float | None = None
+    link_probe_interval_s: float = 1.0
+    link_failure_timeout_s: float = 3.0
+    bandwidth_probe_bytes: int = 4 << 20
+    bandwidth_probe_chunk_bytes: int = 256 << 10
+    probe_timeout_s: float = 5.0
+    default_bandwidth_bps: float = 100e6
+    sync_message_bytes: int = 100 << 20
+    per_shard_cost_s: float = 1e-4
+    join_timeout_s: float = 30.0
+    op_timeout_s: float = 10.0
+    leave_timeout_s: float = 5.0
+    resource_interval_s: float = 5.0
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    metrics_port: int | None = None
+    run_dir: str = field(default_factory=default_run_dir)
+    ipc_endpoint: str | None = None
+    event_log: str | None = None
+    faults: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_node_id(self.node_id)
+        check_tcp_endpoint(self.listen, "listen endpoint")
+        if self.join is not None:
+            check_tcp_endpoint(self.join, "join endpoint")
+            if self.join == self.listen:
+                raise ConfigError("--join must name another daemon, not this one's --listen")
+        if not isinstance(self.neighbors, tuple):
+            raise ConfigError("neighbors must be a tuple of node ids")
+        for n in self.neighbors:
+            check_node_id(n, "neighbor id")
+        if self.node_id in self.neighbors:
+            raise ConfigError("a node cannot be its own neighbor")
+        for name in (
+            "heartbeat_interval_s",
+            "failure_timeout_s",
+            "link_probe_interval_s",
+            "link_failure_timeout_s",
+            "probe_timeout_s",
+            "default_bandwidth_bps",
+            "per_shard_cost_s",
+            "join_timeout_s",
+            "op_timeout_s",
+            "leave_timeout_s",
+            "resource_interval_s",
+        ):
+            _positive(name, getattr(self, name))
+        for name in ("election_timeout_min_s", "election_timeout_max_s"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        for name in (
+            "bandwidth_probe_bytes",
+            "bandwidth_probe_chunk_bytes",
+            "sync_message_bytes",
+            "max_frame_bytes",
+        ):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        self._check_consistency()
+
+    def _check_consistency(self) -> None:
+        if self.failure_timeout_s <= 2 * self.heartbeat_interval_s:
+            raise ConfigError(
+                f"failure_timeout_s ({self.failure_timeout_s}) must exceed twice "
+                f"heartbeat_interval_s ({self.heartbeat_interval_s})"
+            )
+        lo, hi = self.election_timeout_range_s
+        if lo < self.failure_timeout_s or hi < lo:
+            raise ConfigError(
+                f"election timeouts must satisfy failure_timeout_s <= min <= max, got {lo}, {hi}"
+            )
+        if self.link_failure_timeout_s <= self.failure_timeout_s:
+            raise ConfigError("link_failure_timeout_s must exceed failure_timeout_s")
+        if self.bandwidth_probe_chunk_bytes + 4096 > self.max_frame_bytes:
+            raise ConfigError("bandwidth_probe_chunk_bytes must fit max_frame_bytes - 4096")
+        if self.max_frame_bytes < 16 << 10:
+            raise ConfigError("max_frame_bytes must be at least 16 KiB")
+        if self.metrics_port is not None and (
+            isinstance(self.metrics_port, bool)
+            or not isinstance(self.metrics_port, int)
+            or not 1 <= self.metrics_port <= 65535
+        ):
+            raise ConfigError(f"metrics_port must be in 1..65535, got {self.metrics_port!r}")
+        if self.ipc_endpoint is not None and not self.ipc_endpoint.startswith("ipc://"):
+            raise ConfigError(f"ipc_endpoint must start with ipc://, got {self.ipc_endpoint!r}")
+        for f in self.faults:
+            _parse_fault_spec(f)
+
+    @property
+    def election_timeout_range_s(self) -> tuple[float, float]:
+        """The randomized election timeout range ``(min, max)`` in seconds."""
+        lo = self.election_timeout_min_s
+        if lo is None:
+            lo = self.failure_timeout_s
+        hi = self.election_timeout_max_s
+        if hi is None:
+            hi = max(lo, 2 * self.failure_timeout_s)
+        return lo, hi
+
+    @property
+    def leader_stickiness_s(self) -> float:
+        """A member that heard its scheduler this recently denies votes (Raft section 6)."""
+        return 2 * self.heartbeat_interval_s
+
+    @property
+    def resolved_ipc_endpoint(self) -> str:
+        """The IPC endpoint actually bound."""
+        return self.ipc_endpoint or ipc_endpoint_for(self.run_dir)
+
+    @property
+    def resolved_event_log(self) -> str:
+        """The event log path actually written."""
+        return self.event_log or str(Path(self.run_dir) / f"events-{self.node_id}.jsonl")
+
+
+def ipc_endpoint_for(run_dir: str) -> str:
+    """The default IPC endpoint of the daemon whose run directory is ``run_dir``."""
+    return f"ipc://{Path(run_dir) / 'daemon.ipc'}"
+
+
+def _parse_fault_spec(spec: str) -> tuple[str, list[str]]:
+    name, _, rest = spec.partition(":")
+    if name not in ("drop_to", "drop_from", "cut_link", "partition"):
+        raise ConfigError(f"unknown fault {name!r} in {spec!r}")
+    peers = [p for p in rest.split(",") if p]
+    for p in peers:
+        check_node_id(p, "fault peer id")
+    return name, peers
+
+
+def parse_fault_spec(spec: str) -> tuple[str, list[str]]:
+    """Parses ``NAME:PEER,PEER`` (e.g. ``cut_link:n2``).
+
+    Args:
+        spec: The fault spec.
+
+    Returns:
+        The fault name and its peers.
+
+    Raises:
+        ConfigError: unknown fault or bad peer id.
+    """
+    return _parse_fault_spec(spec)
+
+
+_TUPLE_FIELDS = {"neighbors", "faults"}
+_FIELDS = {f.name for f in dataclasses.fields(DaemonConfig)}
+
+
+def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Reads a daemon TOML file (flat keys, or under a ``[daemon]`` table).
+
+    Args:
+        path: The file.
+
+    Returns:
+        The settings it holds, keyed by :class:`DaemonConfig` field name.
+
+    Raises:
+        ConfigError: unreadable file, bad TOML, or an unknown key.
+    """
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"bad TOML in {path}: {exc}") from exc
+    if isinstance(data.get("daemon"), dict):
+        data = data["daemon"]
+    unknown = sorted(set(data) - _FIELDS)
+    if unknown:
+        raise ConfigError(f"unknown key(s) in {path}: {', '.join(unknown)}")
+    return {
+        k: (tuple(v) if k in _TUPLE_FIELDS and isinstance(v, list) else v) for k, v in data.items()
+    }
+
+
+def load_config(cli: Mapping[str, Any], file: str | os.PathLike[str] | None = None) -> DaemonConfig:
+    """Merges the layers: CLI values (``None`` means unset) over the file over the defaults.
+
+    Args:
+        cli: Settings from the command line, keyed by field name.
+        file: Optional TOML file.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ConfigError: bad file, unknown key, or invalid/missing values.
+    """
+    merged: dict[str, Any] = read_toml(file) if file is not None else {}
+    for key, value in cli.items():
+        if key not in _FIELDS:
+            raise ConfigError(f"unknown setting {key!r}")
+        if value is not None and value != ():
+            merged[key] = value
+    for required in ("node_id", "listen"):
+        if required not in merged:
+            raise ConfigError(f"missing required setting {required!r} (flag or config file)")
+    try:
+        return DaemonConfig(**merged)
+    except TypeError as exc:
+        raise ConfigError(str(exc)) from exc

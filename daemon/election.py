@@ -1,0 +1,164 @@
+"""Raft election rules for choosing the scheduler (no I/O: it returns messages to send).
+
+* Terms only grow; a message from a higher term makes any role a follower of that term.
+* One vote per term, first come first served, and only for a candidate whose view epoch is at
+  least the voter's (the cluster view plays the part of Raft's log).
+* A candidate wins with votes from a strict majority of its current membership.
+* A member that heard a live scheduler within :attr:`DaemonConfig.leader_stickiness_s` denies
+  votes (Raft section 6), so a node that was cut off cannot depose a healthy scheduler when it
+  comes back; a leadership transfer (``TimeoutNow``) is exempt.
+* Election timeouts are randomized in ``election_timeout_range_s``.
+
+A member without a scheduler, or a candidate, is *paused*: it makes no changes. A minority side of
+a partition therefore pauses: its candidates never gather a majority.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Collection
+
+from chaos.daemon.config import DaemonConfig
+from chaos.daemon.states import Role
+
+from chaos.protocol import RequestVote, VoteReply
+
+
+class Election:
+    """One node's election state.
+
+    Args:
+        node_id: This node.
+        cfg: Timeouts come from here.
+        rng: Randomness for the election timeouts (seed it in tests).
+    """
+
+    def __init__(self, node_id: str, cfg: DaemonConfig, rng: random.Random | None = None) -> None:
+        self.node_id = node_id
+        self.cfg = cfg
+        self.rng = rng or random.Random()
+        self.term = 0
+        self.voted_for: str | None = None
+        self.role = Role.FOLLOWER
+        self.leader: str | None = None
+        self.last_leader_contact = float("-inf")
+        self.votes: set[str] = set()
+        self.deadline = float("inf")
+
+    @property
+    def paused(self) -> bool:
+        """Whether this node knows no scheduler (and so makes no changes)."""
+        return self.role != Role.SCHEDULER and self.leader is None
+
+    def reset_deadline(self, now: float) -> None:
+        """Arms the randomized election timeout from ``now``."""
+        lo, hi = self.cfg.election_timeout_range_s
+        self.deadline = now + self.rng.uniform(lo, hi)
+
+    def disarm(self) -> None:
+        """Stops the election timer (joining or leaving nodes do not run elections)."""
+        self.deadline = float("inf")
+
+    def step_down(self, term: int, now: float) -> None:
+        """Becomes a follower without a known scheduler, adopting ``term`` if higher."""
+        if term > self.term:
+            self.term = term
+            self.voted_for = None
+        self.role = Role.FOLLOWER
+        self.leader = None
+        self.votes.clear()
+        self.reset_deadline(now)
+
+    def start(self, now: float, epoch: int, transfer: bool = False) -> RequestVote:
+        """Starts an election: a new term, a vote for itself.
+
+        Args:
+            now: Monotonic time.
+            epoch: This node's view epoch (voters with a newer view refuse).
+            transfer: A leadership transfer, exempt from leader stickiness.
+
+        Returns:
+            The vote request to send to every other member.
+        """
+        self.term += 1
+        self.role = Role.CANDIDATE
+        self.voted_for = self.node_id
+        self.votes = {self.node_id}
+        self.leader = None
+        self.reset_deadline(now)
+        return RequestVote(sender=self.node_id, epoch=epoch, term=self.term, transfer=transfer)
+
+    def has_majority(self, members: Collection[str]) -> bool:
+        """Whether the votes are a strict majority of ``members``."""
+        return 2 * len(self.votes & set(members)) > len(members)
+
+    def on_request_vote(self, msg: RequestVote, now: float, epoch: int) -> VoteReply:
+        """Applies the voting rules.
+
+        Args:
+            msg: The request (its sender is a member: validation checked).
+            now: Monotonic time.
+            epoch: This node's view epoch.
+
+        Returns:
+            The reply.
+        """
+        heard_recently = now - self.last_leader_contact < self.cfg.leader_stickiness_s
+        sticky = self.role == Role.SCHEDULER or (self.leader is not None and heard_recently)
+        if msg.term < self.term or (sticky and not msg.transfer):
+            return VoteReply(sender=self.node_id, epoch=epoch, term=self.term, granted=False)
+        if msg.term > self.term:
+            self.step_down(msg.term, now)
+        grant = self.voted_for in (None, msg.sender) and msg.epoch >= epoch
+        if grant:
+            self.voted_for = msg.sender
+            self.reset_deadline(now)
+        return VoteReply(sender=self.node_id, epoch=epoch, term=self.term, granted=grant)
+
+    def on_vote_reply(self, msg: VoteReply, now: float, members: Collection[str]) -> bool:
+        """Counts a vote.
+
+        Returns:
+            ``True`` when this vote made the candidate win.
+        """
+        if msg.term > self.term:
+            self.step_down(msg.term, now)
+            return False
+        if self.role != Role.CANDIDATE or msg.term != self.term or not msg.granted:
+            return False
+        self.votes.add(msg.sender)
+        return self.has_majority(members)
+
+    def become_scheduler(self, now: float) -> None:
+        """Takes the scheduler role for the current term."""
+        self.role = Role.SCHEDULER
+        self.leader = self.node_id
+        self.last_leader_contact = now
+        self.disarm()
+
+    def on_leader(self, term: int, leader: str, now: float) -> bool:
+        """Records a scheduler's heartbeat or command (term already checked as not stale).
+
+        Returns:
+            ``True`` if the scheduler or term changed.
+        """
+        changed = term != self.term or leader != self.leader
+        if term > self.term:
+            self.term = term
+            self.voted_for = None
+        self.role = Role.FOLLOWER
+        self.leader = leader
+        self.votes.clear()
+        self.last_leader_contact = now
+        self.reset_deadline(now)
+        return changed
+
+    def adopt(self, term: int, leader: str | None, now: float) -> None:
+        """A (re)joining node takes the cluster's term as its own, even if lower."""
+        self.term = term
+        self.voted_for = None
+        self.role = Role.FOLLOWER
+        self.leader = leader
+        self.votes.clear()
+        self.last_leader_contact = now
+        self.reset_deadline(now)

@@ -1,0 +1,78 @@
+"""Append-only JSONL event log.
+
+One JSON object per line: ``{"ts": <unix seconds>, "node": <id>, "event": <name>, ...fields}``.
+Lines are flushed as written, so a harness can tail the file while the daemon runs. Event names
+are listed in ``docs/daemon.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+
+log = logging.getLogger("chaos.daemon.events")
+
+
+class EventLog:
+    """Writes events for one node.
+
+    Args:
+        path: The JSONL file; created with its parent directory, appended to if it exists.
+        node_id: The node every event is stamped with.
+
+    Raises:
+        OSError: the file cannot be opened.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], node_id: str) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._fh: IO[bytes] | None = open(path, "ab")  # noqa: SIM115 - closed in close()
+        self._node = node_id
+        self._enc = msgspec.json.Encoder()
+        self.path = str(path)
+
+    def emit(self, event: str, **fields: Any) -> None:
+        """Appends one event stamped with the wall-clock time.
+
+        Args:
+            event: Event name, e.g. ``"view_installed"``.
+            **fields: JSON-serializable details.
+        """
+        if self._fh is None:
+            return
+        record = {"ts": time.time(), "node": self._node, "event": event, **fields}
+        try:
+            self._fh.write(self._enc.encode(record) + b"\n")
+            self._fh.flush()
+        except (OSError, TypeError) as exc:  # never let the log take the daemon down
+            log.warning("event log write failed: %s", exc)
+
+    def close(self) -> None:
+        """Closes the file; later events are ignored."""
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+
+def read_events(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Reads an event log, skipping a torn last line.
+
+    Args:
+        path: The JSONL file.
+
+    Returns:
+        The events in order.
+    """
+    out: list[dict[str, Any]] = []
+    with open(path, "rb") as fh:
+        for line in fh:
+            try:
+                out.append(msgspec.json.decode(line))
+            except msgspec.DecodeError:
+                continue
+    return out

@@ -1,0 +1,182 @@
+"""The cluster monitor (paper IV-A): a networkx graph of nodes and overlay links.
+
+Nodes carry ``address``, ``state`` (:class:`~chaos.daemon.states.NodeState`), ``joined_at`` and
+``resources``; a node's neighbours are its graph neighbours over links that are up. Links carry
+``bandwidth_bps``, ``latency_s``, ``tau_sync_s`` and ``up``. The monitor holds no sockets; the
+negotiator edits it and turns it into a :class:`~chaos.protocol.ClusterView`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import networkx as nx
+from chaos.daemon.states import NODE_TRANSITIONS, NodeState
+from chaos.scheduling.sync_policy import LinkEstimate
+
+from chaos.errors import ChaosError
+from chaos.protocol import ClusterView, LinkInfo, NodeInfo, Resources
+
+
+class ClusterMonitor:
+    """The scheduler's view of the cluster topology and network resources."""
+
+    def __init__(self) -> None:
+        self.g: nx.Graph = nx.Graph()
+
+    # -- nodes -----------------------------------------------------------------------------
+
+    def add_node(self, node_id: str, address: str, state: NodeState, joined_at: float) -> None:
+        """Adds (or replaces) a node without links."""
+        if node_id in self.g:
+            self.g.remove_node(node_id)
+        self.g.add_node(node_id, address=address, state=state, joined_at=joined_at, resources=None)
+
+    def remove_node(self, node_id: str) -> None:
+        """Removes a node and its links (no-op if absent)."""
+        if node_id in self.g:
+            self.g.remove_node(node_id)
+
+    def set_state(self, node_id: str, state: NodeState) -> None:
+        """Moves a node to ``state``.
+
+        Raises:
+            ChaosError: unknown node or a transition the state machine does not allow.
+        """
+        cur: NodeState = self.g.nodes[node_id]["state"]
+        if state != cur and state not in NODE_TRANSITIONS[cur]:
+            raise ChaosError(f"node {node_id}: transition {cur.value} -> {state.value} not allowed")
+        self.g.nodes[node_id]["state"] = state
+
+    def set_resources(self, node_id: str, resources: Resources | None) -> None:
+        """Records a node's latest resource report."""
+        if node_id in self.g and resources is not None:
+            self.g.nodes[node_id]["resources"] = resources
+
+    def has(self, node_id: str) -> bool:
+        """Whether the node is in the view."""
+        return node_id in self.g
+
+    def state(self, node_id: str) -> NodeState:
+        """The node's state (KeyError if unknown)."""
+        s: NodeState = self.g.nodes[node_id]["state"]
+        return s
+
+    def address(self, node_id: str) -> str:
+        """The node's address (KeyError if unknown)."""
+        a: str = self.g.nodes[node_id]["address"]
+        return a
+
+    def members(self, states: tuple[NodeState, ...] = (NodeState.ACTIVE,)) -> list[str]:
+        """Sorted ids of the nodes in ``states``."""
+        return sorted(n for n, d in self.g.nodes(data=True) if d["state"] in states)
+
+    def neighbors(self, node_id: str) -> list[str]:
+        """Sorted ids of the node's neighbours over links that are up."""
+        if node_id not in self.g:
+            return []
+        return sorted(v for v in self.g.neighbors(node_id) if self.g.edges[node_id, v]["up"])
+
+    # -- links -----------------------------------------------------------------------------
+
+    def set_link(
+        self,
+        a: str,
+        b: str,
+        *,
+        up: bool = True,
+        latency_s: float | None = None,
+        bandwidth_bps: float | None = None,
+    ) -> None:
+        """Adds or updates a link; ``None`` measurements keep the previous value."""
+        if a not in self.g or b not in self.g or a == b:
+            return
+        old: dict[str, Any] = dict(self.g.edges[a, b]) if self.g.has_edge(a, b) else {}
+        self.g.add_edge(
+            a,
+            b,
+            up=up,
+            latency_s=latency_s if latency_s is not None else old.get("latency_s"),
+            bandwidth_bps=bandwidth_bps if bandwidth_bps is not None else old.get("bandwidth_bps"),
+            tau_sync_s=old.get("tau_sync_s"),
+        )
+
+    def remove_link(self, a: str, b: str) -> bool:
+        """Removes a link; returns whether it existed."""
+        if self.g.has_edge(a, b):
+            self.g.remove_edge(a, b)
+            return True
+        return False
+
+    def link(self, a: str, b: str) -> dict[str, Any] | None:
+        """The link's attributes, or ``None``."""
+        return dict(self.g.edges[a, b]) if self.g.has_edge(a, b) else None
+
+    def up_links(self, members: list[str]) -> list[LinkEstimate]:
+        """The links that are up between ``members``, for the sync policy."""
+        ms = set(members)
+        return [
+            LinkEstimate(a, b, d.get("bandwidth_bps"), d.get("latency_s"))
+            for a, b, d in self.g.edges(data=True)
+            if d["up"] and a in ms and b in ms
+        ]
+
+    def connected_without(self, a: str, b: str) -> bool:
+        """Whether the active members stay connected over up links if ``a-b`` is removed."""
+        members = self.members()
+        h = nx.Graph()
+        h.add_nodes_from(members)
+        h.add_edges_from(
+            (u, v)
+            for u, v, d in self.g.edges(data=True)
+            if d["up"] and {u, v} != {a, b} and u in h and v in h
+        )
+        return len(members) <= 1 or nx.is_connected(h)
+
+    # -- views -----------------------------------------------------------------------------
+
+    def to_view(self, epoch: int, term: int, scheduler: str | None) -> ClusterView:
+        """The view of the nodes that are joining or active, and their links."""
+        keep = set(self.members((NodeState.ACTIVE, NodeState.JOINING)))
+        nodes = [
+            NodeInfo(
+                id=n,
+                address=d["address"],
+                state=d["state"].value,
+                joined_at=d["joined_at"],
+                neighbors=self.neighbors(n),
+                resources=d["resources"],
+            )
+            for n, d in sorted(self.g.nodes(data=True))
+            if n in keep
+        ]
+        links = [
+            LinkInfo(
+                a=min(a, b),
+                b=max(a, b),
+                bandwidth_bps=d.get("bandwidth_bps"),
+                latency_s=d.get("latency_s"),
+                tau_sync_s=d.get("tau_sync_s"),
+                up=d["up"],
+            )
+            for a, b, d in sorted(self.g.edges(data=True), key=lambda e: (min(e[:2]), max(e[:2])))
+            if a in keep and b in keep
+        ]
+        return ClusterView(epoch=epoch, term=term, scheduler=scheduler, nodes=nodes, links=links)
+
+    @classmethod
+    def from_view(cls, view: ClusterView) -> ClusterMonitor:
+        """Rebuilds a monitor from a view (a new scheduler starts from its last copy)."""
+        m = cls()
+        for n in view.nodes:
+            m.add_node(n.id, n.address, NodeState(n.state), n.joined_at)
+            m.set_resources(n.id, n.resources)
+        for link in view.links:
+            m.set_link(
+                link.a,
+                link.b,
+                up=link.up,
+                latency_s=link.latency_s,
+                bandwidth_bps=link.bandwidth_bps,
+            )
+        return m

@@ -1,0 +1,823 @@
+"""The daemon: one single-threaded event loop over ZeroMQ sockets and a few timers.
+
+The loop polls the sockets with a timeout equal to the time to the next timer (heartbeat, link
+probe, election timeout, failure check, housekeeping), so an idle daemon sleeps in ``zmq_poll``.
+Every inbound frame goes through :func:`chaos.protocol.validate` and then to one handler chosen by
+message type. Messages a node sends to itself (the scheduler is also a member) go through a local
+queue, never through recursion.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from chaos.daemon.agent import Agent
+from chaos.daemon.config import DaemonConfig, parse_fault_spec
+from chaos.daemon.election import Election
+from chaos.daemon.events import EventLog
+from chaos.daemon.metrics import Metrics
+from chaos.daemon.negotiator import Negotiator
+from chaos.daemon.states import DAEMON_TRANSITIONS, DaemonState, Role
+from chaos.daemon.transport import FaultInjector, Inbound, ReplyPath, Transport
+
+from chaos.errors import ChaosError
+from chaos.protocol import (
+    AgentReport,
+    BulkAck,
+    BulkData,
+    ClusterUpdate,
+    ClusterView,
+    ConnectCommand,
+    FaultCommand,
+    FaultReply,
+    JoinRequest,
+    LeaderHeartbeat,
+    LeaveCommand,
+    LeaveRequest,
+    LinkCommand,
+    LinkReport,
+    LinkRequest,
+    MemberHeartbeat,
+    Message,
+    OpResult,
+    Ping,
+    PolicyAck,
+    PolicyReply,
+    PolicyRequest,
+    Pong,
+    Reason,
+    Refusal,
+    Rejected,
+    RequestVote,
+    StatusReply,
+    StatusRequest,
+    TimeoutNow,
+    ValidationContext,
+    VoteReply,
+    encode,
+    refusal,
+    tag_of,
+    validate,
+)
+
+log = logging.getLogger("chaos.daemon")
+
+_HOUSEKEEPING_S = 0.1
+_MEASURE_TICK_S = 0.005
+_MAX_POLL_S = 1.0
+
+Handler = Callable[[Any, ReplyPath | None, float], None]
+
+
+@dataclass
+class _ClientOp:
+    reply: ReplyPath | None
+    deadline: float
+
+
+class Daemon:
+    """One ``chaos-daemon``.
+
+    Args:
+        cfg: The validated configuration.
+        rng: Randomness for election timeouts (seed it in tests).
+
+    Raises:
+        ConfigError: an endpoint cannot be bound.
+        OSError: the event log cannot be opened.
+    """
+
+    def __init__(self, cfg: DaemonConfig, rng: random.Random | None = None) -> None:
+        self.cfg = cfg
+        self.node_id = cfg.node_id
+        self.address = cfg.listen
+        self.faults = FaultInjector()
+        for spec in cfg.faults:
+            name, peers = parse_fault_spec(spec)
+            self.faults.apply(name, peers)
+        self.events = EventLog(cfg.resolved_event_log, cfg.node_id)
+        self.metrics = Metrics(cfg.node_id, cfg.metrics_port)
+        self.transport = Transport(
+            cfg.listen, cfg.resolved_ipc_endpoint, cfg.max_frame_bytes, self.faults
+        )
+        self.election = Election(cfg.node_id, cfg, rng)
+        self.agent = Agent(self, cfg)
+        self.negotiator: Negotiator | None = None
+        self.state = DaemonState.STARTING
+        self.view: ClusterView | None = None
+        self.update: ClusterUpdate | None = None
+        self._local: deque[Message] = deque()
+        self._clients: dict[str, _ClientOp] = {}
+        self._leave_op = ""
+        self._leave_reply: ReplyPath | None = None
+        self._leave_deadline = float("inf")
+        self._join_contact = cfg.join
+        self._join_deadline = float("inf")
+        self._next_join = float("inf")
+        self._prev_leader: tuple[str, float] | None = None
+        self._stop = False
+        self._leave_requested = False
+        self.exit_code = 0
+        self.refused = 0
+        self._due: dict[str, float] = {}
+        self._handlers: dict[type, Handler] = self._handler_table()
+
+    # -- small API used by the agent and the negotiator -------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The installed view's epoch (0 before any)."""
+        return self.view.epoch if self.view is not None else 0
+
+    @property
+    def term(self) -> int:
+        """The current election term."""
+        return self.election.term
+
+    @property
+    def is_scheduler(self) -> bool:
+        """Whether this node is the scheduler."""
+        return self.election.role == Role.SCHEDULER and self.negotiator is not None
+
+    def members(self) -> list[str]:
+        """Current membership (the scheduler's monitor, else the installed view)."""
+        if self.negotiator is not None:
+            return self.negotiator.monitor.members()
+        return [n.id for n in self.view.nodes] if self.view is not None else []
+
+    def send(self, peer: str, msg: Message) -> bool:
+        """Sends to a peer (to itself through the local queue)."""
+        if peer == self.node_id:
+            self._local.append(msg)
+            return True
+        return self.transport.send_peer(peer, encode(msg))
+
+    def broadcast(self, peers: dict[str, str], msg: Message) -> None:
+        """Sends one message to several peers (id -> address), encoding it once."""
+        frame = encode(msg)
+        for peer, address in peers.items():
+            if peer == self.node_id:
+                self._local.append(msg)
+            else:
+                self.transport.ensure_peer(peer, address)
+                self.transport.send_peer(peer, frame)
+
+    def to_scheduler(self, msg: Message) -> bool:
+        """Sends to the scheduler; ``False`` when none is known."""
+        leader = self.node_id if self.is_scheduler else self.election.leader
+        return leader is not None and self.send(leader, msg)
+
+    def respond(self, reply: ReplyPath | None, msg: Message) -> None:
+        """Answers on an inbound frame's path (``None``: a local message)."""
+        if reply is None:
+            self._local.append(msg)
+        else:
+            self.transport.reply(reply, encode(msg))
+
+    def send_to_address(self, peer: str, address: str, msg: Message) -> None:
+        """Opens a DEALER to ``peer`` if needed and sends."""
+        self.transport.ensure_peer(peer, address)
+        self.send(peer, msg)
+
+    def connect_peer(self, peer: str, address: str) -> None:
+        """Opens the DEALER to ``peer``."""
+        if peer != self.node_id:
+            self.transport.ensure_peer(peer, address)
+
+    def event(self, name: str, **fields: object) -> None:
+        """Logs an event to the JSONL log and the ``logging`` module."""
+        self.events.emit(name, **fields)
+        log.info("%s %s %s", self.node_id, name, fields if fields else "")
+
+    def observe_primitive(self, name: str, seconds: float) -> None:
+        """Records a primitive's control-path time."""
+        self.metrics.primitive(name, seconds)
+
+    def lost_quorum(self) -> None:
+        """The scheduler no longer hears a majority: step down and pause."""
+        self.negotiator = None
+        self.election.step_down(self.election.term, time.monotonic())
+        self.event("paused", reason="no majority heard", term=self.term)
+
+    def request_leave(self) -> None:
+        """Asks the loop to leave gracefully (safe from a signal handler)."""
+        self._leave_requested = True
+
+    def _set_state(self, state: DaemonState) -> None:
+        if state != self.state and state not in DAEMON_TRANSITIONS[self.state]:
+            raise ChaosError(f"daemon state {self.state.value} -> {state.value} not allowed")
+        self.state = state
+
+    # -- loop ------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Runs until the node left or failed to join.
+
+        Returns:
+            The exit code: 0 after a leave, 3 if the join was refused, 4 if it timed out.
+        """
+        now = time.monotonic()
+        self.event(
+            "started", address=self.address, ipc=self.transport.ipc_endpoint, join=self.cfg.join
+        )
+        if self.cfg.join is None:
+            self._set_state(DaemonState.ACTIVE)
+            self._become_scheduler(now, bootstrap=True)
+        else:
+            self._begin_join(now, self.cfg.join, list(self.cfg.neighbors))
+            self._join_deadline = now + self.cfg.join_timeout_s
+        try:
+            while not self._stop:
+                self._step()
+        finally:
+            self.event("stopped", exit_code=self.exit_code)
+            self.transport.close(linger_s=0.2)
+            self.events.close()
+        return self.exit_code
+
+    def _step(self) -> None:
+        now = time.monotonic()
+        if self._leave_requested:
+            self._leave_requested = False
+            self._start_leave(None, now)
+        self._run_timers(now)
+        timeout = 0.0 if self._local else max(0.0, min(self._due.values()) - time.monotonic())
+        for inbound in self.transport.poll(min(timeout, _MAX_POLL_S)):
+            self._on_frame(inbound)
+        while self._local and not self._stop:
+            self._dispatch(self._local.popleft(), None, time.monotonic())
+
+    def _run_timers(self, now: float) -> None:
+        due = self._due
+        if now >= due.get("heartbeat", 0.0):
+            due["heartbeat"] = now + self.cfg.heartbeat_interval_s
+            self._heartbeat(now)
+        if now >= due.get("probe", 0.0):
+            due["probe"] = now + self.cfg.link_probe_interval_s
+            if self.state == DaemonState.ACTIVE:
+                self.agent.probe_links(now)
+        if now >= due.get("resources", 0.0):
+            due["resources"] = now + self.cfg.resource_interval_s
+            self.agent.sample_resources()
+        if now >= due.get("housekeeping", 0.0):
+            due["housekeeping"] = now + _HOUSEKEEPING_S
+            self._housekeeping(now)
+        if self.agent.busy:
+            self.agent.tick_measurements(now)
+        due["measure"] = now + _MEASURE_TICK_S if self.agent.busy else now + _MAX_POLL_S
+        if self.state == DaemonState.ACTIVE and not self.is_scheduler:
+            if now >= self.election.deadline:
+                self._start_election(now)
+            due["election"] = self.election.deadline
+        else:
+            due["election"] = now + _MAX_POLL_S
+        if self.negotiator is not None:
+            nxt = min(self.negotiator.next_failure_deadline(), self.negotiator.rebuild_deadline)
+            if now >= nxt or now >= due.get("failures", 0.0):
+                self.negotiator.check_failures(now)
+            if self.negotiator is not None:
+                due["failures"] = max(
+                    now + 0.001,
+                    min(
+                        self.negotiator.next_failure_deadline(), now + self.cfg.heartbeat_interval_s
+                    ),
+                )
+        else:
+            due["failures"] = now + _MAX_POLL_S
+
+    def _heartbeat(self, now: float) -> None:
+        if self.is_scheduler and self.negotiator is not None:
+            self.election.last_leader_contact = now
+            self.negotiator.on_heartbeat(self.node_id, self.agent.resources, now)
+            hb = LeaderHeartbeat(sender=self.node_id, epoch=self.epoch, term=self.term)
+            frame = encode(hb)
+            for m in self.members():
+                if m != self.node_id:
+                    self.transport.send_peer(m, frame)
+        elif self.state == DaemonState.ACTIVE and self.election.leader is not None:
+            self.to_scheduler(
+                MemberHeartbeat(
+                    sender=self.node_id,
+                    epoch=self.epoch,
+                    term=self.term,
+                    resources=self.agent.resources,
+                )
+            )
+        self.metrics.state(
+            self.epoch, self.term, len(self.members()), self.is_scheduler, self._paused
+        )
+
+    def _housekeeping(self, now: float) -> None:
+        if self.negotiator is not None:
+            self.negotiator.tick(now)
+        for op_id, op in list(self._clients.items()):
+            if now > op.deadline:
+                del self._clients[op_id]
+                self.respond(
+                    op.reply,
+                    OpResult(
+                        sender=self.node_id,
+                        epoch=self.epoch,
+                        op_id=op_id,
+                        ok=False,
+                        reason=Reason.TIMEOUT,
+                        detail="no answer from the scheduler",
+                    ),
+                )
+        if self.state == DaemonState.JOINING:
+            if now > self._join_deadline:
+                self.event("join_failed", reason=Reason.TIMEOUT)
+                log.error("join timed out after %.1f s", self.cfg.join_timeout_s)
+                self._finish(4)
+            elif now >= self._next_join:
+                self._send_join(now)
+        if self.state == DaemonState.LEAVING and now > self._leave_deadline:
+            self.event("left", ok=False, reason=Reason.TIMEOUT)
+            self._finish_leave(ok=False, reason=Reason.TIMEOUT)
+
+    @property
+    def _paused(self) -> bool:
+        return self.state == DaemonState.ACTIVE and self.election.paused
+
+    # -- frames ----------------------------------------------------------------------------
+
+    def _context(self) -> ValidationContext:
+        return ValidationContext(
+            max_frame_bytes=self.cfg.max_frame_bytes,
+            epoch=self.epoch,
+            term=self.term,
+            members=frozenset(self.members()),
+            is_scheduler=self.is_scheduler,
+            paused=self._paused,
+            joining=self.state == DaemonState.JOINING,
+            node_id=self.node_id,
+        )
+
+    def _on_frame(self, inbound: Inbound) -> None:
+        now = time.monotonic()
+        ctx = self._context()
+        if inbound.frame is None:
+            result: Message | Rejected = Rejected(
+                refusal(Reason.MALFORMED, ctx, "expected one payload frame")
+            )
+        else:
+            result = validate(inbound.frame, ctx)
+        if isinstance(result, Rejected):
+            self.refused += 1
+            self.metrics.refused(result.refusal.reason)
+            log.debug("refused %s: %s", result.refusal.reason, result.refusal.detail)
+            self.transport.reply(inbound.reply, encode(result.refusal))
+            return
+        if self.faults.blocks_in(result.sender):
+            self.faults.dropped += 1
+            return
+        self.metrics.message(tag_of(result))
+        self._dispatch(result, inbound.reply, now)
+
+    def _dispatch(self, msg: Message, reply: ReplyPath | None, now: float) -> None:
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            return
+        try:
+            handler(msg, reply, now)
+        except Exception as exc:  # a bug must not take the control plane down
+            log.exception("handler for %s failed", tag_of(msg))
+            self.events.emit("handler_error", type=tag_of(msg), error=repr(exc)[:300])
+
+    def _handler_table(self) -> dict[type, Handler]:
+        return {
+            LeaderHeartbeat: self._on_leader_heartbeat,
+            MemberHeartbeat: self._on_member_heartbeat,
+            RequestVote: self._on_request_vote,
+            VoteReply: self._on_vote_reply,
+            TimeoutNow: self._on_timeout_now,
+            JoinRequest: self._on_join,
+            LeaveRequest: self._scheduler_only(lambda n, m, r, t: n.on_leave(m, r, t)),
+            LinkRequest: self._scheduler_only(lambda n, m, r, t: n.on_link_request(m, r, t)),
+            LinkReport: self._scheduler_only(lambda n, m, r, t: n.on_link_report(m, t)),
+            AgentReport: self._scheduler_only(lambda n, m, r, t: n.on_agent_report(m, t)),
+            PolicyAck: self._scheduler_only(lambda n, m, r, t: n.on_ack(m, t)),
+            ConnectCommand: lambda m, r, t: self.agent.on_connect(m, t),
+            ClusterUpdate: self._on_cluster_update,
+            Ping: self._on_ping,
+            Pong: lambda m, r, t: self.agent.on_pong(m, t),
+            BulkData: self._on_bulk_data,
+            BulkAck: lambda m, r, t: self.agent.on_bulk_ack(m, t),
+            OpResult: self._on_op_result,
+            Refusal: self._on_refusal,
+            StatusRequest: self._on_status,
+            LeaveCommand: lambda m, r, t: self._start_leave(r, t),
+            LinkCommand: self._on_link_command,
+            FaultCommand: self._on_fault,
+            PolicyRequest: self._on_policy_request,
+        }
+
+    def _scheduler_only(
+        self, fn: Callable[[Negotiator, Any, ReplyPath | None, float], None]
+    ) -> Handler:
+        def handler(msg: Any, reply: ReplyPath | None, now: float) -> None:
+            if self.negotiator is not None:
+                fn(self.negotiator, msg, reply, now)
+
+        return handler
+
+    # -- election --------------------------------------------------------------------------
+
+    def _on_leader_heartbeat(
+        self, msg: LeaderHeartbeat, reply: ReplyPath | None, now: float
+    ) -> None:
+        if self.state != DaemonState.ACTIVE or msg.sender == self.node_id:
+            return
+        if self.is_scheduler and msg.term <= self.term:
+            return  # a stale scheduler; our own heartbeats will make it step down
+        was_scheduler = self.is_scheduler
+        if self.election.on_leader(msg.term, msg.sender, now) or was_scheduler:
+            self.negotiator = None
+            self.event("leader_changed", scheduler=msg.sender, term=msg.term)
+            self._send_agent_report()
+
+    def _send_agent_report(self) -> None:
+        me = next((n for n in self.view.nodes if n.id == self.node_id), None) if self.view else None
+        if me is None:
+            return
+        links = []
+        for link in self.view.links if self.view else []:
+            if self.node_id in (link.a, link.b):
+                peer = link.b if link.a == self.node_id else link.a
+                probe = self.agent.links.get(peer)
+                up = probe.up if probe is not None else link.up
+                lat = probe.latency_s if probe is not None and probe.latency_s else link.latency_s
+                links.append(msgspec.structs.replace(link, up=up, latency_s=lat))
+        self.to_scheduler(
+            AgentReport(
+                sender=self.node_id,
+                epoch=self.epoch,
+                term=self.term,
+                address=self.address,
+                joined_at=me.joined_at,
+                links=links,
+                resources=self.agent.resources,
+            )
+        )
+
+    def _on_request_vote(self, msg: RequestVote, reply: ReplyPath | None, now: float) -> None:
+        if self.state != DaemonState.ACTIVE:
+            return
+        was_scheduler = self.is_scheduler
+        answer = self.election.on_request_vote(msg, now, self.epoch)
+        if was_scheduler and self.election.role != Role.SCHEDULER:
+            self.negotiator = None
+            self.event("stepped_down", term=self.term)
+        self.respond(reply, answer)
+
+    def _on_vote_reply(self, msg: VoteReply, reply: ReplyPath | None, now: float) -> None:
+        was_scheduler = self.is_scheduler
+        if self.election.on_vote_reply(msg, now, self.members()):
+            self._become_scheduler(now)
+        elif was_scheduler and self.election.role != Role.SCHEDULER:
+            self.negotiator = None
+            self.event("stepped_down", term=self.term)
+
+    def _on_timeout_now(self, msg: TimeoutNow, reply: ReplyPath | None, now: float) -> None:
+        if self.state == DaemonState.ACTIVE and not self.is_scheduler:
+            self._start_election(now, transfer=True)
+
+    def _start_election(self, now: float, transfer: bool = False) -> None:
+        members = self.members()
+        if self.node_id not in members:
+            self.election.disarm()
+            return
+        if self.election.leader is not None or self._prev_leader is None:
+            leader = self.election.leader or (self.view.scheduler if self.view else None)
+            if leader is not None and leader != self.node_id:
+                self._prev_leader = (leader, self.election.last_leader_contact)
+        rv = self.election.start(now, self.epoch, transfer)
+        self.event("election_started", term=self.term, transfer=transfer)
+        if self.election.has_majority(members):
+            self._become_scheduler(now)
+            return
+        frame = encode(rv)
+        for m in members:
+            if m != self.node_id:
+                self.transport.send_peer(m, frame)
+
+    def _become_scheduler(self, now: float, bootstrap: bool = False) -> None:
+        if bootstrap:
+            self.election.term = 1
+        self.election.become_scheduler(now)
+        self.negotiator = Negotiator(
+            self, self.cfg, None if bootstrap else self.view, now, old_scheduler=self._prev_leader
+        )
+        self._prev_leader = None
+        self.event("elected", term=self.term, epoch=self.epoch)
+        self._due["heartbeat"] = now  # announce at once
+        self._due["failures"] = now
+
+    # -- membership ------------------------------------------------------------------------
+
+    def _begin_join(self, now: float, contact: str, neighbors: list[str]) -> None:
+        self._set_state(DaemonState.JOINING)
+        self.election.disarm()
+        self.negotiator = None
+        self._join_contact = contact
+        self._join_neighbors = neighbors
+        self._join_deadline = now + self.cfg.join_timeout_s
+        self._send_join(now)
+
+    def _send_join(self, now: float) -> None:
+        self._next_join = now + max(0.5, 2 * self.cfg.heartbeat_interval_s)
+        if self._join_contact is None:
+            return
+        req = JoinRequest(
+            sender=self.node_id,
+            epoch=self.epoch,
+            node_id=self.node_id,
+            address=self.address,
+            neighbors=self._join_neighbors,
+            op_id=uuid.uuid4().hex[:12],
+        )
+        self.transport.send_contact(self._join_contact, encode(req))
+
+    def _on_join(self, msg: JoinRequest, reply: ReplyPath | None, now: float) -> None:
+        if self.negotiator is not None and self.is_scheduler:
+            self.negotiator.on_join(msg, reply, now)
+            return
+        leader = self.election.leader
+        if leader is not None and leader != self.node_id and msg.forwarded_by is None:
+            self.send(
+                leader, msgspec.structs.replace(msg, forwarded_by=self.node_id, sender=self.node_id)
+            )
+            return
+        if msg.forwarded_by is None:
+            reason = Reason.PAUSED if self._paused else Reason.NOT_SCHEDULER
+            self.respond(reply, refusal(reason, self._context(), "no scheduler", "join_request"))
+
+    def _on_member_heartbeat(
+        self, msg: MemberHeartbeat, reply: ReplyPath | None, now: float
+    ) -> None:
+        if self.negotiator is not None:
+            self.negotiator.on_heartbeat(msg.sender, msg.resources, now)
+
+    def _on_cluster_update(self, msg: ClusterUpdate, reply: ReplyPath | None, now: float) -> None:
+        ids = {n.id for n in msg.view.nodes}
+        if self.node_id not in ids:
+            self._on_dropped_from_view(msg, reply, now)
+            return
+        if self.state == DaemonState.JOINING:
+            self._set_state(DaemonState.ACTIVE)
+            self.election.adopt(msg.term, msg.sender, now)
+            self.transport.close_contacts()
+            self.event("joined", epoch=msg.epoch, term=msg.term, scheduler=msg.sender)
+        elif msg.sender != self.node_id and (
+            msg.term > self.term or self.election.leader != msg.sender
+        ):
+            if self.is_scheduler:
+                self.negotiator = None
+            self.election.on_leader(msg.term, msg.sender, now)
+            self.event("leader_changed", scheduler=msg.sender, term=msg.term)
+        self._install(msg, now)
+        self.respond(reply, PolicyAck(sender=self.node_id, epoch=msg.epoch, term=self.term))
+
+    def _install(self, msg: ClusterUpdate, now: float) -> None:
+        self.view = msg.view
+        self.update = msg
+        keep = {msg.sender} | {m.cmd.peer for m in self.agent.measurements.values()}
+        for n in msg.view.nodes:
+            if n.id != self.node_id:
+                self.transport.ensure_peer(n.id, n.address)
+                keep.add(n.id)
+        for peer in list(self.transport.dealers):
+            if peer not in keep:
+                self.transport.drop_peer(peer)
+        self.agent.set_view(msg.view, now)
+        self.event(
+            "view_installed",
+            epoch=msg.epoch,
+            term=msg.term,
+            cause=msg.cause,
+            scheduler=msg.view.scheduler,
+            members=sorted(n.id for n in msg.view.nodes),
+            apply_at=msg.apply_at,
+            restart_allreduce=msg.restart_allreduce,
+            sync_kind=msg.sync.kind,
+            replication_skipped=msg.replication.skipped if msg.replication else None,
+        )
+        self.metrics.state(
+            self.epoch, self.term, len(msg.view.nodes), self.is_scheduler, self._paused
+        )
+
+    def _on_dropped_from_view(
+        self, msg: ClusterUpdate, reply: ReplyPath | None, now: float
+    ) -> None:
+        if self.state == DaemonState.LEAVING:
+            self.respond(reply, PolicyAck(sender=self.node_id, epoch=msg.epoch, term=self.term))
+        elif self.state == DaemonState.ACTIVE and msg.sender != self.node_id:
+            self._rejoin(msg.view, msg.sender, now)
+
+    def _rejoin(self, view: ClusterView | None, via: str, now: float) -> None:
+        nodes = {n.id: n for n in (view.nodes if view else [])}
+        contact = nodes[via].address if via in nodes else None
+        if contact is None and self.view is not None:
+            contact = next((n.address for n in self.view.nodes if n.id == via), None)
+        if contact is None:
+            return
+        old = {n.id: n for n in self.view.nodes} if self.view else {}
+        mine = old[self.node_id].neighbors if self.node_id in old else []
+        nbrs = [n for n in mine if n in nodes] if nodes else []
+        self.event("rejoining", via=via, neighbors=nbrs)
+        self._begin_join(now, contact, nbrs)
+
+    # -- probes ----------------------------------------------------------------------------
+
+    def _on_ping(self, msg: Ping, reply: ReplyPath | None, now: float) -> None:
+        self.respond(reply, Pong(sender=self.node_id, epoch=self.epoch, seq=msg.seq, t=msg.t))
+
+    def _on_bulk_data(self, msg: BulkData, reply: ReplyPath | None, now: float) -> None:
+        ack: BulkAck | None = self.agent.on_bulk_data(msg, now)
+        if ack is not None:
+            self.respond(reply, ack)
+
+    # -- results and refusals --------------------------------------------------------------
+
+    def _on_op_result(self, msg: OpResult, reply: ReplyPath | None, now: float) -> None:
+        if msg.op_id and msg.op_id == self._leave_op:
+            self.event("left", ok=msg.ok, reason=msg.reason, elapsed_s=msg.elapsed_s)
+            self._finish_leave(msg.ok, msg.reason, msg.elapsed_s, msg.epoch)
+            return
+        op = self._clients.pop(msg.op_id, None)
+        if op is not None:
+            self.respond(op.reply, msgspec.structs.replace(msg, sender=self.node_id))
+
+    def _on_refusal(self, msg: Refusal, reply: ReplyPath | None, now: float) -> None:
+        self.event(
+            "refused_by_peer",
+            peer=msg.sender,
+            reason=msg.reason,
+            ref_type=msg.ref_type,
+            detail=msg.detail,
+        )
+        if msg.reason == "stale_term" and msg.term > self.term:
+            if self.is_scheduler:
+                self.event("stepped_down", term=msg.term)
+            self.negotiator = None
+            self.election.step_down(msg.term, now)
+            return
+        if self.state == DaemonState.JOINING and msg.ref_type == "join_request":
+            if msg.reason not in ("not_scheduler", "paused"):
+                log.error("join refused by %s: %s %s", msg.sender or "?", msg.reason, msg.detail)
+                self.event("join_failed", reason=msg.reason, detail=msg.detail)
+                self._finish(3)
+            return
+        if (
+            msg.reason == "unknown_peer"
+            and msg.ref_type == "request_vote"
+            and self.state == DaemonState.ACTIVE
+            and self._paused
+        ):
+            self._rejoin(None, msg.sender, now)  # the cluster moved on without us
+
+    # -- client requests -------------------------------------------------------------------
+
+    def _on_status(self, msg: StatusRequest, reply: ReplyPath | None, now: float) -> None:
+        view = self.view
+        self.respond(
+            reply,
+            StatusReply(
+                sender=self.node_id,
+                epoch=self.epoch,
+                node_id=self.node_id,
+                role=self.election.role.value,
+                state=self.state.value,
+                paused=self._paused,
+                scheduler=self.node_id if self.is_scheduler else self.election.leader,
+                term=self.term,
+                nodes=list(view.nodes) if view else [],
+                links=list(view.links) if view else [],
+                sync=self.update.sync if self.update else None,
+            ),
+        )
+
+    def _on_policy_request(self, msg: PolicyRequest, reply: ReplyPath | None, now: float) -> None:
+        u = self.update
+        self.respond(
+            reply,
+            PolicyReply(
+                sender=self.node_id,
+                epoch=self.epoch,
+                term=self.term,
+                members=self.members(),
+                sync=u.sync if u else None,
+                replication=u.replication if u else None,
+                apply_at=u.apply_at if u else "after_allreduce",
+                restart_allreduce=u.restart_allreduce if u else False,
+                paused=self._paused,
+            ),
+        )
+
+    def _on_fault(self, msg: FaultCommand, reply: ReplyPath | None, now: float) -> None:
+        self.faults.apply(msg.name, list(msg.peers))
+        self.event("fault", fault=msg.name, peers=list(msg.peers))
+        self.respond(
+            reply, FaultReply(sender=self.node_id, epoch=self.epoch, active=self.faults.describe())
+        )
+
+    def _on_link_command(self, msg: LinkCommand, reply: ReplyPath | None, now: float) -> None:
+        op_id = uuid.uuid4().hex[:12]
+        if msg.peer == self.node_id or self.state != DaemonState.ACTIVE:
+            self.respond(
+                reply,
+                OpResult(
+                    sender=self.node_id,
+                    epoch=self.epoch,
+                    op_id=op_id,
+                    ok=False,
+                    reason=Reason.BAD_REQUEST,
+                    detail="cannot link to itself"
+                    if msg.peer == self.node_id
+                    else f"node is {self.state.value}",
+                ),
+            )
+            return
+        self._clients[op_id] = _ClientOp(reply, now + self.cfg.op_timeout_s)
+        req = LinkRequest(
+            sender=self.node_id,
+            epoch=self.epoch,
+            a=self.node_id,
+            b=msg.peer,
+            op=msg.op,
+            op_id=op_id,
+        )
+        if not self.to_scheduler(req):
+            del self._clients[op_id]
+            self.respond(
+                reply,
+                OpResult(
+                    sender=self.node_id,
+                    epoch=self.epoch,
+                    op_id=op_id,
+                    ok=False,
+                    reason=Reason.PAUSED,
+                    detail="no scheduler",
+                ),
+            )
+
+    def _start_leave(self, reply: ReplyPath | None, now: float) -> None:
+        if self.state == DaemonState.LEAVING:
+            return
+        if self.state != DaemonState.ACTIVE:
+            self.event("left", ok=True, reason=f"was {self.state.value}")
+            self.respond(
+                reply,
+                OpResult(
+                    sender=self.node_id,
+                    epoch=self.epoch,
+                    op_id="",
+                    ok=True,
+                    detail="was not a member",
+                ),
+            )
+            self._finish(0)
+            return
+        self._set_state(DaemonState.LEAVING)
+        self._leave_op = uuid.uuid4().hex[:12]
+        self._leave_reply = reply
+        self._leave_deadline = now + self.cfg.leave_timeout_s
+        self.event("leave_requested", op_id=self._leave_op)
+        if not self.to_scheduler(
+            LeaveRequest(
+                sender=self.node_id, epoch=self.epoch, node_id=self.node_id, op_id=self._leave_op
+            )
+        ):
+            self.event("left", ok=False, reason="no scheduler")
+            self._finish_leave(ok=False, reason=Reason.PAUSED)
+
+    def _finish_leave(
+        self, ok: bool, reason: Reason | None, elapsed_s: float = 0.0, epoch: int | None = None
+    ) -> None:
+        if self._leave_reply is not None:
+            self.respond(
+                self._leave_reply,
+                OpResult(
+                    sender=self.node_id,
+                    epoch=self.epoch if epoch is None else epoch,
+                    op_id=self._leave_op,
+                    ok=ok,
+                    reason=reason,
+                    elapsed_s=elapsed_s,
+                ),
+            )
+        self._finish(0)
+
+    def _finish(self, code: int) -> None:
+        self.exit_code = code
+        self._stop = True
+        if self.state != DaemonState.STOPPED:
+            self.state = DaemonState.STOPPED

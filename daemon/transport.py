@@ -1,0 +1,320 @@
+"""ZeroMQ transport: a ROUTER on TCP for peers, a ROUTER on IPC for the local CLI and trainer,
+and one DEALER per known peer; plus the named :class:`FaultInjector`.
+
+Replies go back on the socket a message came in on (to its routing envelope); messages a node
+starts go out on its DEALER to that peer. Both ROUTERs accept plain DEALER clients
+(``[id, payload]``) and REQ clients (``[id, b"", payload]``).
+
+Sends never block (``NOBLOCK``). A DEALER queues at most ``_PEER_HWM`` frames for a peer that is
+not connected yet (so the first frames to a new peer are not lost); beyond that a send is dropped
+and counted, like a lost packet. A failed peer's DEALER is closed with its queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from chaos.errors import ConfigError
+
+log = logging.getLogger("chaos.daemon.transport")
+
+_DRAIN_PER_SOCKET = 256
+_PEER_HWM = 1000
+
+
+class FaultInjector:
+    """Named transport faults, for tests and the harness (never sleep-and-hope).
+
+    A blocked peer's frames are dropped on send, and on receive once the sender id is decoded,
+    exactly like a network that loses them. Frames without a sender (CLI, trainer) are never
+    blocked, so a partitioned daemon can still be inspected.
+
+    Faults:
+        ``drop_to(peers)``: drop what this node sends to ``peers``.
+        ``drop_from(peers)``: drop what this node receives from ``peers``.
+        ``cut_link(peers)``: both directions between this node and each of ``peers``.
+        ``partition(keep)``: both directions with every node not in ``keep`` (this node's side).
+        ``clear()``: remove every fault.
+    """
+
+    def __init__(self) -> None:
+        self._to: set[str] = set()
+        self._from: set[str] = set()
+        self._keep: frozenset[str] | None = None
+        self.dropped = 0
+
+    def drop_to(self, peers: Iterable[str]) -> None:
+        """Drops frames sent to ``peers``."""
+        self._to.update(peers)
+
+    def drop_from(self, peers: Iterable[str]) -> None:
+        """Drops frames received from ``peers``."""
+        self._from.update(peers)
+
+    def cut_link(self, peers: Iterable[str]) -> None:
+        """Drops both directions with ``peers``."""
+        p = set(peers)
+        self._to |= p
+        self._from |= p
+
+    def partition(self, keep: Iterable[str]) -> None:
+        """Drops both directions with every node outside ``keep``."""
+        self._keep = frozenset(keep)
+
+    def clear(self) -> None:
+        """Removes every fault."""
+        self._to.clear()
+        self._from.clear()
+        self._keep = None
+
+    def apply(self, name: str, peers: list[str]) -> None:
+        """Applies a fault by name.
+
+        Args:
+            name: ``drop_to``, ``drop_from``, ``cut_link``, ``partition`` or ``clear``.
+            peers: Its peers.
+
+        Raises:
+            ValueError: unknown fault name.
+        """
+        if name == "drop_to":
+            self.drop_to(peers)
+        elif name == "drop_from":
+            self.drop_from(peers)
+        elif name == "cut_link":
+            self.cut_link(peers)
+        elif name == "partition":
+            self.partition(peers)
+        elif name == "clear":
+            self.clear()
+        else:
+            raise ValueError(f"unknown fault {name!r}")
+
+    def blocks_out(self, peer: str) -> bool:
+        """Whether a frame to ``peer`` is dropped."""
+        return peer in self._to or (self._keep is not None and peer not in self._keep)
+
+    def blocks_in(self, peer: str) -> bool:
+        """Whether a frame from ``peer`` (its decoded sender) is dropped."""
+        if not peer:
+            return False
+        return peer in self._from or (self._keep is not None and peer not in self._keep)
+
+    def describe(self) -> list[str]:
+        """The active faults as readable strings."""
+        out = [f"drop_to:{p}" for p in sorted(self._to)]
+        out += [f"drop_from:{p}" for p in sorted(self._from)]
+        if self._keep is not None:
+            out.append("partition:" + ",".join(sorted(self._keep)))
+        return out
+
+
+@dataclass
+class ReplyPath:
+    """Where a reply to an inbound frame goes: the socket and the routing envelope."""
+
+    socket: zmq.Socket[bytes]
+    envelope: list[bytes] = field(default_factory=list)
+    local: bool = False
+
+
+@dataclass
+class Inbound:
+    """One inbound frame and how to answer it (``frame`` is ``None`` for a bad multipart)."""
+
+    frame: bytes | None
+    reply: ReplyPath
+
+
+class Transport:
+    """The daemon's sockets.
+
+    Args:
+        listen: TCP endpoint to bind.
+        ipc_endpoint: IPC endpoint to bind (its directory is created with mode 0700).
+        max_frame_bytes: Frame cap; ZeroMQ drops connections that send frames over 4x this.
+        faults: The fault injector consulted on every send and receive.
+
+    Raises:
+        ConfigError: an endpoint cannot be bound (in use, bad address, no permission).
+    """
+
+    def __init__(
+        self, listen: str, ipc_endpoint: str, max_frame_bytes: int, faults: FaultInjector
+    ) -> None:
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.faults = faults
+        self.max_frame_bytes = max_frame_bytes
+        self.send_failures = 0
+        self.router = self._router(listen)
+        path = ipc_endpoint.removeprefix("ipc://")
+        Path(path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if os.path.exists(path):
+            os.unlink(path)  # the CLI checked that no live daemon owns it
+        self.ipc = self._router(ipc_endpoint)
+        self.ipc_endpoint = ipc_endpoint
+        self.dealers: dict[str, tuple[str, zmq.Socket[bytes]]] = {}
+        self.contacts: dict[str, zmq.Socket[bytes]] = {}
+        self.poller = zmq.Poller()
+        self.poller.register(self.router, zmq.POLLIN)
+        self.poller.register(self.ipc, zmq.POLLIN)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self.poller.register(self._wake_r.fileno(), zmq.POLLIN)
+
+    def wakeup_fd(self) -> int:
+        """A file descriptor whose writes wake :meth:`poll` (for ``signal.set_wakeup_fd``)."""
+        return self._wake_w.fileno()
+
+    def _router(self, endpoint: str) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_frame_bytes)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close()
+            raise ConfigError(f"cannot bind {endpoint}: {exc.strerror}") from exc
+        return sock
+
+    def _dealer(self, address: str) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, _PEER_HWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_frame_bytes)
+        sock.connect(address)
+        self.poller.register(sock, zmq.POLLIN)
+        return sock
+
+    def ensure_peer(self, peer: str, address: str) -> None:
+        """Opens (or re-points) the DEALER to ``peer`` at ``address``."""
+        cur = self.dealers.get(peer)
+        if cur is not None and cur[0] == address:
+            return
+        if cur is not None:
+            self.drop_peer(peer)
+        self.dealers[peer] = (address, self._dealer(address))
+
+    def drop_peer(self, peer: str) -> None:
+        """Closes the DEALER to ``peer`` (no-op if none)."""
+        cur = self.dealers.pop(peer, None)
+        if cur is not None:
+            self.poller.unregister(cur[1])
+            cur[1].close(linger=0)
+
+    def send_peer(self, peer: str, frame: bytes) -> bool:
+        """Sends a frame to ``peer`` on its DEALER.
+
+        Returns:
+            ``False`` when dropped: no DEALER, a fault, or the peer is not connected.
+        """
+        cur = self.dealers.get(peer)
+        if cur is None:
+            self.send_failures += 1
+            return False
+        if self.faults.blocks_out(peer):
+            self.faults.dropped += 1
+            return False
+        return self._send(cur[1], [frame])
+
+    def send_contact(self, address: str, frame: bytes) -> bool:
+        """Sends to an address whose node id is not known yet (a join contact)."""
+        sock = self.contacts.get(address)
+        if sock is None:
+            sock = self._dealer(address)
+            self.contacts[address] = sock
+        return self._send(sock, [frame])
+
+    def close_contacts(self) -> None:
+        """Closes every join-contact DEALER."""
+        for sock in self.contacts.values():
+            self.poller.unregister(sock)
+            sock.close(linger=0)
+        self.contacts.clear()
+
+    def reply(self, path: ReplyPath, frame: bytes) -> bool:
+        """Answers an inbound frame on the socket it came in on."""
+        return self._send(path.socket, [*path.envelope, frame])
+
+    def _send(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> bool:
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self.send_failures += 1
+            return False
+        except zmq.ZMQError as exc:  # e.g. EHOSTUNREACH: the peer is gone
+            log.debug("send failed: %s", exc)
+            self.send_failures += 1
+            return False
+        return True
+
+    def poll(self, timeout_s: float) -> list[Inbound]:
+        """Waits up to ``timeout_s`` for frames and returns what arrived (bounded per socket).
+
+        Args:
+            timeout_s: Longest wait in seconds (0: do not wait).
+
+        Returns:
+            The inbound frames.
+        """
+        events = dict(self.poller.poll(max(0, int(timeout_s * 1000))))
+        out: list[Inbound] = []
+        for sock in events:
+            if not isinstance(sock, zmq.Socket):
+                try:
+                    self._wake_r.recv(4096)
+                except OSError:
+                    pass
+                continue
+            is_router = sock is self.router or sock is self.ipc
+            for _ in range(_DRAIN_PER_SOCKET):
+                try:
+                    parts = sock.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                out.append(self._split(sock, parts, is_router))
+        return out
+
+    @staticmethod
+    def _split(sock: zmq.Socket[bytes], parts: list[bytes], is_router: bool) -> Inbound:
+        envelope: list[bytes] = []
+        if is_router:
+            envelope, parts = parts[:1], parts[1:]
+        if len(parts) == 2 and parts[0] == b"":
+            envelope, parts = [*envelope, b""], parts[1:]
+        path = ReplyPath(sock, envelope)
+        if len(parts) != 1:
+            return Inbound(None, path)
+        return Inbound(parts[0], path)
+
+    def close(self, linger_s: float = 0.0) -> None:
+        """Closes every socket and removes the IPC socket file.
+
+        Args:
+            linger_s: How long DEALERs may still flush queued frames (e.g. a leadership
+                transfer sent just before exiting).
+        """
+        linger = int(linger_s * 1000)
+        for _, sock in self.dealers.values():
+            sock.close(linger=linger)
+        self.dealers.clear()
+        self.close_contacts()
+        self.router.close(linger=0)
+        self.ipc.close(linger=0)
+        self._wake_r.close()
+        self._wake_w.close()
+        self.ctx.term()  # waits at most linger_s for the DEALERs' queued frames
+        path = self.ipc_endpoint.removeprefix("ipc://")
+        try:
+            os.unlink(path)
+        except OSError:
+            pass

@@ -1,0 +1,202 @@
+"""Helpers for multi-process daemon tests: real ``chaos-daemon`` processes on loopback.
+
+Every process a test starts is killed (SIGKILL) and reaped when the test ends, pass or fail.
+Tests poll ``status`` with generous deadlines and never assert timing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from chaos.daemon.client import DaemonClient
+from chaos.daemon.events import read_events
+
+from chaos.errors import ChaosError
+from chaos.protocol import StatusReply
+
+# Fast but safe settings for tests (CLI flags and a TOML file, as a user would).
+HB_S = 0.1
+FT_S = 0.5
+TEST_TOML = """
+link_probe_interval_s = 0.1
+link_failure_timeout_s = 0.8
+election_timeout_min_s = 0.5
+election_timeout_max_s = 1.0
+bandwidth_probe_bytes = 262144
+bandwidth_probe_chunk_bytes = 65536
+resource_interval_s = 1.0
+"""
+DEADLINE_S = 30.0
+
+
+def free_port() -> int:
+    """A currently free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(pred: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S) -> Any:
+    """Polls ``pred`` until it returns a truthy value; fails the test at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = pred()
+        except (ChaosError, OSError) as exc:
+            last = exc
+            result = None
+        else:
+            result = last
+        if result:
+            return result
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}; last: {last!r}")
+
+
+class Node:
+    """One daemon process."""
+
+    def __init__(self, node_id: str, port: int, proc: subprocess.Popen[bytes], run_dir: Path):
+        self.id = node_id
+        self.port = port
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.proc = proc
+        self.run_dir = run_dir
+
+    @property
+    def ipc(self) -> str:
+        return f"ipc://{self.run_dir / 'daemon.ipc'}"
+
+    @property
+    def events_path(self) -> Path:
+        return self.run_dir / f"events-{self.id}.jsonl"
+
+    def events(self) -> list[dict[str, Any]]:
+        return read_events(self.events_path) if self.events_path.exists() else []
+
+    def client(self, timeout_s: float = 5.0) -> DaemonClient:
+        return DaemonClient(self.address, timeout_s=timeout_s)
+
+    def status(self, timeout_s: float = 2.0) -> StatusReply:
+        with self.client(timeout_s) as c:
+            return c.status()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+class Cluster:
+    """Starts daemons and guarantees they are all killed and reaped."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.nodes: dict[str, Node] = {}
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.config = tmp / "test.toml"
+        self.config.write_text(TEST_TOML)
+
+    def env(self, run_dir: Path) -> dict[str, str]:
+        env = dict(os.environ)
+        env["CHAOS_DAEMON_DIR"] = str(run_dir)
+        env["CHAOS_DAEMON_LOG_LEVEL"] = "WARNING"
+        return env
+
+    def spawn(
+        self,
+        node_id: str,
+        join: Node | None = None,
+        neighbors: tuple[str, ...] = (),
+        extra: tuple[str, ...] = (),
+        wait: bool = True,
+    ) -> Node:
+        port = free_port()
+        run_dir = self.tmp / node_id
+        run_dir.mkdir(exist_ok=True)
+        args = [
+            sys.executable,
+            "-m",
+            "chaos.daemon.cli",
+            "start",
+            "--id",
+            node_id,
+            "--listen",
+            f"tcp://127.0.0.1:{port}",
+            "--config",
+            str(self.config),
+            "--heartbeat-interval",
+            str(HB_S),
+            "--failure-timeout",
+            str(FT_S),
+        ]
+        if join is not None:
+            args += ["--join", join.address]
+        for n in neighbors:
+            args += ["--neighbor", n]
+        args += list(extra)
+        log = open(run_dir / "stderr.log", "ab")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(args, env=self.env(run_dir), stdout=log, stderr=log)
+        log.close()
+        self.procs.append(proc)
+        node = Node(node_id, port, proc, run_dir)
+        self.nodes[node_id] = node
+        if wait:
+            wait_until(lambda: node.status().state == "active", f"{node_id} active")
+        return node
+
+    def start(self, n: int, prefix: str = "n") -> list[Node]:
+        """Starts ``n`` daemons: the first founds the cluster, each next joins through the
+        previous one with it as neighbour (a path, plus a link back to the first)."""
+        first = self.spawn(f"{prefix}1")
+        nodes = [first]
+        for i in range(2, n + 1):
+            prev = nodes[-1]
+            nbrs = (prev.id,) if i < 3 else (prev.id, first.id)
+            nodes.append(self.spawn(f"{prefix}{i}", join=prev, neighbors=nbrs))
+        ids = {x.id for x in nodes}
+        wait_until(lambda: all(self.members(x) == ids for x in nodes), "everyone sees everyone")
+        return nodes
+
+    def members(self, node: Node) -> set[str]:
+        return {n.id for n in node.status().nodes}
+
+    def cli(
+        self, node: Node, *args: str, timeout_s: float = 30.0
+    ) -> subprocess.CompletedProcess[str]:
+        """Runs a ``chaos-daemon`` client command against ``node``'s local IPC endpoint."""
+        return subprocess.run(
+            [sys.executable, "-m", "chaos.daemon.cli", *args],
+            env=self.env(node.run_dir),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
+
+    def kill9(self, node: Node) -> None:
+        node.proc.send_signal(signal.SIGKILL)
+        node.proc.wait(timeout=10)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
+                pass
+
+
+def scheduler_of(node: Node) -> str | None:
+    """The scheduler ``node`` follows (``None`` if it knows none)."""
+    return node.status().scheduler

@@ -1,0 +1,198 @@
+"""Protocol validation, config loading and CLI argument errors (in-process, no daemons)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import msgspec
+import pytest
+from chaos.daemon.cli import main
+from chaos.daemon.config import DaemonConfig, load_config
+from chaos.daemon.election import Election
+from chaos.daemon.states import Role
+from click.testing import CliRunner
+
+from chaos.errors import ConfigError, ProtocolError
+from chaos.protocol import (
+    ClusterUpdate,
+    ClusterView,
+    JoinRequest,
+    LeaveCommand,
+    LinkRequest,
+    MemberHeartbeat,
+    Ping,
+    Reason,
+    Rejected,
+    RequestVote,
+    SyncPolicyWire,
+    ValidationContext,
+    VoteReply,
+    decode,
+    encode,
+    validate,
+)
+
+CTX = ValidationContext(
+    max_frame_bytes=1 << 16,
+    epoch=5,
+    term=3,
+    members=frozenset({"a", "b"}),
+    is_scheduler=True,
+    paused=False,
+    joining=False,
+    node_id="a",
+)
+
+
+def _reason(frame: bytes, ctx: ValidationContext = CTX) -> str | None:
+    r = validate(frame, ctx)
+    return r.refusal.reason.value if isinstance(r, Rejected) else None
+
+
+def test_round_trip_and_refusals() -> None:
+    join = JoinRequest(sender="j", node_id="j", address="tcp://127.0.0.1:9", neighbors=["a"])
+    assert decode(encode(join)) == join
+    assert _reason(encode(Ping(sender="x", seq=1, t=0.5))) is None
+    assert _reason(b"\x93\x01\x02") == "malformed"
+    assert _reason(msgspec.msgpack.encode({"v": 7, "type": "ping"})) == "bad_version"
+    assert _reason(b"x" * (1 << 17)) == "too_large"
+    assert _reason(encode(MemberHeartbeat(sender="zz", term=3))) == "unknown_peer"
+    view = ClusterView(epoch=4, term=3, scheduler="b", nodes=[], links=[])
+    upd = ClusterUpdate(
+        sender="b", epoch=4, term=3, view=view, sync=SyncPolicyWire(kind="single", nodes=["a"])
+    )
+    assert _reason(encode(upd)) == "stale_epoch"
+    assert _reason(encode(msgspec.structs.replace(upd, epoch=6, term=2))) == "stale_term"
+    joining = ValidationContext(**{**CTX.__dict__, "joining": True})
+    assert _reason(encode(upd), joining) is None  # a joiner adopts the cluster's epoch and term
+    follower = ValidationContext(**{**CTX.__dict__, "is_scheduler": False})
+    lr = LinkRequest(sender="b", a="b", b="a", op="connect")
+    assert _reason(encode(lr), follower) == "not_scheduler"
+    paused = ValidationContext(**{**CTX.__dict__, "paused": True})
+    assert _reason(encode(LeaveCommand()), paused) == "paused"
+    bad_id = msgspec.msgpack.encode({"v": 1, "type": "ping", "sender": "x", "seq": -1, "t": 0.0})
+    assert _reason(bad_id) == "malformed"
+    with pytest.raises(ProtocolError):
+        decode(b"\xc1")
+    with pytest.raises(ProtocolError):
+        encode("not a message")  # type: ignore[arg-type]
+    assert f"{Reason.TOO_LARGE}" == "too_large"
+
+
+def _cfg(**kw: object) -> DaemonConfig:
+    return DaemonConfig(node_id="a", listen="tcp://127.0.0.1:5000", **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"heartbeat_interval_s": -1.0},
+        {"heartbeat_interval_s": 1.0, "failure_timeout_s": 1.5},
+        {"failure_timeout_s": float("nan")},
+        {"election_timeout_min_s": 1.0},
+        {"link_failure_timeout_s": 1.0},
+        {"max_frame_bytes": 100},
+        {"metrics_port": 70000},
+        {"join": "tcp://127.0.0.1:5000"},
+        {"join": "udp://x:1"},
+        {"neighbors": ("a",)},
+        {"faults": ("explode:b",)},
+        {"ipc_endpoint": "/tmp/x"},
+    ],
+)
+def test_bad_config_values(kw: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        _cfg(**kw)
+
+
+def test_config_precedence(tmp_path: Path) -> None:
+    f = tmp_path / "d.toml"
+    f.write_text(
+        'node_id = "file"\nlisten = "tcp://127.0.0.1:7000"\nheartbeat_interval_s = 0.2\n'
+        "failure_timeout_s = 1.0\n"
+    )
+    cfg = load_config({"node_id": "cli", "heartbeat_interval_s": None}, f)
+    assert cfg.node_id == "cli"  # CLI over file
+    assert cfg.heartbeat_interval_s == 0.2  # file over default
+    assert cfg.link_probe_interval_s == DaemonConfig.link_probe_interval_s  # default
+    (tmp_path / "bad.toml").write_text("heartbeat_intervall_s = 1\n")
+    with pytest.raises(ConfigError, match="unknown key"):
+        load_config({"node_id": "a", "listen": "tcp://127.0.0.1:1"}, tmp_path / "bad.toml")
+    (tmp_path / "broken.toml").write_text("x = = 1\n")
+    with pytest.raises(ConfigError, match="bad TOML"):
+        load_config({}, tmp_path / "broken.toml")
+    with pytest.raises(ConfigError, match="missing required"):
+        load_config({"node_id": "a"})
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["start", "--listen", "tcp://127.0.0.1:7001"], "missing required setting 'node_id'"),
+        (["start", "--id", "a", "--listen", "localhost:7001"], "invalid listen endpoint"),
+        (["start", "--id", "bad id!", "--listen", "tcp://127.0.0.1:7001"], "invalid node id"),
+        (
+            ["start", "--id", "a", "--listen", "tcp://127.0.0.1:7001", "--heartbeat-interval", "x"],
+            "is not a valid float",
+        ),
+        (
+            ["start", "--id", "a", "--listen", "tcp://127.0.0.1:7001", "--failure-timeout", "0.1"],
+            "failure_timeout_s",
+        ),
+        (
+            [
+                "start",
+                "--id",
+                "a",
+                "--listen",
+                "tcp://127.0.0.1:7001",
+                "--config",
+                "/nonexistent.toml",
+            ],
+            "cannot read config file",
+        ),
+        (["start", "--id", "a", "--listen", "tcp://127.0.0.1:7001", "--bogus"], "No such option"),
+        (["link", "add", "bad id!"], "invalid PEER_ID"),
+        (["status", "--connect", "nonsense"], "invalid --connect endpoint"),
+        (["fault", "explode"], "Invalid value"),
+    ],
+)
+def test_bad_cli_arguments(args: list[str], needle: str, tmp_path: Path) -> None:
+    res = CliRunner().invoke(main, args, env={"CHAOS_DAEMON_DIR": str(tmp_path)})
+    assert res.exit_code == 2, res.output
+    assert needle in res.output
+
+
+def test_client_commands_without_a_daemon(tmp_path: Path) -> None:
+    res = CliRunner().invoke(main, ["status"], env={"CHAOS_DAEMON_DIR": str(tmp_path)})
+    assert res.exit_code == 1
+    assert "no daemon listening" in res.output
+
+
+def test_election_rules() -> None:
+    cfg = _cfg()
+    members = ["a", "b", "c"]
+    e = Election("a", cfg, random.Random(1))
+    rv = e.start(0.0, epoch=3)
+    assert rv.term == 1 and e.role == Role.CANDIDATE
+    assert not e.on_vote_reply(VoteReply(sender="b", term=1, granted=False), 0.0, members)
+    assert e.on_vote_reply(VoteReply(sender="b", term=1, granted=True), 0.0, members)
+    # one vote per term
+    v = Election("c", cfg)
+    assert v.on_request_vote(RequestVote(sender="a", epoch=3, term=1), 0.0, epoch=3).granted
+    assert not v.on_request_vote(RequestVote(sender="b", epoch=3, term=1), 0.0, epoch=3).granted
+    # a newer view refuses an older candidate
+    assert not v.on_request_vote(RequestVote(sender="b", epoch=2, term=2), 0.0, epoch=3).granted
+    # leader stickiness: a live scheduler is not deposed, except by a transfer
+    v.on_leader(5, "a", now=10.0)
+    assert not v.on_request_vote(RequestVote(sender="b", epoch=3, term=6), 10.1, 3).granted
+    assert v.term == 5
+    assert v.on_request_vote(
+        RequestVote(sender="b", epoch=3, term=6, transfer=True), 10.1, 3
+    ).granted
+    # a higher term in a reply makes a candidate step down
+    e2 = Election("a", cfg)
+    e2.start(0.0, 1)
+    e2.on_vote_reply(VoteReply(sender="b", term=9, granted=False), 0.0, members)
+    assert e2.role == Role.FOLLOWER and e2.term == 9
