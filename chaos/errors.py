@@ -75,3 +75,15 @@ class ReplicationError(ChaosError):
     def __init__(self, message: str, failed_donors: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.failed_donors = dict(failed_donors or {})
+
+
+class RoundInterrupted(PeerFailure):
+    """A collective was aborted because a newer membership epoch is in force.
+
+    Nothing failed: the caller installs the new policy and reruns the step. The input tensor is
+    untouched, as for every :class:`PeerFailure`.
+    """
+
+    def __init__(self, reason: str, *, reported_by: str = "") -> None:
+        super().__init__("", reason, reported_by=reported_by)
+        self.args = (f"allreduce interrupted: {reason}",)

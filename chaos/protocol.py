@@ -22,6 +22,11 @@ Message kinds (the ``KIND`` class variable) decide which semantic checks apply:
 
 Messages with ``TO_SCHEDULER = True`` are refused with ``not_scheduler`` by a non-scheduler
 (joins are forwarded instead), and with ``paused`` by a scheduler without a majority.
+
+:class:`TrainerEvent` is the one message with two kinds: sent by the trainer to its local daemon
+it is a ``"client"`` message (``node_id`` unset); forwarded by that daemon to the scheduler (with
+``node_id`` set to the forwarding daemon's id) it is a ``"peer"`` message with
+``TO_SCHEDULER = True``. :func:`kind_of` tells them apart.
 """
 
 from __future__ import annotations
@@ -42,10 +47,22 @@ DEFAULT_MAX_FRAME_BYTES = 1 << 20
 
 NodeId = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
 Address = Annotated[str, msgspec.Meta(min_length=6, max_length=256, pattern=r"^tcp://[^\s]+:\d+$")]
+Endpoint = Annotated[
+    str,
+    msgspec.Meta(min_length=7, max_length=256, pattern=r"^(tcp://[^\s]+:\d+|ipc://[^\s]+)$"),
+]
+"""A trainer's data-plane endpoint (allreduce or shard server): ``tcp://HOST:PORT`` or
+``ipc://PATH``."""
 OpId = Annotated[str, msgspec.Meta(max_length=64)]
 Detail = Annotated[str, msgspec.Meta(max_length=1024)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
+
+MAX_STATE_TENSORS = 32_768
+"""Most tensors a training state layout may list (keeps a ClusterUpdate well below 1 MiB)."""
+
+TensorSizes = Annotated[list[NonNeg], msgspec.Meta(max_length=MAX_STATE_TENSORS)]
+"""Byte size of every tensor of the training state, in canonical stream order."""
 
 
 class Reason(str, enum.Enum):
@@ -64,6 +81,8 @@ class Reason(str, enum.Enum):
     WOULD_DISCONNECT = "would_disconnect"
     BAD_REQUEST = "bad_request"
     TIMEOUT = "timeout"
+    NO_STATE_SOURCE = "no_state_source"
+    STATE_CONFLICT = "state_conflict"
 
     def __str__(self) -> str:
         return self.value
@@ -75,6 +94,8 @@ class Reason(str, enum.Enum):
 NodeStateName = Literal["joining", "active", "leaving", "failed"]
 ApplyAt = Literal["after_allreduce", "before_next_allreduce"]
 FaultName = Literal["drop_to", "drop_from", "cut_link", "partition", "clear"]
+TrainerStateName = Literal["none", "syncing", "training"]
+TrainerEventKind = Literal["ready", "replication_done", "step_failed"]
 
 
 class _Base(msgspec.Struct, kw_only=True, frozen=True, tag_field="type"):
@@ -110,6 +131,9 @@ class NodeInfo(msgspec.Struct, kw_only=True, frozen=True):
     joined_at: float
     neighbors: list[NodeId] = []
     resources: Resources | None = None
+    data_address: Endpoint | None = None
+    shard_address: Endpoint | None = None
+    trainer: TrainerStateName = "none"
 
 
 class LinkInfo(msgspec.Struct, kw_only=True, frozen=True):
@@ -134,16 +158,35 @@ class SyncPolicyWire(msgspec.Struct, kw_only=True, frozen=True):
     bottleneck_bps: float = 0.0
     est_time_s: float = 0.0
     connected: bool = True
+    addresses: dict[NodeId, str] = {}
+    """Data-plane endpoint of every node in the policy."""
+
+
+class DonorLink(msgspec.Struct, kw_only=True, frozen=True):
+    """A donor's link parameters as planned (mirrors ``chaos.scheduling.Neighbor``)."""
+
+    id: NodeId
+    prop_s: Seconds
+    trans_s_per_byte: Annotated[float, msgspec.Meta(gt=0.0)]
+    sync_s: Seconds = 0.0
 
 
 class ReplicationWire(msgspec.Struct, kw_only=True, frozen=True):
-    """The state replication policy for one joiner (``skipped`` names why there is none)."""
+    """The state replication policy for one joiner (``skipped`` names why there is none).
+
+    ``donor_addresses`` are the donors' shard-server endpoints, ``donors`` their planned link
+    parameters (the joiner re-plans with them when a donor dies) and ``tensor_sizes`` the layout
+    that was planned.
+    """
 
     target: NodeId
     shard_size: NonNeg = 0
     assignment: dict[NodeId, list[tuple[int, int]]] = {}
     makespan_s: float = 0.0
     skipped: str = ""
+    donor_addresses: dict[NodeId, str] = {}
+    donors: list[DonorLink] = []
+    tensor_sizes: list[int] = []
 
 
 class ClusterView(msgspec.Struct, kw_only=True, frozen=True):
@@ -266,6 +309,23 @@ class AgentReport(_Base, frozen=True, tag="agent_report"):
     joined_at: float
     links: Annotated[list[LinkInfo], msgspec.Meta(max_length=256)] = []
     resources: Resources | None = None
+    data_address: Endpoint | None = None
+    shard_address: Endpoint | None = None
+    trainer: TrainerStateName = "none"
+    tensor_sizes: TensorSizes | None = None
+
+
+class TrainerInfo(_Base, frozen=True, tag="trainer_info"):
+    """Local daemon -> scheduler: the trainer of ``node_id`` (= ``sender``) registered."""
+
+    KIND: ClassVar[str] = "peer"
+    TO_SCHEDULER: ClassVar[bool] = True
+    node_id: NodeId
+    data_address: Endpoint
+    shard_address: Endpoint
+    has_state: bool
+    tensor_sizes: TensorSizes | None = None
+    op_id: OpId = ""
 
 
 class ClusterUpdate(_Base, frozen=True, tag="cluster_update"):
@@ -399,6 +459,39 @@ class PolicyRequest(_Base, frozen=True, tag="policy_request"):
     KIND: ClassVar[str] = "client"
 
 
+class TrainerRegister(_Base, frozen=True, tag="trainer_register"):
+    """Trainer -> local daemon: this node now has a training process (data-plane member).
+
+    ``has_state``: the trainer holds a live training state (the first trainer, or a
+    re-registration with new ``tensor_sizes``); ``False``: it must receive the state by
+    replication. The daemon answers with an :class:`OpResult` (``epoch``: the epoch whose policy
+    includes the trainer).
+    """
+
+    KIND: ClassVar[str] = "client"
+    MUTATING: ClassVar[bool] = True
+    data_address: Endpoint
+    shard_address: Endpoint
+    has_state: bool
+    tensor_sizes: TensorSizes | None = None
+    op_id: OpId = ""
+
+
+class TrainerEvent(_Base, frozen=True, tag="trainer_event"):
+    """Trainer -> local daemon (``node_id`` unset) -> scheduler (``node_id`` = ``sender``).
+
+    ``ready``: the trainer holds the state and takes part in training. Answered with an
+    :class:`OpResult`.
+    """
+
+    KIND: ClassVar[str] = "client"
+    kind: TrainerEventKind
+    node_id: NodeId | None = None
+    elapsed_s: Seconds = 0.0
+    detail: Detail = ""
+    op_id: OpId = ""
+
+
 class PolicyReply(_Base, frozen=True, tag="policy_reply"):
     """Daemon -> trainer (``epoch`` is the policy's epoch)."""
 
@@ -439,6 +532,9 @@ Message = Union[
     FaultReply,
     PolicyRequest,
     PolicyReply,
+    TrainerRegister,
+    TrainerInfo,
+    TrainerEvent,
 ]
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -587,20 +683,46 @@ def validate(frame: bytes, ctx: ValidationContext) -> Message | Rejected:
     if isinstance(result, tuple):
         return Rejected(refusal(result[0], ctx, result[1]))
     msg = result
-    kind = type(msg).KIND
+    kind, to_scheduler = kind_of(msg)
     tag = tag_of(msg)
     term = getattr(msg, "term", None)
+    if kind in ("command", "leader") and not msg.sender:
+        return Rejected(refusal(Reason.MALFORMED, ctx, "a scheduler message without sender", tag))
     if kind == "peer" and msg.sender not in ctx.members:
         return Rejected(refusal(Reason.UNKNOWN_PEER, ctx, f"{msg.sender!r}", tag))
     if kind in ("command", "leader") and term is not None and term < ctx.term and not ctx.joining:
         return Rejected(refusal(Reason.STALE_TERM, ctx, f"term {term} < {ctx.term}", tag))
     if kind == "command" and msg.epoch < ctx.epoch and not ctx.joining:
         return Rejected(refusal(Reason.STALE_EPOCH, ctx, f"epoch {msg.epoch} < {ctx.epoch}", tag))
-    if type(msg).TO_SCHEDULER and not isinstance(msg, JoinRequest):
+    if to_scheduler and not isinstance(msg, JoinRequest):
         if not ctx.is_scheduler:
             return Rejected(refusal(Reason.NOT_SCHEDULER, ctx, "", tag))
         if ctx.paused:
             return Rejected(refusal(Reason.PAUSED, ctx, "no majority", tag))
     if type(msg).MUTATING and ctx.paused:
         return Rejected(refusal(Reason.PAUSED, ctx, "no scheduler with a majority", tag))
+    bad = _trainer_problem(msg)
+    if bad:
+        return Rejected(refusal(Reason.BAD_REQUEST, ctx, bad, tag))
     return msg
+
+
+def kind_of(msg: Message) -> tuple[str, bool]:
+    """The ``(KIND, TO_SCHEDULER)`` that apply to ``msg``.
+
+    A :class:`TrainerEvent` with ``node_id`` set was forwarded by a member's daemon: it is then a
+    peer message to the scheduler; without, it is a trainer's client message.
+    """
+    if isinstance(msg, TrainerEvent) and msg.node_id is not None:
+        return "peer", True
+    return type(msg).KIND, type(msg).TO_SCHEDULER
+
+
+def _trainer_problem(msg: Message) -> str:
+    """Semantic checks of the trainer messages beyond their schema ("" when fine)."""
+    if isinstance(msg, (TrainerInfo, TrainerEvent)) and msg.node_id not in (None, msg.sender):
+        return f"node_id {msg.node_id!r} differs from the sender {msg.sender!r}"
+    if isinstance(msg, (TrainerRegister, TrainerInfo)):
+        if msg.tensor_sizes is not None and sum(msg.tensor_sizes) <= 0:
+            return "tensor_sizes describe an empty state"
+    return ""

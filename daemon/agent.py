@@ -26,6 +26,7 @@ import psutil
 from chaos.daemon.config import DaemonConfig
 
 from chaos.protocol import (
+    AgentReport,
     BulkAck,
     BulkData,
     ClusterView,
@@ -137,6 +138,41 @@ class Agent:
                 self.links[peer] = LinkProbe(peer, up=up, last_pong=now, reported_up=up)
             else:
                 cur.reported_up = up
+
+    def report(
+        self, view: ClusterView | None, address: str, trainer: dict[str, object]
+    ) -> AgentReport | None:
+        """What this agent knows about itself, for a newly elected scheduler.
+
+        Args:
+            view: The last installed view (``None``: not a member; no report).
+            address: This daemon's address.
+            trainer: The trainer fields (``TrainerRelay.report_fields``).
+
+        Returns:
+            The report, or ``None`` when this node is not in ``view``.
+        """
+        me = self.host.node_id
+        mine = next((n for n in view.nodes if n.id == me), None) if view else None
+        if view is None or mine is None:
+            return None
+        links = []
+        for link in view.links:
+            if me in (link.a, link.b):
+                probe = self.links.get(link.b if link.a == me else link.a)
+                up = probe.up if probe is not None else link.up
+                lat = probe.latency_s if probe is not None and probe.latency_s else link.latency_s
+                links.append(msgspec.structs.replace(link, up=up, latency_s=lat))
+        return AgentReport(
+            sender=me,
+            epoch=self.host.epoch,
+            term=self.host.term,
+            address=address,
+            joined_at=mine.joined_at,
+            links=links,
+            resources=self.resources,
+            **trainer,  # type: ignore[arg-type]
+        )
 
     # -- periodic --------------------------------------------------------------------------
 

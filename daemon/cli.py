@@ -185,16 +185,19 @@ def status(connect: str | None, as_json: bool) -> None:
     paused = "  PAUSED (no majority)" if st.paused else ""
     click.echo(f"node {st.node_id}  role {st.role}  state {st.state}{paused}")
     click.echo(f"scheduler {st.scheduler or '-'}  term {st.term}  epoch {st.epoch}")
-    click.echo(f"{'ID':<12}{'STATE':<9}{'ADDRESS':<24}{'JOINED':<10}NEIGHBORS")
+    click.echo(f"{'ID':<12}{'STATE':<9}{'TRAINER':<10}{'ADDRESS':<24}{'JOINED':<10}NEIGHBORS")
     for n in st.nodes:
         joined = time.strftime("%H:%M:%S", time.localtime(n.joined_at))
-        click.echo(f"{n.id:<12}{n.state:<9}{n.address:<24}{joined:<10}{','.join(n.neighbors)}")
+        nbrs = ",".join(n.neighbors)
+        click.echo(f"{n.id:<12}{n.state:<9}{n.trainer:<10}{n.address:<24}{joined:<10}{nbrs}")
     click.echo(f"{'LINK':<20}{'UP':<5}{'BANDWIDTH':<18}LATENCY")
     for x in st.links:
         bw = _fmt(x.bandwidth_bps, 1e-6, " Mbit/s") + " "
         lat = _fmt(x.latency_s, 1e3, " ms")
         click.echo(f"{x.a + '-' + x.b:<20}{'yes' if x.up else 'NO':<5}{bw:<18}{lat}")
-    if st.sync is not None:
+    if st.sync is not None and not st.sync.nodes:
+        click.echo("sync policy: none (no trainer registered)")
+    elif st.sync is not None:
         extra = f" root {st.sync.root}" if st.sync.kind == "tree" else " " + "-".join(st.sync.ring)
         click.echo(f"sync policy: {st.sync.kind}{extra}")
 

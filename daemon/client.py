@@ -1,4 +1,8 @@
-"""A small synchronous client of a daemon's endpoints (CLI, tests, benchmarks, trainer)."""
+"""A small synchronous client of a daemon's endpoints (CLI, tests, benchmarks, trainer).
+
+One request is outstanding at a time; a reply that arrives after its request timed out is
+discarded before the next request is sent. A client is not thread-safe (one ZeroMQ socket).
+"""
 
 from __future__ import annotations
 
@@ -18,12 +22,42 @@ from chaos.protocol import (
     LinkCommand,
     Message,
     OpResult,
+    PolicyReply,
+    PolicyRequest,
     Refusal,
     StatusReply,
     StatusRequest,
+    TrainerEvent,
+    TrainerEventKind,
+    TrainerRegister,
     decode,
     encode,
 )
+
+
+class RequestRefused(ProtocolError):
+    """The daemon or the scheduler refused a request.
+
+    Attributes:
+        reason: The reason code (a :class:`~chaos.protocol.Reason` value, e.g.
+            ``"state_conflict"``).
+        detail: Human-readable detail.
+    """
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"refused: {reason} {detail}".strip())
+        self.reason = reason
+        self.detail = detail
+
+
+def _checked(result: OpResult) -> OpResult:
+    """Raises for a failed result: ChaosTimeout for ``timeout``, RequestRefused otherwise."""
+    if result.ok:
+        return result
+    reason = result.reason.value if result.reason is not None else "refused"
+    if reason == "timeout":
+        raise ChaosTimeout(f"the scheduler did not answer: {result.detail}")
+    raise RequestRefused(reason, result.detail)
 
 
 class DaemonClient:
@@ -62,6 +96,8 @@ class DaemonClient:
             ProtocolError: the answer cannot be decoded.
         """
         wait = self.timeout_s if timeout_s is None else timeout_s
+        while self._sock.poll(0, zmq.POLLIN):  # the late answer of a request that timed out
+            self._sock.recv_multipart()
         self._sock.send(encode(msg))
         deadline = time.monotonic() + wait
         while True:
@@ -74,7 +110,7 @@ class DaemonClient:
     def _expect(self, msg: Message, kind: type, timeout_s: float | None = None) -> Message:
         answer = self.request(msg, timeout_s)
         if isinstance(answer, Refusal):
-            raise ProtocolError(f"refused: {answer.reason} {answer.detail}".strip())
+            raise RequestRefused(answer.reason.value, answer.detail)
         if not isinstance(answer, kind):
             raise ProtocolError(f"unexpected answer {type(answer).__name__}")
         return answer
@@ -83,14 +119,87 @@ class DaemonClient:
         """The daemon's status."""
         return cast(StatusReply, self._expect(StatusRequest(), StatusReply, timeout_s))
 
-    def op(self, msg: LeaveCommand | LinkCommand, timeout_s: float | None = None) -> OpResult:
+    def op(
+        self,
+        msg: LeaveCommand | LinkCommand | TrainerRegister | TrainerEvent,
+        timeout_s: float | None = None,
+    ) -> OpResult:
         """Runs a primitive request; returns its result (``ok`` may be ``False``).
 
         Raises:
             ChaosTimeout: no answer in time.
-            ProtocolError: refused (e.g. ``paused``) or an unexpected answer.
+            RequestRefused: refused on receipt (e.g. ``paused``, ``malformed``).
+            ProtocolError: an unexpected answer.
         """
         return cast(OpResult, self._expect(msg, OpResult, timeout_s))
+
+    def policy(self, timeout_s: float | None = None) -> PolicyReply:
+        """The policies in force at this daemon (``.epoch`` is their epoch).
+
+        Raises:
+            ChaosTimeout: no answer in time.
+            ProtocolError: refused or an unexpected answer.
+        """
+        return cast(PolicyReply, self._expect(PolicyRequest(), PolicyReply, timeout_s))
+
+    def register_trainer(
+        self,
+        data_address: str,
+        shard_address: str,
+        has_state: bool,
+        tensor_sizes: list[int] | None = None,
+        timeout_s: float | None = None,
+    ) -> OpResult:
+        """Registers this node's training process with the scheduler (through the daemon).
+
+        Args:
+            data_address: The trainer's allreduce endpoint (``tcp://HOST:PORT`` or ``ipc://``).
+            shard_address: Its shard server's endpoint.
+            has_state: Whether it holds a live training state (``False``: it must receive one).
+            tensor_sizes: The byte size of every state tensor, in stream order (with
+                ``has_state``; ``None``: not known yet, re-register when it is).
+            timeout_s: Wait at most this long (default: the client's timeout).
+
+        Returns:
+            The scheduler's result; ``epoch`` is the epoch whose policy includes this trainer.
+
+        Raises:
+            ChaosTimeout: no answer in time (from the daemon or from the scheduler).
+            RequestRefused: refused, e.g. ``state_conflict``, ``no_state_source``, ``paused``,
+                ``malformed`` (a bad address or size list).
+        """
+        msg = TrainerRegister(
+            data_address=data_address,
+            shard_address=shard_address,
+            has_state=has_state,
+            tensor_sizes=None if tensor_sizes is None else list(tensor_sizes),
+        )
+        return _checked(self.op(msg, timeout_s))
+
+    def trainer_event(
+        self,
+        kind: TrainerEventKind,
+        elapsed_s: float = 0.0,
+        detail: str = "",
+        timeout_s: float | None = None,
+    ) -> OpResult:
+        """Reports a trainer event to the scheduler (``ready``: the state is in place).
+
+        Args:
+            kind: ``"ready"``, ``"replication_done"`` or ``"step_failed"``.
+            elapsed_s: The trainer's own duration for the event (e.g. join to ready), seconds.
+            detail: Free text (at most 1024 characters).
+            timeout_s: Wait at most this long (default: the client's timeout).
+
+        Returns:
+            The scheduler's result.
+
+        Raises:
+            ChaosTimeout: no answer in time.
+            RequestRefused: refused (e.g. ``bad_request``: no trainer registered here).
+        """
+        msg = TrainerEvent(kind=kind, elapsed_s=elapsed_s, detail=detail)
+        return _checked(self.op(msg, timeout_s))
 
     def link(self, peer: str, add: bool, timeout_s: float | None = None) -> OpResult:
         """Adds or removes this daemon's link to ``peer``."""

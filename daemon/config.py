@@ -105,7 +105,9 @@ class DaemonConfig:
         probe_timeout_s: Give up a link measurement after this long.
         default_bandwidth_bps: Bandwidth assumed for a link before it is measured.
         sync_message_bytes: Gradient size assumed when comparing tree and ring sync policies.
-        per_shard_cost_s: Per-shard message cost c for the replication planner.
+        per_shard_cost_s: Per-shard message cost c (seconds) for the replication planner. Measure
+            it on the data-plane transport with ``chaos-bench shard-cost`` and set the measured
+            value; a higher c makes the planner choose fewer, larger shards.
         join_timeout_s: A joiner that is not admitted within this long exits with an error.
         op_timeout_s: A primitive whose policy is not acknowledged by every member within this
             long completes as failed.
@@ -139,7 +141,7 @@ class DaemonConfig:
     probe_timeout_s: float = 5.0
     default_bandwidth_bps: float = 100e6
     sync_message_bytes: int = 100 << 20
-    per_shard_cost_s: float = 1e-4
+    per_shard_cost_s: float = 4e-6
     join_timeout_s: float = 30.0
     op_timeout_s: float = 10.0
     leave_timeout_s: float = 5.0

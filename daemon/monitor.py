@@ -1,7 +1,9 @@
 """The cluster monitor (paper IV-A): a networkx graph of nodes and overlay links.
 
-Nodes carry ``address``, ``state`` (:class:`~chaos.daemon.states.NodeState`), ``joined_at`` and
-``resources``; a node's neighbours are its graph neighbours over links that are up. Links carry
+Nodes carry ``address``, ``state`` (:class:`~chaos.daemon.states.NodeState`), ``joined_at``,
+``resources`` and their trainer's registration (``trainer``
+(:class:`~chaos.daemon.states.TrainerState`), ``data_address``, ``shard_address``,
+``tensor_sizes``); a node's neighbours are its graph neighbours over links that are up. Links carry
 ``bandwidth_bps``, ``latency_s``, ``tau_sync_s`` and ``up``. The monitor holds no sockets; the
 negotiator edits it and turns it into a :class:`~chaos.protocol.ClusterView`.
 """
@@ -10,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import networkx as nx
-from chaos.daemon.states import NODE_TRANSITIONS, NodeState
+from chaos.daemon.states import NODE_TRANSITIONS, TRAINER_TRANSITIONS, NodeState, TrainerState
 from chaos.scheduling.sync_policy import LinkEstimate
 
 from chaos.errors import ChaosError
@@ -30,7 +33,17 @@ class ClusterMonitor:
         """Adds (or replaces) a node without links."""
         if node_id in self.g:
             self.g.remove_node(node_id)
-        self.g.add_node(node_id, address=address, state=state, joined_at=joined_at, resources=None)
+        self.g.add_node(
+            node_id,
+            address=address,
+            state=state,
+            joined_at=joined_at,
+            resources=None,
+            trainer=TrainerState.NONE,
+            data_address=None,
+            shard_address=None,
+            tensor_sizes=None,
+        )
 
     def remove_node(self, node_id: str) -> None:
         """Removes a node and its links (no-op if absent)."""
@@ -52,6 +65,54 @@ class ClusterMonitor:
         """Records a node's latest resource report."""
         if node_id in self.g and resources is not None:
             self.g.nodes[node_id]["resources"] = resources
+
+    def set_trainer(
+        self,
+        node_id: str,
+        state: TrainerState,
+        data_address: str | None,
+        shard_address: str | None,
+        tensor_sizes: list[int] | None = None,
+    ) -> None:
+        """Records a node's trainer registration (``tensor_sizes=None`` keeps the last sizes).
+
+        Raises:
+            ChaosError: unknown node or a transition the trainer state machine does not allow.
+        """
+        d = self.g.nodes[node_id]
+        cur: TrainerState = d["trainer"]
+        if state != cur and state not in TRAINER_TRANSITIONS.get(cur, frozenset()):
+            raise ChaosError(f"trainer of {node_id}: {cur.value} -> {state.value} not allowed")
+        d["trainer"] = state
+        d["data_address"] = data_address
+        d["shard_address"] = shard_address
+        if tensor_sizes is not None:
+            d["tensor_sizes"] = list(tensor_sizes)
+
+    def trainer(self, node_id: str) -> TrainerState:
+        """The node's trainer state (``none`` for an unknown node)."""
+        if node_id not in self.g:
+            return TrainerState.NONE
+        t: TrainerState = self.g.nodes[node_id]["trainer"]
+        return t
+
+    def node_attr(self, node_id: str, key: str) -> Any:
+        """One attribute of a node (KeyError if the node is unknown)."""
+        return self.g.nodes[node_id].get(key)
+
+    def trainer_members(
+        self, states: tuple[TrainerState, ...] = (TrainerState.SYNCING, TrainerState.TRAINING)
+    ) -> list[str]:
+        """Sorted ids of the active members whose trainer is in ``states``."""
+        return [m for m in self.members() if self.g.nodes[m]["trainer"] in states]
+
+    def with_trainer_states(self, nodes: list[NodeInfo]) -> list[NodeInfo]:
+        """``nodes`` with the trainer state this monitor holds now (between epochs, ``ready``
+        changes it without a new view)."""
+        return [
+            msgspec.structs.replace(n, trainer=self.trainer(n.id).value) if n.id in self.g else n
+            for n in nodes
+        ]
 
     def has(self, node_id: str) -> bool:
         """Whether the node is in the view."""
@@ -121,6 +182,48 @@ class ClusterMonitor:
             if d["up"] and a in ms and b in ms
         ]
 
+    def sync_links(self, members: list[str]) -> list[LinkEstimate]:
+        """The links of the sync policy over ``members``: the overlay links between them that are
+        up, plus a multi-hop link for each pair that the overlay joins only through non-members
+        (bottleneck bandwidth, summed latency; ``None`` where a hop is not measured)."""
+        ms = set(members)
+        direct = self.up_links(members)
+        have = {frozenset((x.a, x.b)) for x in direct}
+        up = nx.Graph()
+        up.add_nodes_from(self.members())
+        up.add_edges_from(
+            (u, v) for u, v, d in self.g.edges(data=True) if d["up"] and u in up and v in up
+        )
+        out = list(direct)
+        for i, a in enumerate(members):
+            for b in members[i + 1 :]:
+                if frozenset((a, b)) in have:
+                    continue
+                via = up.subgraph((set(up.nodes) - ms) | {a, b})
+                if nx.has_path(via, a, b):
+                    lat, bw = self._path_estimate(nx.shortest_path(via, a, b))
+                    out.append(LinkEstimate(a, b, bw, lat))
+        return out
+
+    def path_link(self, a: str, b: str) -> tuple[float | None, float | None]:
+        """``(latency_s, bandwidth_bps)`` of the fewest-hop up path from ``a`` to ``b``: the link's
+        own measurement for neighbours, summed latency and bottleneck bandwidth over several hops
+        (``None`` where a hop is not measured, or when there is no path)."""
+        up = nx.Graph()
+        up.add_nodes_from(self.g.nodes)
+        up.add_edges_from((u, v) for u, v, d in self.g.edges(data=True) if d["up"])
+        if a not in up or b not in up or not nx.has_path(up, a, b):
+            return None, None
+        return self._path_estimate(nx.shortest_path(up, a, b))
+
+    def _path_estimate(self, path: list[str]) -> tuple[float | None, float | None]:
+        hops = [self.g.edges[u, v] for u, v in zip(path, path[1:], strict=False)]
+        lats = [h.get("latency_s") for h in hops]
+        bws = [h.get("bandwidth_bps") for h in hops]
+        lat = None if any(x is None for x in lats) else float(sum(lats))
+        bw = None if any(x is None for x in bws) else float(min(bws))
+        return lat, bw
+
     def connected_without(self, a: str, b: str) -> bool:
         """Whether the active members stay connected over up links if ``a-b`` is removed."""
         members = self.members()
@@ -146,6 +249,9 @@ class ClusterMonitor:
                 joined_at=d["joined_at"],
                 neighbors=self.neighbors(n),
                 resources=d["resources"],
+                data_address=d["data_address"],
+                shard_address=d["shard_address"],
+                trainer=d["trainer"].value,
             )
             for n, d in sorted(self.g.nodes(data=True))
             if n in keep
@@ -171,6 +277,8 @@ class ClusterMonitor:
         for n in view.nodes:
             m.add_node(n.id, n.address, NodeState(n.state), n.joined_at)
             m.set_resources(n.id, n.resources)
+            if n.trainer != "none":
+                m.set_trainer(n.id, TrainerState(n.trainer), n.data_address, n.shard_address)
         for link in view.links:
             m.set_link(
                 link.a,

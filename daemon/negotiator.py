@@ -31,8 +31,9 @@ from typing import Protocol
 
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.monitor import ClusterMonitor
-from chaos.daemon.planner import replication_policy, sync_policy, to_wire
+from chaos.daemon.planner import data_addresses, replication_policy, sync_policy, to_wire
 from chaos.daemon.states import NodeState
+from chaos.daemon.trainers import TrainerRegistry
 from chaos.daemon.transport import ReplyPath
 
 from chaos.protocol import (
@@ -167,6 +168,7 @@ class Negotiator:
         self.linkops: dict[str, LinkOp] = {}
         self.last_sync: SyncPolicyWire | None = None
         self.last_update: ClusterUpdate | None = None
+        self.trainers = TrainerRegistry(self)
 
     # -- commit ----------------------------------------------------------------------------
 
@@ -182,10 +184,16 @@ class Negotiator:
         replication: ReplicationWire | None = None,
         started: float | None = None,
     ) -> PendingOp:
-        """Bumps the epoch and issues the new view and policies to every member."""
+        """Bumps the epoch and issues the new view and policies to every member.
+
+        Without ``replication``, the update carries the plan of a joiner still syncing.
+        """
         self.epoch += 1
         view = self.monitor.to_view(self.epoch, self.host.term, self.host.node_id)
-        sync = to_wire(sync_policy(self.monitor, self.cfg))
+        policy = sync_policy(self.monitor, self.cfg)
+        sync = to_wire(policy, data_addresses(self.monitor, policy.nodes))
+        if replication is None:
+            replication = self.trainers.carried()
         self.last_sync = sync
         op_id = uuid.uuid4().hex[:12]
         upd = ClusterUpdate(
@@ -332,6 +340,7 @@ class Negotiator:
             self.monitor.remove_node(m)
             self.last_heard.pop(m, None)
             self.rebuilding.discard(m)
+            self.trainers.forget(m)
             self.host.event("node_failed", peer=m, silent_s=silent[m])
             for op in list(self.ops.values()):
                 op.waiting.discard(m)
@@ -359,6 +368,15 @@ class Negotiator:
                         latency_s=link.latency_s,
                         bandwidth_bps=link.bandwidth_bps,
                     )
+            self.trainers.absorb(
+                msg.sender,
+                {
+                    "trainer": msg.trainer,
+                    "data_address": msg.data_address,
+                    "shard_address": msg.shard_address,
+                    "tensor_sizes": msg.tensor_sizes,
+                },
+            )
         self.rebuilding.discard(msg.sender)
         self._maybe_finish_rebuild(now)
 
@@ -368,6 +386,7 @@ class Negotiator:
         if self.rebuilding and now < self.rebuild_deadline:
             return
         self.rebuilding.clear()
+        self.trainers.replan_syncing()
         self.commit("reelection" if self.epoch > 0 else "bootstrap", now)
 
     # -- scale-out -------------------------------------------------------------------------
@@ -386,6 +405,7 @@ class Negotiator:
                 self.host.send(j, self.last_update)  # the joiner missed its admission
                 return
             self.monitor.remove_node(j)  # a restarted incarnation: scale it in and out again
+            self.trainers.forget(j)
         unknown = [n for n in msg.neighbors if not self.monitor.has(n)]
         if unknown:
             self._refuse_join(msg, Reason.UNKNOWN_PEER, f"unknown neighbor(s) {unknown}")
@@ -448,6 +468,8 @@ class Negotiator:
             shard_size=repl.shard_size,
             makespan_s=repl.makespan_s,
         )
+        if repl.skipped:  # keep carrying the plan of a trainer still syncing, if any
+            repl = self.trainers.carried() or repl
         self.commit("scale_out", now, replication=repl, started=so.started)
 
     # -- scale-in (leave) ------------------------------------------------------------------
@@ -461,6 +483,7 @@ class Negotiator:
         self.monitor.set_state(node, NodeState.LEAVING)
         self.monitor.remove_node(node)
         self.last_heard.pop(node, None)
+        self.trainers.forget(node)
         op = self.commit("scale_in_leave", now, reply=reply, req_op_id=msg.op_id)
         if node == self.host.node_id:
             op.after = TimeoutNow(sender=node, epoch=self.epoch, term=self.host.term)

@@ -25,7 +25,9 @@ from chaos.daemon.election import Election
 from chaos.daemon.events import EventLog
 from chaos.daemon.metrics import Metrics
 from chaos.daemon.negotiator import Negotiator
+from chaos.daemon.replies import policy_reply, status_reply
 from chaos.daemon.states import DAEMON_TRANSITIONS, DaemonState, Role
+from chaos.daemon.trainers import TrainerRelay
 from chaos.daemon.transport import FaultInjector, Inbound, ReplyPath, Transport
 
 from chaos.errors import ChaosError
@@ -50,16 +52,17 @@ from chaos.protocol import (
     OpResult,
     Ping,
     PolicyAck,
-    PolicyReply,
     PolicyRequest,
     Pong,
     Reason,
     Refusal,
     Rejected,
     RequestVote,
-    StatusReply,
     StatusRequest,
     TimeoutNow,
+    TrainerEvent,
+    TrainerInfo,
+    TrainerRegister,
     ValidationContext,
     VoteReply,
     encode,
@@ -110,6 +113,7 @@ class Daemon:
         )
         self.election = Election(cfg.node_id, cfg, rng)
         self.agent = Agent(self, cfg)
+        self.trainer = TrainerRelay(self)
         self.negotiator: Negotiator | None = None
         self.state = DaemonState.STARTING
         self.view: ClusterView | None = None
@@ -182,6 +186,29 @@ class Daemon:
         else:
             self.transport.reply(reply, encode(msg))
 
+    def result(
+        self,
+        reply: ReplyPath | None,
+        op_id: str,
+        reason: Reason | None = None,
+        detail: str = "",
+    ) -> None:
+        """Answers a client with an :class:`OpResult` (failed when ``reason`` is given)."""
+        ok = reason is None
+        msg = OpResult(
+            sender=self.node_id, epoch=self.epoch, op_id=op_id, ok=ok, reason=reason, detail=detail
+        )
+        self.respond(reply, msg)
+
+    def relay(self, reply: ReplyPath | None, msg: Message, op_id: str) -> None:
+        """Sends a client's request to the scheduler; its :class:`OpResult` goes back to the
+        client (a failure if none comes within ``op_timeout_s``)."""
+        self._clients[op_id] = _ClientOp(reply, time.monotonic() + self.cfg.op_timeout_s)
+        if not self.to_scheduler(msg):
+            del self._clients[op_id]
+            self.trainer.forget(op_id)
+            self.result(reply, op_id, Reason.PAUSED, "no scheduler")
+
     def send_to_address(self, peer: str, address: str, msg: Message) -> None:
         """Opens a DEALER to ``peer`` if needed and sends."""
         self.transport.ensure_peer(peer, address)
@@ -200,6 +227,11 @@ class Daemon:
     def observe_primitive(self, name: str, seconds: float) -> None:
         """Records a primitive's control-path time."""
         self.metrics.primitive(name, seconds)
+
+    @property
+    def active(self) -> bool:
+        """Whether this daemon is an active member."""
+        return self.state == DaemonState.ACTIVE
 
     def lost_quorum(self) -> None:
         """The scheduler no longer hears a majority: step down and pause."""
@@ -321,17 +353,8 @@ class Daemon:
         for op_id, op in list(self._clients.items()):
             if now > op.deadline:
                 del self._clients[op_id]
-                self.respond(
-                    op.reply,
-                    OpResult(
-                        sender=self.node_id,
-                        epoch=self.epoch,
-                        op_id=op_id,
-                        ok=False,
-                        reason=Reason.TIMEOUT,
-                        detail="no answer from the scheduler",
-                    ),
-                )
+                self.trainer.forget(op_id)
+                self.result(op.reply, op_id, Reason.TIMEOUT, "no answer from the scheduler")
         if self.state == DaemonState.JOINING:
             if now > self._join_deadline:
                 self.event("join_failed", reason=Reason.TIMEOUT)
@@ -342,6 +365,11 @@ class Daemon:
         if self.state == DaemonState.LEAVING and now > self._leave_deadline:
             self.event("left", ok=False, reason=Reason.TIMEOUT)
             self._finish_leave(ok=False, reason=Reason.TIMEOUT)
+
+    @property
+    def paused(self) -> bool:
+        """Whether this member pauses (no scheduler with a majority)."""
+        return self._paused
 
     @property
     def _paused(self) -> bool:
@@ -418,6 +446,9 @@ class Daemon:
             LinkCommand: self._on_link_command,
             FaultCommand: self._on_fault,
             PolicyRequest: self._on_policy_request,
+            TrainerRegister: lambda m, r, t: self.trainer.on_register(m, r),
+            TrainerInfo: self._scheduler_only(lambda n, m, r, t: n.trainers.on_info(m, r, t)),
+            TrainerEvent: self._on_trainer_event,
         }
 
     def _scheduler_only(
@@ -445,28 +476,9 @@ class Daemon:
             self._send_agent_report()
 
     def _send_agent_report(self) -> None:
-        me = next((n for n in self.view.nodes if n.id == self.node_id), None) if self.view else None
-        if me is None:
-            return
-        links = []
-        for link in self.view.links if self.view else []:
-            if self.node_id in (link.a, link.b):
-                peer = link.b if link.a == self.node_id else link.a
-                probe = self.agent.links.get(peer)
-                up = probe.up if probe is not None else link.up
-                lat = probe.latency_s if probe is not None and probe.latency_s else link.latency_s
-                links.append(msgspec.structs.replace(link, up=up, latency_s=lat))
-        self.to_scheduler(
-            AgentReport(
-                sender=self.node_id,
-                epoch=self.epoch,
-                term=self.term,
-                address=self.address,
-                joined_at=me.joined_at,
-                links=links,
-                resources=self.agent.resources,
-            )
-        )
+        report = self.agent.report(self.view, self.address, self.trainer.report_fields())
+        if report is not None:
+            self.to_scheduler(report)
 
     def _on_request_vote(self, msg: RequestVote, reply: ReplyPath | None, now: float) -> None:
         if self.state != DaemonState.ACTIVE:
@@ -516,6 +528,7 @@ class Daemon:
         self.negotiator = Negotiator(
             self, self.cfg, None if bootstrap else self.view, now, old_scheduler=self._prev_leader
         )
+        self.negotiator.trainers.absorb(self.node_id, self.trainer.report_fields())
         self._prev_leader = None
         self.event("elected", term=self.term, epoch=self.epoch)
         self._due["heartbeat"] = now  # announce at once
@@ -652,6 +665,7 @@ class Daemon:
             self.event("left", ok=msg.ok, reason=msg.reason, elapsed_s=msg.elapsed_s)
             self._finish_leave(msg.ok, msg.reason, msg.elapsed_s, msg.epoch)
             return
+        self.trainer.on_result(msg)
         op = self._clients.pop(msg.op_id, None)
         if op is not None:
             self.respond(op.reply, msgspec.structs.replace(msg, sender=self.node_id))
@@ -664,6 +678,10 @@ class Daemon:
             ref_type=msg.ref_type,
             detail=msg.detail,
         )
+        op_id = self.trainer.on_refusal(msg)
+        op = self._clients.pop(op_id, None) if op_id else None
+        if op is not None and op_id:
+            self.result(op.reply, op_id, msg.reason, msg.detail or "refused by the scheduler")
         if msg.reason == "stale_term" and msg.term > self.term:
             if self.is_scheduler:
                 self.event("stepped_down", term=msg.term)
@@ -687,40 +705,10 @@ class Daemon:
     # -- client requests -------------------------------------------------------------------
 
     def _on_status(self, msg: StatusRequest, reply: ReplyPath | None, now: float) -> None:
-        view = self.view
-        self.respond(
-            reply,
-            StatusReply(
-                sender=self.node_id,
-                epoch=self.epoch,
-                node_id=self.node_id,
-                role=self.election.role.value,
-                state=self.state.value,
-                paused=self._paused,
-                scheduler=self.node_id if self.is_scheduler else self.election.leader,
-                term=self.term,
-                nodes=list(view.nodes) if view else [],
-                links=list(view.links) if view else [],
-                sync=self.update.sync if self.update else None,
-            ),
-        )
+        self.respond(reply, status_reply(self))
 
     def _on_policy_request(self, msg: PolicyRequest, reply: ReplyPath | None, now: float) -> None:
-        u = self.update
-        self.respond(
-            reply,
-            PolicyReply(
-                sender=self.node_id,
-                epoch=self.epoch,
-                term=self.term,
-                members=self.members(),
-                sync=u.sync if u else None,
-                replication=u.replication if u else None,
-                apply_at=u.apply_at if u else "after_allreduce",
-                restart_allreduce=u.restart_allreduce if u else False,
-                paused=self._paused,
-            ),
-        )
+        self.respond(reply, policy_reply(self))
 
     def _on_fault(self, msg: FaultCommand, reply: ReplyPath | None, now: float) -> None:
         self.faults.apply(msg.name, list(msg.peers))
@@ -732,21 +720,9 @@ class Daemon:
     def _on_link_command(self, msg: LinkCommand, reply: ReplyPath | None, now: float) -> None:
         op_id = uuid.uuid4().hex[:12]
         if msg.peer == self.node_id or self.state != DaemonState.ACTIVE:
-            self.respond(
-                reply,
-                OpResult(
-                    sender=self.node_id,
-                    epoch=self.epoch,
-                    op_id=op_id,
-                    ok=False,
-                    reason=Reason.BAD_REQUEST,
-                    detail="cannot link to itself"
-                    if msg.peer == self.node_id
-                    else f"node is {self.state.value}",
-                ),
-            )
+            why = "itself" if msg.peer == self.node_id else f"while {self.state.value}"
+            self.result(reply, op_id, Reason.BAD_REQUEST, f"cannot link {why}")
             return
-        self._clients[op_id] = _ClientOp(reply, now + self.cfg.op_timeout_s)
         req = LinkRequest(
             sender=self.node_id,
             epoch=self.epoch,
@@ -755,35 +731,20 @@ class Daemon:
             op=msg.op,
             op_id=op_id,
         )
-        if not self.to_scheduler(req):
-            del self._clients[op_id]
-            self.respond(
-                reply,
-                OpResult(
-                    sender=self.node_id,
-                    epoch=self.epoch,
-                    op_id=op_id,
-                    ok=False,
-                    reason=Reason.PAUSED,
-                    detail="no scheduler",
-                ),
-            )
+        self.relay(reply, req, op_id)
+
+    def _on_trainer_event(self, msg: TrainerEvent, reply: ReplyPath | None, now: float) -> None:
+        if msg.node_id is None:  # from the local trainer
+            self.trainer.on_event(msg, reply)
+        elif self.negotiator is not None:  # forwarded by a member
+            self.negotiator.trainers.on_event(msg, reply, now)
 
     def _start_leave(self, reply: ReplyPath | None, now: float) -> None:
         if self.state == DaemonState.LEAVING:
             return
         if self.state != DaemonState.ACTIVE:
             self.event("left", ok=True, reason=f"was {self.state.value}")
-            self.respond(
-                reply,
-                OpResult(
-                    sender=self.node_id,
-                    epoch=self.epoch,
-                    op_id="",
-                    ok=True,
-                    detail="was not a member",
-                ),
-            )
+            self.result(reply, "", detail="was not a member")
             self._finish(0)
             return
         self._set_state(DaemonState.LEAVING)

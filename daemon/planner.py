@@ -7,39 +7,55 @@ measurements into their inputs and their results into wire structs.
 from __future__ import annotations
 
 import logging
+import math
 
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.monitor import ClusterMonitor
 from chaos.scheduling.sync_policy import SyncPolicy, build_sync_policy
 
-from chaos.protocol import ReplicationWire, SyncPolicyWire
+from chaos.protocol import DonorLink, ReplicationWire, SyncPolicyWire
+
+MAX_PLAN_SHARDS = 16_384
+"""A plan with more shards is re-planned at a larger fixed shard size (bounds the update's size)."""
 
 log = logging.getLogger("chaos.daemon.planner")
 
 
 def sync_policy(monitor: ClusterMonitor, cfg: DaemonConfig) -> SyncPolicy:
-    """Builds the sync policy over the active members and the links that are up.
+    """Builds the sync policy over the active members with a trainer (``syncing`` or
+    ``training``) and the links that are up between them (multi-hop through other nodes).
 
     Args:
         monitor: The cluster monitor.
         cfg: Gives the assumed bandwidth of unmeasured links and the gradient size.
 
     Returns:
-        The policy (a ``"single"`` policy when at most one member is active).
+        The policy (a ``"single"`` policy when at most one member has a trainer, with no node
+        when none has).
     """
-    members = monitor.members()
-    if not members:  # the last node left
+    members = monitor.trainer_members()
+    if not members:  # no trainer registered (yet), or the last one left
         return SyncPolicy("single", (), None, (), (), 0.0, 0.0, 0.0, 0.0, True)
     return build_sync_policy(
         members,
-        monitor.up_links(members),
+        monitor.sync_links(members),
         message_bytes=float(cfg.sync_message_bytes),
         default_bandwidth_bps=cfg.default_bandwidth_bps,
     )
 
 
-def to_wire(p: SyncPolicy) -> SyncPolicyWire:
-    """Converts a :class:`SyncPolicy` to its wire struct."""
+def data_addresses(monitor: ClusterMonitor, nodes: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """The data-plane endpoints of ``nodes`` (those that registered one)."""
+    out: dict[str, str] = {}
+    for n in nodes:
+        a = monitor.node_attr(n, "data_address") if monitor.has(n) else None
+        if a:
+            out[n] = a
+    return out
+
+
+def to_wire(p: SyncPolicy, addresses: dict[str, str] | None = None) -> SyncPolicyWire:
+    """Converts a :class:`SyncPolicy` to its wire struct (with the nodes' data endpoints)."""
     kind = p.kind if p.kind in ("tree", "ring", "single") else "tree"
     return SyncPolicyWire(
         kind=kind,  # type: ignore[arg-type]
@@ -50,6 +66,7 @@ def to_wire(p: SyncPolicy) -> SyncPolicyWire:
         bottleneck_bps=p.bottleneck_bps if p.bottleneck_bps != float("inf") else 0.0,
         est_time_s=p.est_time_s if p.est_time_s != float("inf") else 0.0,
         connected=p.connected,
+        addresses=dict(addresses or {}),
     )
 
 
@@ -59,15 +76,20 @@ def replication_policy(
     state_bytes: int | None,
     tensor_sizes: list[int] | None,
     cfg: DaemonConfig,
+    addresses: dict[str, str] | None = None,
+    sync_s: dict[str, float] | None = None,
 ) -> ReplicationWire:
     """Runs Algorithm 1 + 2 (``chaos.scheduling.plan_replication``) for a joiner.
 
     Args:
         joiner: The joining node.
-        links: Neighbour id -> (latency_s, bandwidth_bps) of its link to the joiner.
+        links: Donor id -> (latency_s, bandwidth_bps) of its link (or path) to the joiner;
+            ``None`` values: not measured (``cfg.default_bandwidth_bps`` and 0 s are assumed).
         state_bytes: Total state size, if the joiner reported one.
         tensor_sizes: Tensor sizes in canonical order, if reported (preferred).
         cfg: Per-shard cost and the bandwidth assumed for unmeasured links.
+        addresses: Donor id -> shard-server endpoint (``donor_addresses`` of the result).
+        sync_s: Donor id -> when it can start sending (tau_sync), in seconds; default 0.
 
     Returns:
         The replication policy, or one with ``skipped`` set when the state size is unknown (the
@@ -80,15 +102,17 @@ def replication_policy(
         return ReplicationWire(target=joiner, skipped="no neighbours")
     from chaos.scheduling import Neighbor, plan_replication
 
-    neighbors = [
-        Neighbor.from_bandwidth(
-            nid,
-            bw if bw is not None else cfg.default_bandwidth_bps,
-            lat if lat is not None else 0.0,
-        )
-        for nid, (lat, bw) in sorted(links.items())
-    ]
+    taus = sync_s or {}
     try:
+        neighbors = [
+            Neighbor.from_bandwidth(
+                nid,
+                bw if bw is not None else cfg.default_bandwidth_bps,
+                lat if lat is not None else 0.0,
+                taus.get(nid, 0.0),
+            )
+            for nid, (lat, bw) in sorted(links.items())
+        ]
         plan = plan_replication(
             tensor_sizes=sizes,
             neighbors=neighbors,
@@ -96,6 +120,15 @@ def replication_policy(
             layout="flat",
             method="chaos",
         )
+        if plan.num_shards > MAX_PLAN_SHARDS:
+            plan = plan_replication(
+                tensor_sizes=sizes,
+                neighbors=neighbors,
+                per_shard_cost_s=cfg.per_shard_cost_s,
+                layout="flat",
+                method="chaos",
+                shard_size=math.ceil(sum(sizes) / MAX_PLAN_SHARDS),
+            )
     except (ValueError, ArithmeticError) as exc:
         log.warning("replication planning failed: %s", exc)
         return ReplicationWire(target=joiner, skipped=f"planning failed: {exc}"[:200])
@@ -104,4 +137,12 @@ def replication_policy(
         shard_size=plan.shard_size,
         assignment={k: [(int(o), int(n)) for o, n in v] for k, v in plan.assignment.items()},
         makespan_s=plan.makespan_s,
+        donor_addresses={k: v for k, v in (addresses or {}).items() if k in links},
+        donors=[
+            DonorLink(
+                id=n.id, prop_s=n.prop_s, trans_s_per_byte=n.trans_s_per_byte, sync_s=n.sync_s
+            )
+            for n in neighbors
+        ],
+        tensor_sizes=list(sizes) if tensor_sizes else [],
     )

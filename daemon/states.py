@@ -32,6 +32,31 @@ NODE_TRANSITIONS: dict[NodeState, frozenset[NodeState]] = {
 }
 
 
+class TrainerState(str, enum.Enum):
+    """Whether a node takes part in training (its data-plane membership), in the scheduler's view.
+
+    Allowed transitions::
+
+        none     -> training  (the first trainer registers with a state)
+        none     -> syncing   (a trainer without state registers: it receives it by replication)
+        syncing  -> training  (the trainer reported ``ready``)
+        training -> syncing   (its trainer restarted without state while another node trains)
+        syncing  -> syncing, training -> training   (re-registration, e.g. new tensor sizes)
+        any      -> (removed) (the node leaves or fails with its daemon)
+    """
+
+    NONE = "none"
+    SYNCING = "syncing"
+    TRAINING = "training"
+
+
+TRAINER_TRANSITIONS: dict[TrainerState, frozenset[TrainerState]] = {
+    TrainerState.NONE: frozenset({TrainerState.SYNCING, TrainerState.TRAINING}),
+    TrainerState.SYNCING: frozenset({TrainerState.SYNCING, TrainerState.TRAINING}),
+    TrainerState.TRAINING: frozenset({TrainerState.SYNCING, TrainerState.TRAINING}),
+}
+
+
 class DaemonState(str, enum.Enum):
     """The local daemon's lifecycle.
 

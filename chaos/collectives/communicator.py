@@ -27,7 +27,7 @@ from zmq.utils.monitor import recv_monitor_message
 from chaos.collectives import algorithms
 from chaos.collectives.frames import WIRE_DTYPES, Header, Op, decode_header, encode_header
 from chaos.collectives.topology import Topology
-from chaos.errors import PeerFailure, PeerTimeout, ProtocolError
+from chaos.errors import PeerFailure, PeerTimeout, ProtocolError, RoundInterrupted
 
 ReduceOp = Literal["sum", "mean"]
 
@@ -181,6 +181,9 @@ class Communicator:
         self._ready: deque[_Frame] = deque()
         self._dead: set[str] = set()
         self._dead_lock = threading.Lock()
+        self._interrupt: Callable[[], str | None] | None = None
+        self._interrupt_every_s = 0.05
+        self._next_interrupt_check = 0.0
         self._fault: _Fault | None = None
         self._wire_cache: dict[torch.dtype, torch.Tensor] = {}
         self._closed = False
@@ -261,6 +264,33 @@ class Communicator:
         """
         with self._dead_lock:
             self._dead.add(peer)
+
+    def set_interrupt(self, check: Callable[[], str | None] | None, every_s: float = 0.05) -> None:
+        """Lets an outside condition abort a blocked allreduce (e.g. a newer membership epoch).
+
+        While an allreduce waits for frames, ``check`` is called at most every ``every_s``
+        seconds; when it returns a reason, the allreduce raises :class:`RoundInterrupted`
+        (a :class:`PeerFailure`: the input is untouched and the step can be rerun under a new
+        epoch).
+
+        Raises:
+            ValueError: ``every_s`` is not positive.
+        """
+        if not every_s > 0:
+            raise ValueError("every_s must be > 0")
+        self._interrupt = check
+        self._interrupt_every_s = float(every_s)
+
+    def _check_interrupt(self) -> None:
+        if self._interrupt is None:
+            return
+        now = time.monotonic()
+        if now < self._next_interrupt_check:
+            return
+        self._next_interrupt_check = now + self._interrupt_every_s
+        reason = self._interrupt()
+        if reason:
+            raise RoundInterrupted(reason, reported_by=self.node_id)
 
     def fail_at(self, step: int, after_frames: int = 0) -> None:
         """Fault injection by name: exit this process abruptly in the middle of an allreduce.
@@ -505,6 +535,7 @@ class Communicator:
             if link.monitor in events:
                 self._drain_monitor(link)
         self._check_dead()
+        self._check_interrupt()
 
     def _drain_monitor(self, link: _Link) -> None:
         while link.monitor.poll(0):

@@ -51,6 +51,9 @@ _SAFE_TAGS = [
     "status_reply",
     "fault_reply",
     "policy_reply",
+    "trainer_register",
+    "trainer_info",
+    "trainer_event",
     "nonsense",
 ]
 
@@ -81,6 +84,11 @@ _bodies = st.fixed_dictionaries(
         "seq": _values,
         "payload": _values,
         "view": _values,
+        "data_address": st.sampled_from(["tcp://127.0.0.1:1", "ipc:///tmp/x", "http://x", ""]),
+        "shard_address": _values,
+        "has_state": _values,
+        "tensor_sizes": st.one_of(_values, st.lists(st.integers(-(2**70), 2**70), max_size=8)),
+        "kind": st.sampled_from(["ready", "step_failed", "explode"]),
     },
 )
 

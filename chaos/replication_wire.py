@@ -1,0 +1,175 @@
+"""Wire messages of state replication (see :mod:`chaos.replication`).
+
+Every message is a typed, versioned msgspec schema (tag field ``"type"``), msgpack-encoded, never
+pickled. Requests are one frame; a :class:`ManifestReply` or :class:`ShardReply` header frame is
+followed by one payload frame. Untrusted requests are checked in one place,
+:func:`validate_request`, which returns a :class:`Refusal` with a reason code instead of raising.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+from collections.abc import Sequence
+from typing import Annotated, Literal, Union
+
+import msgspec
+
+__all__ = [
+    "MAX_REQUEST_BYTES",
+    "REPLICATION_VERSION",
+    "ManifestReply",
+    "ManifestRequest",
+    "Refusal",
+    "ShardReason",
+    "ShardReply",
+    "ShardRequest",
+    "manifest_digest",
+    "shard_checksum",
+    "validate_request",
+]
+
+REPLICATION_VERSION = 1
+"""Bumped on every incompatible change of the replication messages."""
+
+MAX_REQUEST_BYTES = 4096
+"""Largest request frame a server decodes; anything bigger is refused as ``too_large``."""
+
+
+def shard_checksum(data: bytes | bytearray | memoryview) -> int:
+    """The checksum every shard carries (:func:`chaos.ops.checksum`, 64-bit)."""
+    from chaos.ops import checksum  # imported lazily: chaos.ops may JIT-build native code
+
+    return checksum(data)
+
+
+def manifest_digest(manifest_bytes: bytes | memoryview) -> str:
+    """SHA-256 (hex) of an encoded manifest; requests carry it so that every donor serves the
+    same state (same layout, hyperparameters, optimizer values and runtime record length)."""
+    return hashlib.sha256(manifest_bytes).hexdigest()
+
+
+# ----------------------------------------------------------------------------- messages
+
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Hex = Annotated[str, msgspec.Meta(max_length=64)]
+
+
+class ShardReason(str, enum.Enum):
+    """Reason codes of a :class:`Refusal`."""
+
+    BAD_VERSION = "bad_version"
+    MALFORMED = "malformed"
+    TOO_LARGE = "too_large"
+    NOT_PUBLISHED = "not_published"
+    STALE_STATE = "stale_state"
+    LAYOUT_MISMATCH = "layout_mismatch"
+    MANIFEST_MISMATCH = "manifest_mismatch"
+    OUT_OF_RANGE = "out_of_range"
+    INTERNAL = "internal"
+
+
+ShardReasonCode = Literal[
+    "bad_version",
+    "malformed",
+    "too_large",
+    "not_published",
+    "stale_state",
+    "layout_mismatch",
+    "manifest_mismatch",
+    "out_of_range",
+    "internal",
+]
+
+
+class WireMessage(msgspec.Struct, kw_only=True, frozen=True, tag_field="type"):
+    v: int = REPLICATION_VERSION
+    req_id: NonNeg = 0
+
+
+class ManifestRequest(WireMessage, frozen=True, tag="manifest_req"):
+    """Asks for the encoded manifest of the state published for ``(epoch, step)``; ``step``
+    ``None`` accepts whatever step is published for ``epoch`` (the reply names it)."""
+
+    epoch: NonNeg
+    step: NonNeg | None = None
+
+
+class ShardRequest(WireMessage, frozen=True, tag="shard_req"):
+    """Asks for bytes ``[offset, offset + length)`` of the state published for ``(epoch, step)``.
+
+    ``fingerprint`` and ``digest`` are the joiner's layout fingerprint and manifest digest; a
+    donor whose state differs refuses instead of sending bytes of another layout.
+    """
+
+    epoch: NonNeg
+    step: NonNeg
+    fingerprint: Hex
+    digest: Hex
+    offset: NonNeg
+    length: NonNeg
+
+
+class ManifestReply(WireMessage, frozen=True, tag="manifest"):
+    """Header of a manifest reply; the next frame is the encoded manifest."""
+
+    epoch: NonNeg
+    step: NonNeg
+    digest: Hex
+
+
+class ShardReply(WireMessage, frozen=True, tag="shard"):
+    """Header of a shard reply; the next frame is the payload of ``length`` bytes."""
+
+    epoch: NonNeg
+    step: NonNeg
+    offset: NonNeg
+    length: NonNeg
+    checksum: NonNeg
+
+
+class Refusal(WireMessage, frozen=True, tag="refusal"):
+    """A refused request, with a reason code and a human-readable detail."""
+
+    reason: ShardReasonCode
+    detail: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+
+
+Request = Union[ManifestRequest, ShardRequest]
+Reply = Union[ManifestReply, ShardReply, Refusal]
+
+WIRE_ENCODER = msgspec.msgpack.Encoder()
+REPLY_DECODER = msgspec.msgpack.Decoder(Reply)
+
+
+def refusal(req_id: int, reason: ShardReason, detail: str) -> Refusal:
+    return Refusal(req_id=req_id, reason=reason.value, detail=detail[:1024])
+
+
+def validate_request(frames: Sequence[bytes]) -> Request | Refusal:
+    """The one place where request frames (after the routing id) are checked.
+
+    Returns:
+        The decoded request, or a :class:`Refusal` saying why it is refused (never raises).
+    """
+    if len(frames) != 1:
+        return refusal(0, ShardReason.MALFORMED, f"expected 1 request frame, got {len(frames)}")
+    body = frames[0]
+    if len(body) > MAX_REQUEST_BYTES:
+        return refusal(0, ShardReason.TOO_LARGE, f"request of {len(body)} bytes")
+    try:
+        raw = msgspec.msgpack.decode(body)
+    except msgspec.DecodeError as exc:
+        return refusal(0, ShardReason.MALFORMED, f"not msgpack: {exc}")
+    if not isinstance(raw, dict):
+        return refusal(0, ShardReason.MALFORMED, "request is not a map")
+    req_id = raw.get("req_id", 0)
+    req_id = req_id if isinstance(req_id, int) and 0 <= req_id < 1 << 63 else 0
+    if raw.get("v") != REPLICATION_VERSION:
+        return refusal(
+            req_id, ShardReason.BAD_VERSION, f"version {raw.get('v')!r}, want {REPLICATION_VERSION}"
+        )
+    try:
+        return msgspec.convert(raw, Request)
+    except msgspec.ValidationError as exc:
+        return refusal(req_id, ShardReason.MALFORMED, str(exc))

@@ -1,0 +1,338 @@
+"""Data-plane membership: the trainers registered with the daemons.
+
+The contract is docs/trainer-daemon-interface.md.
+
+Two halves:
+
+* :class:`TrainerRegistry` runs on the scheduler, beside the negotiator. It applies the scheduler
+  rules of the interface: it records registrations in the monitor, admits the first trainer with
+  its state, plans the state replication for a trainer without state (donors, measured links,
+  ``chaos.scheduling.plan_replication``), refuses ``no_state_source`` and ``state_conflict``,
+  and turns ``ready`` into ``training``.
+* :class:`TrainerRelay` runs on every daemon. It forwards the local trainer's
+  :class:`~chaos.protocol.TrainerRegister` (as :class:`~chaos.protocol.TrainerInfo`) and
+  :class:`~chaos.protocol.TrainerEvent` to the scheduler, and remembers what was accepted, so that
+  its :class:`~chaos.protocol.AgentReport` lets a newly elected scheduler rebuild the registration.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
+from chaos.daemon.planner import replication_policy
+from chaos.daemon.states import NodeState, TrainerState
+from chaos.daemon.transport import ReplyPath
+
+from chaos.protocol import (
+    Message,
+    OpResult,
+    Reason,
+    Refusal,
+    ReplicationWire,
+    TrainerEvent,
+    TrainerInfo,
+    TrainerRegister,
+    TrainerStateName,
+)
+
+if TYPE_CHECKING:
+    from chaos.daemon.negotiator import Negotiator
+
+
+class TrainerRegistry:
+    """The scheduler's record of the trainers (rules 1-5 of the interface).
+
+    Args:
+        neg: The negotiator whose monitor, commit and replies it uses.
+    """
+
+    def __init__(self, neg: Negotiator) -> None:
+        self.neg = neg
+        self.layout: list[int] | None = None
+        self.registered_at: dict[str, float] = {}
+        self.pending: dict[str, ReplicationWire] = {}
+
+    # -- registration ----------------------------------------------------------------------
+
+    def on_info(self, msg: TrainerInfo, reply: ReplyPath | None, now: float) -> None:
+        """Applies a trainer registration (rules 1-3)."""
+        mon, n = self.neg.monitor, msg.node_id
+        if not mon.has(n) or mon.state(n) != NodeState.ACTIVE:
+            self._answer(reply, msg.op_id, Reason.BAD_REQUEST, f"{n} is not an active member")
+            return
+        cur = mon.trainer(n)
+        training = [m for m in mon.trainer_members((TrainerState.TRAINING,)) if m != n]
+        if msg.has_state:
+            if cur != TrainerState.TRAINING and training:
+                self._answer(
+                    reply,
+                    msg.op_id,
+                    Reason.STATE_CONFLICT,
+                    f"{','.join(training)} already train: a second independent state cannot join",
+                )
+                return
+            self._register_state(msg, cur, reply, now)
+            return
+        if self.layout is None or not training:
+            why = "no trainer registered the state layout" if training else "no member trains"
+            self._answer(reply, msg.op_id, Reason.NO_STATE_SOURCE, why)
+            return
+        repl = self._plan(n)
+        if repl.skipped:
+            self._answer(reply, msg.op_id, Reason.BAD_REQUEST, repl.skipped)
+            return
+        mon.set_trainer(n, TrainerState.SYNCING, msg.data_address, msg.shard_address)
+        self.registered_at[n] = now
+        self.pending[n] = repl
+        self.neg.host.event(
+            "replication_planned",
+            peer=n,
+            donors=sorted(repl.donor_addresses),
+            multi_hop=not set(repl.donor_addresses) & set(mon.neighbors(n)),
+            shard_size=repl.shard_size,
+            makespan_s=repl.makespan_s,
+            skipped=repl.skipped,
+        )
+        self._registered(n, "syncing", msg, reply)
+        self.neg.commit("trainer_scale_out", now, replication=repl)
+        self._answer(reply, msg.op_id)
+
+    def _register_state(
+        self, msg: TrainerInfo, cur: TrainerState, reply: ReplyPath | None, now: float
+    ) -> None:
+        """The first trainer, or a training member's re-registration (new sizes or endpoints)."""
+        mon, n = self.neg.monitor, msg.node_id
+        moved = (
+            mon.node_attr(n, "data_address") != msg.data_address
+            or mon.node_attr(n, "shard_address") != msg.shard_address
+        )
+        mon.set_trainer(
+            n, TrainerState.TRAINING, msg.data_address, msg.shard_address, msg.tensor_sizes
+        )
+        if msg.tensor_sizes is not None:
+            self.layout = list(msg.tensor_sizes)
+        self.registered_at.pop(n, None)
+        self.pending.pop(n, None)
+        self._registered(n, "training", msg, reply)
+        if cur != TrainerState.TRAINING:
+            self.neg.commit("trainer_registered", now)
+        elif moved:  # a restarted trainer at new endpoints: the policy must name them
+            self.neg.commit("trainer_moved", now)
+        # a re-registration that changes only the sizes keeps the epoch
+        self._answer(reply, msg.op_id)
+
+    def _registered(self, n: str, state: str, msg: TrainerInfo, reply: ReplyPath | None) -> None:
+        self.neg.host.event(
+            "trainer_registered",
+            peer=n,
+            trainer=state,
+            has_state=msg.has_state,
+            data_address=msg.data_address,
+            shard_address=msg.shard_address,
+            tensors=len(msg.tensor_sizes) if msg.tensor_sizes is not None else None,
+            state_bytes=sum(self.layout) if self.layout else None,
+        )
+
+    def _plan(self, n: str) -> ReplicationWire:
+        """Plans the replication to ``n`` from its training neighbours (else any trainer)."""
+        mon = self.neg.monitor
+        training = [m for m in mon.trainer_members((TrainerState.TRAINING,)) if m != n]
+        donors = [d for d in mon.neighbors(n) if d in training] or training
+        links = {d: mon.path_link(d, n) for d in donors}
+        sync_s = {d: float((mon.link(d, n) or {}).get("tau_sync_s") or 0.0) for d in donors}
+        addresses = {d: a for d in donors if (a := mon.node_attr(d, "shard_address"))}
+        return replication_policy(n, links, None, self.layout, self.neg.cfg, addresses, sync_s)
+
+    # -- events ----------------------------------------------------------------------------
+
+    def on_event(self, msg: TrainerEvent, reply: ReplyPath | None, now: float) -> None:
+        """Applies a trainer event (rule 4: ``ready`` marks the node ``training``)."""
+        mon, n = self.neg.monitor, msg.sender
+        cur = mon.trainer(n)
+        self.neg.host.event(
+            "trainer_event", peer=n, kind=msg.kind, elapsed_s=msg.elapsed_s, detail=msg.detail
+        )
+        if cur == TrainerState.NONE:
+            self._answer(reply, msg.op_id, Reason.BAD_REQUEST, f"{n} has no registered trainer")
+            return
+        if msg.kind == "ready" and cur == TrainerState.SYNCING:
+            mon.set_trainer(
+                n,
+                TrainerState.TRAINING,
+                mon.node_attr(n, "data_address"),
+                mon.node_attr(n, "shard_address"),
+            )
+            arrived = self.registered_at.pop(n, None)
+            repl = self.pending.pop(n, None)
+            donors = sorted(repl.donor_addresses) if repl is not None else []
+            self.neg.host.event(
+                "scale_out_complete",
+                peer=n,
+                delay_s=now - arrived if arrived is not None else None,
+                trainer_elapsed_s=msg.elapsed_s,
+                donors=donors,
+                multi_hop=bool(donors) and not set(donors) & set(mon.neighbors(n)),
+            )
+        self._answer(reply, msg.op_id)
+
+    # -- bookkeeping -----------------------------------------------------------------------
+
+    def carried(self) -> ReplicationWire | None:
+        """The replication a commit carries while a joiner is still syncing (the latest one), so
+        that a donor that skips an epoch still learns that it serves."""
+        live = [r for n, r in self.pending.items() if self.neg.monitor.has(n)]
+        return live[-1] if live else None
+
+    def forget(self, node: str) -> None:
+        """Drops what is known about a node that left or failed."""
+        self.registered_at.pop(node, None)
+        self.pending.pop(node, None)
+
+    def absorb(self, node: str, fields: dict[str, Any]) -> None:
+        """Takes a member's trainer fields (those of its :class:`AgentReport`) after an election.
+
+        Args:
+            node: The member.
+            fields: ``trainer``, ``data_address``, ``shard_address`` and ``tensor_sizes``.
+        """
+        mon = self.neg.monitor
+        if not mon.has(node) or fields.get("trainer", "none") == "none":
+            return
+        state = TrainerState(fields["trainer"])
+        data = fields.get("data_address") or mon.node_attr(node, "data_address")
+        shard = fields.get("shard_address") or mon.node_attr(node, "shard_address")
+        sizes = fields.get("tensor_sizes")
+        mon.set_trainer(node, state, data, shard, sizes)
+        if state == TrainerState.TRAINING and sizes:
+            self.layout = list(sizes)
+
+    def replan_syncing(self) -> None:
+        """After an election: plans again for the syncing nodes whose plan was lost."""
+        mon = self.neg.monitor
+        for n in mon.trainer_members((TrainerState.SYNCING,)):
+            if n not in self.pending and self.layout is not None:
+                repl = self._plan(n)
+                if not repl.skipped:
+                    self.pending[n] = repl
+
+    def _answer(
+        self, reply: ReplyPath | None, op_id: str, reason: Reason | None = None, detail: str = ""
+    ) -> None:
+        if reason is not None:
+            self.neg.host.event("trainer_refused", reason=reason, detail=detail)
+        self.neg.host.respond(
+            reply,
+            OpResult(
+                sender=self.neg.host.node_id,
+                epoch=self.neg.epoch,
+                op_id=op_id,
+                ok=reason is None,
+                reason=reason,
+                detail=detail,
+            ),
+        )
+
+
+class RelayHost(Protocol):
+    """What the relay needs from its daemon."""
+
+    node_id: str
+
+    @property
+    def epoch(self) -> int: ...  # noqa: D102
+
+    @property
+    def active(self) -> bool: ...  # noqa: D102
+
+    def result(  # noqa: D102
+        self, reply: ReplyPath | None, op_id: str, reason: Reason | None = None, detail: str = ""
+    ) -> None: ...
+
+    def relay(self, reply: ReplyPath | None, msg: Message, op_id: str) -> None: ...  # noqa: D102
+
+
+class TrainerRelay:
+    """The local daemon's side: forwards the trainer's messages and remembers what was accepted.
+
+    Args:
+        host: The daemon.
+    """
+
+    def __init__(self, host: RelayHost) -> None:
+        self.host = host
+        self.registration: TrainerRegister | None = None
+        self.sizes: list[int] | None = None
+        self.state: TrainerStateName = "none"
+        self._sent: dict[str, TrainerRegister | TrainerEvent] = {}
+
+    def on_register(self, msg: TrainerRegister, reply: ReplyPath | None) -> None:
+        """Forwards a registration to the scheduler as :class:`TrainerInfo`."""
+        if not self.host.active:
+            self.host.result(reply, "", Reason.BAD_REQUEST, "this daemon is not a member (yet)")
+            return
+        op_id = uuid.uuid4().hex[:12]
+        self._sent[op_id] = msg
+        info = TrainerInfo(
+            sender=self.host.node_id,
+            epoch=self.host.epoch,
+            node_id=self.host.node_id,
+            data_address=msg.data_address,
+            shard_address=msg.shard_address,
+            has_state=msg.has_state,
+            tensor_sizes=msg.tensor_sizes,
+            op_id=op_id,
+        )
+        self.host.relay(reply, info, op_id)
+
+    def on_event(self, msg: TrainerEvent, reply: ReplyPath | None) -> None:
+        """Forwards a trainer event to the scheduler, stamped with this node's id."""
+        if not self.host.active:
+            self.host.result(reply, "", Reason.BAD_REQUEST, "this daemon is not a member (yet)")
+            return
+        op_id = uuid.uuid4().hex[:12]
+        self._sent[op_id] = msg
+        me = self.host.node_id
+        fwd = msgspec.structs.replace(
+            msg, sender=me, node_id=me, epoch=self.host.epoch, op_id=op_id
+        )
+        self.host.relay(reply, fwd, op_id)
+
+    def on_result(self, msg: OpResult) -> None:
+        """Notes the scheduler's answer to a forwarded message."""
+        sent = self._sent.pop(msg.op_id, None)
+        if sent is None or not msg.ok:
+            return
+        if isinstance(sent, TrainerRegister):
+            self.registration = sent
+            self.state = "training" if sent.has_state else "syncing"
+            if sent.has_state and sent.tensor_sizes is not None:
+                self.sizes = list(sent.tensor_sizes)
+        elif sent.kind == "ready":
+            self.state = "training"
+
+    def on_refusal(self, msg: Refusal) -> str | None:
+        """The op id of the forwarded message a scheduler refused (the oldest of its type)."""
+        for op_id, sent in self._sent.items():
+            tag = "trainer_info" if isinstance(sent, TrainerRegister) else "trainer_event"
+            if tag == msg.ref_type:
+                del self._sent[op_id]
+                return op_id
+        return None
+
+    def forget(self, op_id: str) -> None:
+        """Drops a forwarded message that timed out."""
+        self._sent.pop(op_id, None)
+
+    def report_fields(self) -> dict[str, Any]:
+        """The trainer fields of this node's :class:`~chaos.protocol.AgentReport`."""
+        reg = self.registration
+        if reg is None:
+            return {}
+        return {
+            "data_address": reg.data_address,
+            "shard_address": reg.shard_address,
+            "trainer": self.state,
+            "tensor_sizes": self.sizes if self.state == "training" else None,
+        }

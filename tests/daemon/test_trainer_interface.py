@@ -1,0 +1,347 @@
+"""The daemon side of the trainer interface (docs/trainer-daemon-interface.md), on real daemons.
+
+The trainer here is only a :class:`DaemonClient` on the daemon's IPC socket: the data plane is
+not under test, so the data and shard endpoints it registers are addresses nobody serves.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from chaos.daemon.client import DaemonClient, RequestRefused
+from daemon_helpers import Cluster, Node, free_port, wait_until
+
+from chaos.protocol import MAX_STATE_TENSORS, PolicyReply, TrainerEvent, TrainerRegister
+
+SIZES = [4096, 1000, 123_457, 8]
+
+
+def _ep(tag: str) -> str:
+    return f"tcp://127.0.0.1:{free_port()}" if tag == "tcp" else f"ipc:///tmp/chaos-test-{tag}"
+
+
+def _trainer(node: Node) -> DaemonClient:
+    """The fake trainer: a client of the node's local (IPC) endpoint."""
+    return DaemonClient(node.ipc, timeout_s=10.0)
+
+
+def _policy(node: Node) -> PolicyReply:
+    with _trainer(node) as c:
+        return c.policy(timeout_s=2.0)
+
+
+def _register(
+    node: Node, has_state: bool, sizes: list[int] | None = None, data: str = "", shard: str = ""
+) -> tuple[int, str, str]:
+    data = data or _ep("tcp")
+    shard = shard or _ep("tcp")
+    with _trainer(node) as c:
+        res = c.register_trainer(data, shard, has_state, sizes, timeout_s=10.0)
+    assert res.ok
+    return res.epoch, data, shard
+
+
+def _refusal(node: Node, has_state: bool, sizes: list[int] | None = None) -> str:
+    with _trainer(node) as c, pytest.raises(RequestRefused) as info:
+        c.register_trainer(_ep("tcp"), _ep("tcp"), has_state, sizes, timeout_s=10.0)
+    return info.value.reason
+
+
+def _nodes(node: Node) -> dict[str, Any]:
+    return {n.id: n for n in node.status().nodes}
+
+
+def _covers(assignment: dict[str, list[tuple[int, int]]], total: int) -> bool:
+    ranges = sorted((o, n) for rs in assignment.values() for o, n in rs)
+    pos = 0
+    for off, length in ranges:
+        if off != pos or length <= 0:
+            return False
+        pos += length
+    return pos == total
+
+
+def test_first_trainer_joiner_plan_ready_and_refusals(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster.start(3)
+    # nobody trains yet: the sync policy is empty and a trainer without state has no source
+    assert _policy(n1).sync is not None and _policy(n1).sync.nodes == []  # type: ignore[union-attr]
+    assert _refusal(n2, has_state=False) == "no_state_source"
+
+    # rule 2: the first trainer with a state gets a policy of itself
+    epoch1, data1, shard1 = _register(n1, True, SIZES)
+    p = wait_until(lambda: (q := _policy(n1)).epoch >= epoch1 and q, "n1's policy")
+    assert p.sync is not None and p.sync.nodes == ["n1"] and p.sync.kind == "single"
+    assert p.sync.addresses == {"n1": data1}
+    # rule 3: a second state is refused while n1 trains
+    assert _refusal(n3, has_state=True, sizes=SIZES) == "state_conflict"
+
+    # rule 3: a trainer without state gets the replication plan; n1 is its training neighbour
+    epoch2, data2, _ = _register(n2, False, data=_ep("n2-data"))
+    assert epoch2 > epoch1
+    p2 = wait_until(lambda: (q := _policy(n2)).epoch >= epoch2 and q, "n2's policy")
+    assert p2.apply_at == "after_allreduce"
+    assert p2.sync is not None and sorted(p2.sync.nodes) == ["n1", "n2"]  # n3 has no trainer
+    assert p2.sync.addresses == {"n1": data1, "n2": data2}
+    rep = p2.replication
+    assert rep is not None and rep.target == "n2" and not rep.skipped
+    assert rep.donor_addresses == {"n1": shard1}
+    assert [d.id for d in rep.donors] == ["n1"] and rep.donors[0].trans_s_per_byte > 0
+    assert rep.tensor_sizes == SIZES
+    assert set(rep.assignment) <= {"n1"} and _covers(rep.assignment, sum(SIZES))
+    # every member (also n3, which does not train) has the same policy, and sees the trainers
+    p3 = wait_until(lambda: (q := _policy(n3)).epoch >= epoch2 and q, "n3's policy")
+    assert p3.sync is not None and "n3" not in p3.sync.nodes
+    view = _nodes(n3)
+    assert (view["n1"].trainer, view["n2"].trainer, view["n3"].trainer) == (
+        "training",
+        "syncing",
+        "none",
+    )
+    assert view["n1"].data_address == data1 and view["n1"].shard_address == shard1
+    assert view["n3"].data_address is None
+
+    # rule 4: ready marks n2 training and logs the scale-out with its delay
+    with _trainer(n2) as c:
+        assert c.trainer_event("ready", 0.25, "pulled", timeout_s=10.0).ok
+    assert _nodes(n1)["n2"].trainer == "training"  # the scheduler's view of now
+    done = [e for e in n1.events() if e["event"] == "scale_out_complete"]
+    assert len(done) == 1 and done[0]["peer"] == "n2" and done[0]["donors"] == ["n1"]
+    assert done[0]["delay_s"] is not None and done[0]["delay_s"] >= 0
+    assert done[0]["trainer_elapsed_s"] == 0.25 and done[0]["multi_hop"] is False
+    # a ready from a node without trainer is refused; the daemon keeps serving
+    with _trainer(n3) as c, pytest.raises(RequestRefused, match="bad_request"):
+        c.trainer_event("ready", timeout_s=10.0)
+
+    # rule 1: a re-registration that changes only the sizes updates the layout, same epoch
+    commits = len([e for e in n1.events() if e["event"] == "committed"])
+    new_sizes = [*SIZES, 77, 77]
+    epoch3, _, _ = _register(n1, True, new_sizes, data=data1, shard=shard1)
+    assert len([e for e in n1.events() if e["event"] == "committed"]) == commits
+    # ... and the next joiner is planned on the new layout, from its training neighbours
+    epoch4, _, _ = _register(n3, False)
+    assert epoch4 > epoch3
+    p3 = wait_until(lambda: (q := _policy(n3)).epoch >= epoch4 and q, "n3's new policy")
+    rep = p3.replication
+    assert rep is not None and rep.target == "n3" and rep.tensor_sizes == new_sizes
+    assert set(rep.donor_addresses) == {"n1", "n2"} and _covers(rep.assignment, sum(new_sizes))
+    assert p3.sync is not None and sorted(p3.sync.nodes) == ["n1", "n2", "n3"]
+
+    # the CLI shows the trainer column and the JSON the data-plane fields
+    res = cluster.cli(n3, "status")
+    assert res.returncode == 0, res.stderr
+    assert "TRAINER" in res.stdout and "syncing" in res.stdout
+    res = cluster.cli(n3, "status", "--json")
+    nodes = {n["id"]: n for n in json.loads(res.stdout)["nodes"]}
+    assert nodes["n1"]["data_address"] == data1 and nodes["n1"]["trainer"] == "training"
+    assert nodes["n3"]["shard_address"] is not None
+    assert not any(e["event"] == "handler_error" for n in (n1, n2, n3) for e in n.events())
+
+
+def test_no_state_source_until_a_layout_is_known(cluster: Cluster) -> None:
+    n1, n2 = cluster.start(2)
+    _register(n1, True, None)  # a trainer with state but no sizes yet (Adam's lazy state)
+    wait_until(lambda: (_policy(n1).sync or _policy(n2).sync).nodes == ["n1"], "n1 trains")  # type: ignore[union-attr]
+    assert _refusal(n2, has_state=False) == "no_state_source"
+    _register(n1, True, SIZES, data="ipc:///tmp/chaos-n1-data", shard="ipc:///tmp/chaos-n1-shard")
+    epoch, _, _ = _register(n2, False)
+    p = wait_until(lambda: (q := _policy(n2)).epoch >= epoch and q, "n2's policy")
+    assert p.replication is not None and p.replication.donor_addresses == {
+        "n1": "ipc:///tmp/chaos-n1-shard"
+    }
+    assert p.sync is not None and p.sync.addresses["n1"] == "ipc:///tmp/chaos-n1-data"
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({"data_address": "http://127.0.0.1:5"}, "malformed"),
+        ({"shard_address": "tcp://no-port"}, "malformed"),
+        ({"tensor_sizes": [-1, 5]}, "malformed"),
+        ({"tensor_sizes": [1] * (MAX_STATE_TENSORS + 1)}, "malformed"),
+        ({"tensor_sizes": [0, 0]}, "bad_request"),
+    ],
+)
+def test_bad_registration_is_refused_and_the_daemon_keeps_serving(
+    cluster: Cluster, fields: dict[str, Any], reason: str
+) -> None:
+    n1 = cluster.spawn("n1")
+    good: dict[str, Any] = {
+        "data_address": _ep("tcp"),
+        "shard_address": _ep("tcp"),
+        "has_state": True,
+        "tensor_sizes": SIZES,
+    }
+    with _trainer(n1) as c:
+        with pytest.raises(RequestRefused) as info:
+            c.op(TrainerRegister(**{**good, **fields}))
+        assert info.value.reason == reason
+        with pytest.raises(RequestRefused, match="malformed"):
+            c.op(TrainerEvent(kind="explode"))  # type: ignore[arg-type]
+        assert n1.alive() and c.status().state == "active"
+        assert c.policy().sync.nodes == []  # type: ignore[union-attr]  # nothing registered
+        assert c.op(TrainerRegister(**good)).ok
+
+
+def test_registration_survives_kill9_of_the_scheduler(cluster: Cluster) -> None:
+    n1, n2, n3 = cluster.start(3)
+    _, data2, shard2 = _register(n2, True, SIZES)
+    _, data3, shard3 = _register(n3, False)
+    with _trainer(n3) as c:
+        c.trainer_event("ready", 1.0, timeout_s=10.0)
+    cluster.kill9(n1)
+
+    def new_scheduler() -> Node | None:
+        for n in (n2, n3):
+            st = n.status()
+            if st.role == "scheduler" and "n1" not in {x.id for x in st.nodes}:
+                return n
+        return None
+
+    sched = wait_until(new_scheduler, "a new scheduler without n1")
+    view = _nodes(sched)
+    assert (view["n2"].trainer, view["n2"].data_address, view["n2"].shard_address) == (
+        "training",
+        data2,
+        shard2,
+    )
+    assert (view["n3"].trainer, view["n3"].data_address, view["n3"].shard_address) == (
+        "training",
+        data3,
+        shard3,
+    )
+    p = wait_until(
+        lambda: (q := _policy(n2)).sync is not None and sorted(q.sync.nodes) == ["n2", "n3"] and q,
+        "the policy of the survivors",
+    )
+    assert p.sync is not None and p.sync.addresses == {"n2": data2, "n3": data3}
+    # the layout survived too: a new trainer without state is planned on it
+    n4 = cluster.spawn("n4", join=n2, neighbors=("n2",))
+    wait_until(lambda: "n4" in {x.id for x in sched.status().nodes}, "n4 admitted")
+    epoch, _, _ = _register(n4, False)
+    p4 = wait_until(lambda: (q := _policy(n4)).epoch >= epoch and q, "n4's policy")
+    rep = p4.replication
+    assert rep is not None and rep.target == "n4" and rep.tensor_sizes == SIZES
+    assert rep.donor_addresses == {"n2": shard2} and _covers(rep.assignment, sum(SIZES))
+
+
+# ----------------------------------------------------------------- scheduler rules, in process
+
+
+class _Host:
+    """The negotiator's daemon, minus the sockets (the transport is not under test here)."""
+
+    node_id = "a"
+    address = "tcp://127.0.0.1:1"
+    term = 1
+
+    def __init__(self) -> None:
+        self.answers: list[Any] = []
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.updates: list[Any] = []
+
+    def send(self, peer: str, msg: Any) -> bool:
+        return True
+
+    def respond(self, reply: Any, msg: Any) -> None:
+        self.answers.append(msg)
+
+    def send_to_address(self, peer: str, address: str, msg: Any) -> None:
+        pass
+
+    def connect_peer(self, peer: str, address: str) -> None:
+        pass
+
+    def broadcast(self, peers: dict[str, str], msg: Any) -> None:
+        self.updates.append(msg)
+
+    def event(self, name: str, **fields: object) -> None:
+        self.events.append((name, fields))
+
+    def observe_primitive(self, name: str, seconds: float) -> None:
+        pass
+
+    def lost_quorum(self) -> None:
+        pass
+
+
+def _negotiator() -> tuple[Any, _Host]:
+    """A scheduler ``a`` over the path a - b - c - d (b and c: no trainer yet)."""
+    from chaos.daemon.config import DaemonConfig
+    from chaos.daemon.negotiator import Negotiator
+    from chaos.daemon.states import NodeState
+
+    host = _Host()
+    cfg = DaemonConfig(node_id="a", listen=host.address)
+    neg = Negotiator(host, cfg, None, 0.0)
+    for i, n in enumerate("bcd"):
+        neg.monitor.add_node(n, f"tcp://127.0.0.1:{10 + i}", NodeState.ACTIVE, 0.0)
+    neg.monitor.set_link("a", "b", latency_s=0.001, bandwidth_bps=1e9)
+    neg.monitor.set_link("b", "c", latency_s=0.002, bandwidth_bps=2e8)
+    neg.monitor.set_link("c", "d", latency_s=None, bandwidth_bps=None)
+    return neg, host
+
+
+def _info(node: str, has_state: bool, sizes: list[int] | None = None, port: int = 1) -> Any:
+    from chaos.protocol import TrainerInfo
+
+    return TrainerInfo(
+        sender=node,
+        node_id=node,
+        data_address=f"tcp://{node}:{port}",
+        shard_address=f"ipc:///tmp/{node}-{port}",
+        has_state=has_state,
+        tensor_sizes=sizes,
+        op_id=f"op-{node}",
+    )
+
+
+def test_multi_hop_donors_carried_plans_and_restarts() -> None:
+    neg, host = _negotiator()
+    neg.trainers.on_info(_info("a", True, SIZES), None, 1.0)
+    assert host.answers[-1].ok and host.updates[-1].sync.nodes == ["a"]
+    # c's neighbours (b, d) do not train: the donor is a, two hops away, over the path's
+    # bottleneck bandwidth and summed latency
+    neg.trainers.on_info(_info("c", False), None, 2.0)
+    upd = host.updates[-1]
+    rep = upd.replication
+    assert host.answers[-1].ok and upd.cause == "trainer_scale_out"
+    assert rep.donor_addresses == {"a": "ipc:///tmp/a-1"} and _covers(rep.assignment, sum(SIZES))
+    (donor,) = rep.donors
+    assert donor.trans_s_per_byte == pytest.approx(8 / 2e8)
+    assert donor.prop_s == pytest.approx(0.003)
+    planned = [f for name, f in host.events if name == "replication_planned"]
+    assert planned[-1]["multi_hop"] is True
+    # the sync policy joins a and c over b, which has no trainer and is not in it
+    assert upd.sync.nodes == ["a", "c"] and upd.sync.bottleneck_bps == pytest.approx(2e8)
+    assert upd.sync.addresses == {"a": "tcp://a:1", "c": "tcp://c:1"}
+    # a later commit (here a failure elsewhere) still carries c's plan until c is ready
+    neg.monitor.remove_node("d")
+    neg.commit("scale_in_failure", 3.0, apply_at="before_next_allreduce", restart=True)
+    assert host.updates[-1].replication == rep
+    from chaos.protocol import TrainerEvent
+
+    ready = TrainerEvent(sender="c", node_id="c", kind="ready", elapsed_s=0.5, op_id="r")
+    neg.trainers.on_event(ready, None, 4.0)
+    done = [f for name, f in host.events if name == "scale_out_complete"]
+    assert done == [
+        {
+            "peer": "c",
+            "delay_s": 2.0,
+            "trainer_elapsed_s": 0.5,
+            "donors": ["a"],
+            "multi_hop": True,
+        }
+    ]
+    neg.commit("link_measured", 5.0)
+    assert host.updates[-1].replication is None
+    # a's trainer restarts at new endpoints with its state: a new epoch names them
+    epoch = neg.epoch
+    neg.trainers.on_info(_info("a", True, SIZES, port=2), None, 6.0)
+    assert neg.epoch == epoch + 1 and host.updates[-1].cause == "trainer_moved"
+    assert host.updates[-1].sync.addresses["a"] == "tcp://a:2"
+    # c's trainer restarts without its state: it syncs again, from a
+    neg.trainers.on_info(_info("c", False, port=3), None, 7.0)
+    assert host.answers[-1].ok and neg.monitor.trainer("c").value == "syncing"
+    assert host.updates[-1].replication.donor_addresses == {"a": "ipc:///tmp/a-2"}
