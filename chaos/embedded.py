@@ -1,0 +1,124 @@
+"""The embedded daemon: a `chaos-daemon` child process started by a Trainer.
+
+When no daemon runs on the device, ``Trainer(...)`` starts one so that a single script works
+with no other setup. The child runs the real ``chaos-daemon start`` command in its own run
+directory; the trainer talks to it over its IPC endpoint like to any other local daemon.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from chaos.errors import ChaosError, ChaosTimeout
+
+
+class DaemonStartError(ChaosError):
+    """The embedded daemon exited or refused to start (bad arguments, join refused)."""
+
+
+def free_tcp_address(host: str = "127.0.0.1") -> str:
+    """A ``tcp://HOST:PORT`` address whose port is free right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"
+
+
+class EmbeddedDaemon:
+    """A ``chaos-daemon start`` child process and its run directory.
+
+    Args:
+        node_id: The node id.
+        listen: The daemon's control endpoint (``tcp://HOST:PORT``).
+        join: A member's endpoint to join through, or ``None`` to start a new cluster.
+        extra_args: More ``chaos-daemon start`` arguments (e.g. ``--heartbeat-interval 0.2``).
+        run_dir: Run directory (IPC socket, event log); a fresh temporary one by default.
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        listen: str,
+        join: str | None,
+        extra_args: Sequence[str] = (),
+        run_dir: str | None = None,
+    ) -> None:
+        self.node_id = node_id
+        self.listen = listen
+        self.run_dir = run_dir or tempfile.mkdtemp(prefix=f"chaos-{node_id}-")
+        Path(self.run_dir).mkdir(parents=True, exist_ok=True)
+        self.endpoint = f"ipc://{Path(self.run_dir) / 'daemon.ipc'}"
+        self.log_path = Path(self.run_dir) / "daemon.log"
+        argv = [sys.executable, "-m", "chaos.daemon.cli", "start", "--id", node_id]
+        argv += ["--listen", listen, *extra_args]
+        if join is not None:
+            argv += ["--join", join]
+        env = dict(os.environ, CHAOS_DAEMON_DIR=self.run_dir)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+
+    def log_tail(self, lines: int = 20) -> str:
+        """The last lines the daemon printed."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Waits until the daemon's IPC endpoint answers and it is a cluster member.
+
+        Raises:
+            DaemonStartError: the daemon exited (bad arguments, join refused or timed out).
+            ChaosTimeout: it did not become ready within ``timeout_s``.
+        """
+        from chaos.daemon.client import DaemonClient
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise DaemonStartError(
+                    f"embedded daemon {self.node_id} exited with code {self.proc.returncode}:\n"
+                    + self.log_tail()
+                )
+            if os.path.exists(self.endpoint[len("ipc://") :]):
+                try:
+                    with DaemonClient(self.endpoint, timeout_s=1.0) as c:
+                        st = c.status()
+                    if any(n.id == self.node_id for n in st.nodes) and st.scheduler:
+                        return
+                except ChaosError:
+                    pass
+            time.sleep(0.05)
+        raise ChaosTimeout(f"embedded daemon {self.node_id} not ready within {timeout_s} s")
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        """Stops the daemon (SIGTERM: a graceful leave; SIGKILL after ``timeout_s``).
+
+        Returns:
+            Its exit code.
+        """
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def wait_exit(self, timeout_s: float) -> int | None:
+        """Waits for the daemon to exit on its own (after a leave); kills it at the deadline."""
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return self.stop(timeout_s=2.0)
+        self._log.close()
+        return self.proc.returncode

@@ -1,0 +1,610 @@
+"""The Trainer API: a few lines that make a PyTorch script an elastic, self-healing cluster member.
+
+Usage (paper Listings 1 and 2)::
+
+    from chaos.trainer import Trainer, capture_exit_event
+
+    trainer = Trainer(model, optimizer, join="tcp://HOST:PORT")   # or join=None: new cluster
+    for x, y in loader:
+        loss = loss_fn(model(x), y); loss.backward()
+        trainer.update()                   # allreduce gradients, then optimizer step
+        trainer.check_state_replication()  # serve my shards if the scheduler asked me to
+        if capture_exit_event():
+            trainer.request_node_exit()
+            break
+
+The trainer owns the data plane (see ``docs/trainer.md`` and
+``docs/trainer-daemon-interface.md``): it allreduces gradients over the sync policy's topology,
+serves state shards to joiners, and, when it joins, pulls the state from several neighbours at
+once. The local daemon owns the control plane; the trainer asks it for the current policy at
+every step boundary and, while it waits in an allreduce, every ``poll_interval_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from chaos import ops
+from chaos.collectives import Communicator, CommunicatorConfig, Topology
+from chaos.embedded import EmbeddedDaemon, free_tcp_address
+from chaos.errors import ChaosError, ChaosTimeout, ConfigError, PeerFailure, RoundInterrupted
+from chaos.replication import (
+    PullConfig,
+    ReplicationError,
+    ShardServer,
+    ShardServerConfig,
+    fetch_manifest,
+    pull_state,
+)
+from chaos.scheduling import Neighbor, Plan, plan_replication
+from chaos.state import TrainingState
+
+log = logging.getLogger("chaos.trainer")
+
+
+class TrainingStalled(ChaosError):
+    """A step could not be completed: no new policy came after a failure within the timeout."""
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Options of a :class:`Trainer` (the ``**options`` of its constructor).
+
+    Args:
+        host: Interface the data-plane endpoints bind to (and advertise).
+        step_timeout_s: Longest wait for the next allreduce frame before the neighbour is
+            declared failed. Raise it when a step's compute time varies a lot between devices.
+        policy_timeout_s: Longest wait for a new policy after a failed allreduce. It must exceed
+            the daemon's failure timeout (1.5 s by default).
+        join_timeout_s: Longest wait for the daemon to join and the scheduler to plan the join.
+        replication_timeout_s: Limit on pulling the whole state when joining.
+        poll_interval_s: How often the trainer asks its daemon for a newer policy while blocked
+            in an allreduce. Lower reacts faster to membership changes, at a small CPU cost.
+        chunk_bytes: Allreduce frame size; see :class:`CommunicatorConfig`.
+        wire_dtype: ``None``, ``"float16"`` or ``"bfloat16"`` gradient wire format.
+        daemon_args: Extra ``chaos-daemon start`` arguments for the embedded daemon.
+        pull_window: Outstanding shard requests per donor while joining.
+
+    Raises:
+        ConfigError: a non-positive timeout or interval.
+    """
+
+    host: str = "127.0.0.1"
+    step_timeout_s: float = 30.0
+    policy_timeout_s: float = 10.0
+    join_timeout_s: float = 60.0
+    replication_timeout_s: float = 600.0
+    poll_interval_s: float = 0.02
+    chunk_bytes: int = 1 << 20
+    wire_dtype: str | None = None
+    daemon_args: tuple[str, ...] = ()
+    pull_window: int = 8
+
+    def __post_init__(self) -> None:
+        for name in (
+            "step_timeout_s",
+            "policy_timeout_s",
+            "join_timeout_s",
+            "replication_timeout_s",
+            "poll_interval_s",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not isinstance(self.daemon_args, tuple):
+            raise ConfigError("daemon_args must be a tuple of strings")
+
+
+# ----------------------------------------------------------------------------- exit events
+
+_EXIT = threading.Event()
+_HANDLERS_INSTALLED = False
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    _EXIT.set()
+
+
+def install_exit_handlers() -> None:
+    """Makes SIGINT and SIGTERM set the exit event instead of killing the script."""
+    global _HANDLERS_INSTALLED
+    if _HANDLERS_INSTALLED or threading.current_thread() is not threading.main_thread():
+        return
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    _HANDLERS_INSTALLED = True
+
+
+def capture_exit_event() -> bool:
+    """True once Ctrl+C, SIGTERM or :func:`request_exit` asked this script to leave."""
+    install_exit_handlers()
+    return _EXIT.is_set()
+
+
+def request_exit() -> None:
+    """The user quit signal: makes :func:`capture_exit_event` return True."""
+    _EXIT.set()
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+@dataclass
+class _Policy:
+    epoch: int
+    members: tuple[str, ...]
+    topology: Topology | None
+    replication: Any
+    paused: bool
+    raw: Any = field(repr=False, default=None)
+
+
+def _topology(reply: Any, me: str) -> Topology | None:
+    sync = reply.sync
+    if sync is None or me not in sync.nodes:
+        return None
+    addresses = dict(sync.addresses)
+    if sync.kind == "ring" and sync.ring:
+        return Topology(
+            "ring", tuple(sync.nodes), addresses, reply.epoch, ring_order=tuple(sync.ring)
+        )
+    if sync.kind == "tree" and sync.parents:
+        return Topology(
+            "tree", tuple(sync.nodes), addresses, reply.epoch, parent=dict(sync.parents)
+        )
+    return Topology(
+        "ring", (me,), {me: addresses.get(me, "tcp://127.0.0.1:1")}, reply.epoch, ring_order=(me,)
+    )
+
+
+class Trainer:
+    """Makes this training process a member of an elastic Chaos cluster.
+
+    Args:
+        model: The model; its parameters' gradients are averaged over the members each step.
+        optimizer: Its optimizer; stepped by :meth:`update` after the allreduce.
+        join: A member's daemon endpoint (``tcp://HOST:PORT``) to join through, or ``None`` to
+            start a new cluster with this process's state.
+        daemon: The local daemon's endpoint (``ipc://...``); ``None`` starts an embedded daemon.
+        node_id: This node's id (default: ``HOSTNAME-PID``). With ``daemon=``, it must be that
+            daemon's id.
+        listen: The embedded daemon's control endpoint (default: a free port on ``host``).
+        **options: :class:`TrainerConfig` fields.
+
+    Raises:
+        ConfigError: bad options.
+        chaos.embedded.DaemonStartError: the embedded daemon could not start or join.
+        ChaosTimeout: the join or the state pull did not finish in time.
+        ReplicationError: the state could not be pulled from any neighbour.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        join: str | None = None,
+        daemon: str | None = None,
+        node_id: str | None = None,
+        listen: str | None = None,
+        **options: Any,
+    ) -> None:
+        from chaos.daemon.client import DaemonClient
+
+        try:
+            self.config = TrainerConfig(**options)
+        except TypeError as exc:
+            raise ConfigError(f"unknown Trainer option: {exc}") from exc
+        install_exit_handlers()
+        # Build or load the native ops now: a first JIT build takes 30-60 s, which must not
+        # happen inside a donor's serving thread or an allreduce with a timeout.
+        ops.native_available()
+        self.model = model
+        self.optimizer = optimizer
+        self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.node_id = node_id or f"{socket.gethostname()}-{__import__('os').getpid()}"
+        self._step = 0
+        self._epoch = -1
+        self._policy: _Policy | None = None
+        self._published: tuple[int, int] | None = None
+        self._layout: list[int] | None = None
+        self.events: list[dict[str, Any]] = []
+        self._embedded: EmbeddedDaemon | None = None
+        t0 = time.monotonic()
+        if daemon is None:
+            self._embedded = EmbeddedDaemon(
+                self.node_id,
+                listen or free_tcp_address(self.config.host),
+                join,
+                self.config.daemon_args,
+            )
+            try:
+                self._embedded.wait_ready(self.config.join_timeout_s)
+            except BaseException:
+                self._embedded.stop(timeout_s=2.0)
+                raise
+            daemon = self._embedded.endpoint
+        self._client = DaemonClient(daemon, timeout_s=5.0)
+        host = self.config.host
+        self._comm = Communicator(
+            CommunicatorConfig(
+                self.node_id,
+                listen=f"tcp://{host}:*",
+                chunk_bytes=self.config.chunk_bytes,
+                timeout_s=self.config.step_timeout_s,
+                wire_dtype=self.config.wire_dtype,
+                poll_slice_s=min(0.1, self.config.poll_interval_s),
+            )
+        )
+        self._comm.set_interrupt(self._newer_policy, self.config.poll_interval_s)
+        self._server = ShardServer(ShardServerConfig(listen=f"tcp://{host}:*"))
+        try:
+            self._register_and_sync(join is not None, t0)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken by the cluster so far (equal on every member)."""
+        return self._step
+
+    @property
+    def epoch(self) -> int:
+        """The membership epoch of the policy in force."""
+        return self._epoch
+
+    @property
+    def world_size(self) -> int:
+        """Members taking part in the allreduce under the current policy."""
+        return len(self._policy.members) if self._policy else 1
+
+    @property
+    def neighbors(self) -> list[str]:
+        """This node's overlay neighbours, as the daemon knows them."""
+        st = self._client.status()
+        mine = next((n for n in st.nodes if n.id == self.node_id), None)
+        return sorted(mine.neighbors) if mine else []
+
+    # ------------------------------------------------------------------ joining
+
+    def _register_and_sync(self, joining: bool, t0: float) -> None:
+        sizes = None if joining else self._capture(0).tensor_sizes()
+        self._layout = sizes
+        self._client.register_trainer(
+            data_address=self._comm.address,
+            shard_address=self._server.address,
+            has_state=not joining,
+            tensor_sizes=sizes,
+            timeout_s=self.config.join_timeout_s,
+        )
+        policy = self._wait_policy(
+            lambda p: self.node_id in p.members and p.topology is not None,
+            self.config.join_timeout_s,
+            "the scheduler to add this trainer to the sync policy",
+        )
+        if joining:
+            self._pull(policy)
+        self._install(policy)
+        elapsed = time.monotonic() - t0
+        self._event("ready", elapsed_s=elapsed, epoch=self._epoch, step=self._step)
+        self._client.trainer_event(
+            "ready", elapsed, f"epoch {self._epoch} step {self._step}", timeout_s=5.0
+        )
+
+    def _pull(self, policy: _Policy) -> None:
+        rep = policy.replication
+        if rep is None or rep.target != self.node_id or not rep.donor_addresses:
+            raise ReplicationError(
+                f"the policy of epoch {policy.epoch} names no donor for {self.node_id}: "
+                f"{getattr(rep, 'skipped', '') or 'no replication policy'}"
+            )
+        t0 = time.monotonic()
+        manifest, epoch, step = self._fetch_manifest(policy.epoch, dict(rep.donor_addresses))
+        state = TrainingState.for_joiner(self.model, self.optimizer, manifest)
+        neighbors = [Neighbor(d.id, d.prop_s, d.trans_s_per_byte, d.sync_s) for d in rep.donors]
+        plan = self._plan_for(state, rep, neighbors)
+        stats = pull_state(
+            plan,
+            dict(rep.donor_addresses),
+            state,
+            epoch,
+            step,
+            self.config.replication_timeout_s,
+            neighbors=neighbors,
+            config=PullConfig(window=self.config.pull_window),
+        )
+        runtime = state.apply()
+        self._step = runtime.step
+        self._event(
+            "replication_done",
+            elapsed_s=time.monotonic() - t0,
+            bytes=state.total_bytes,
+            donors=stats.bytes_per_donor,
+            replans=stats.replans,
+            checksum_failures=stats.checksum_failures,
+        )
+
+    def _fetch_manifest(self, epoch: int, donors: dict[str, str]) -> tuple[bytes, int, int]:
+        """The donors publish at their next step boundary, under the epoch they install then
+        (possibly newer than the planning epoch); ask until one has.
+
+        Returns:
+            ``(manifest, epoch, step)`` of the published snapshot.
+        """
+        deadline = time.monotonic() + self.config.join_timeout_s
+        last: Exception | None = None
+        while time.monotonic() < deadline:
+            try:
+                epoch = max(epoch, self._fetch_policy(timeout_s=1.0).epoch)
+            except ChaosError as exc:
+                last = exc
+            for address in donors.values():
+                try:
+                    manifest, step = fetch_manifest(address, epoch, None, timeout_s=2.0)
+                    return manifest, epoch, step
+                except (ReplicationError, ChaosTimeout) as exc:
+                    last = exc
+            time.sleep(self.config.poll_interval_s)
+        raise ChaosTimeout(f"no donor published its state for epoch {epoch}: {last}")
+
+    @staticmethod
+    def _plan_for(state: TrainingState, rep: Any, neighbors: list[Neighbor]) -> Plan:
+        """The scheduler's plan, or a local re-plan when the stream's size changed since."""
+        sizes = state.tensor_sizes()
+        assignment = {k: [tuple(r) for r in v] for k, v in rep.assignment.items()}
+        if sum(sizes) == sum(length for v in assignment.values() for _, length in v):
+            return Plan(
+                method="chaos",
+                layout="flat",
+                shard_size=rep.shard_size,
+                assignment=assignment,
+                makespan_s=rep.makespan_s,
+                state_bytes=sum(sizes),
+                per_shard_cost_s=0.0,
+            )
+        log.info("state size changed since planning; re-planning locally over the same donors")
+        return plan_replication(sizes, neighbors, 4e-6, "flat", "chaos")
+
+    # ------------------------------------------------------------------ policy
+
+    def _fetch_policy(self, timeout_s: float = 5.0) -> _Policy:
+        reply = self._client.policy(timeout_s=timeout_s)
+        return _Policy(
+            epoch=reply.epoch,
+            members=tuple(reply.members if reply.sync is None else reply.sync.nodes),
+            topology=_topology(reply, self.node_id),
+            replication=reply.replication,
+            paused=reply.paused,
+            raw=reply,
+        )
+
+    def _newer_policy(self) -> str | None:
+        """Interrupt check run while blocked in an allreduce."""
+        try:
+            p = self._fetch_policy(timeout_s=1.0)
+        except ChaosError:
+            return None
+        if p.epoch > self._epoch and p.topology is not None and not p.paused:
+            return f"epoch {p.epoch} replaced {self._epoch}"
+        return None
+
+    def _wait_policy(self, ok: Callable[[_Policy], bool], timeout_s: float, what: str) -> _Policy:
+        deadline = time.monotonic() + timeout_s
+        last: _Policy | None = None
+        while time.monotonic() < deadline:
+            try:
+                last = self._fetch_policy()
+            except ChaosTimeout:
+                continue
+            if ok(last) and not last.paused:
+                return last
+            time.sleep(self.config.poll_interval_s)
+        raise ChaosTimeout(f"timed out after {timeout_s} s waiting for {what}; last: {last}")
+
+    def _install(self, policy: _Policy) -> None:
+        """Installs a policy at a step boundary: sockets edited in place, donor role taken."""
+        if policy.topology is None:
+            raise ChaosError(f"the policy of epoch {policy.epoch} does not include {self.node_id}")
+        self._comm.update_topology(policy.topology)
+        changed = self._policy is None or set(policy.members) != set(self._policy.members)
+        self._policy = policy
+        self._epoch = policy.epoch
+        if changed:
+            self._event("membership", epoch=policy.epoch, members=list(policy.members))
+        rep = policy.replication
+        if rep is not None and rep.target != self.node_id and self.node_id in rep.donor_addresses:
+            key = (policy.epoch, self._step)
+            if self._published is None or self._published[1] != self._step:
+                # A later epoch at the same step keeps the snapshot a joiner may be pulling.
+                self._server.publish(self._capture_for_serving(self._step, policy.epoch), *key)
+                self._published = key
+                self._event("serving", joiner=rep.target, epoch=policy.epoch, step=self._step)
+
+    def _refresh(self) -> None:
+        p = self._fetch_policy()
+        if p.epoch > self._epoch and p.topology is not None and not p.paused:
+            self._install(p)
+
+    # ------------------------------------------------------------------ training
+
+    def _capture(self, step: int) -> TrainingState:
+        return TrainingState.capture(
+            self.model, self.optimizer, step=step, epoch=max(0, self._epoch)
+        )
+
+    def _capture_for_serving(self, step: int, epoch: int) -> TrainingState:
+        """The state a donor serves. Every donor must serve the same bytes, but each device's
+        RNG stream is its own; so the RNG states handed to a joiner are a cluster-wide seed
+        derived from the step, and this device's own RNG states are restored afterwards."""
+        import random
+
+        import numpy as np
+
+        saved = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+        try:
+            seed = 0x9E3779B97F4A7C15 ^ step
+            torch.manual_seed(seed & 0xFFFFFFFF)
+            random.seed(seed)
+            np.random.seed(seed & 0xFFFFFFFF)
+            return TrainingState.capture(self.model, self.optimizer, step=step, epoch=0)
+        finally:
+            torch.set_rng_state(saved[0])
+            random.setstate(saved[1])
+            np.random.set_state(saved[2])
+
+    def _flat_grads(self) -> torch.Tensor:
+        grads = [
+            p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in self._params
+        ]
+        return ops.pack(grads)
+
+    def update(self) -> None:
+        """Averages the gradients over the members, then steps the optimizer.
+
+        A failure or a membership change during the allreduce aborts it and reruns the step
+        under the new policy; no partial result is ever applied.
+
+        Raises:
+            TrainingStalled: an allreduce failed and no new policy came in time.
+        """
+        flat = self._flat_grads()
+        reduced = self._allreduce(flat)
+        if reduced is not None:
+            grads = [p.grad for p in self._params]
+            for p, g in zip(self._params, grads, strict=True):
+                if g is None:
+                    p.grad = torch.zeros_like(p)
+            ops.unpack(reduced, [p.grad for p in self._params])
+        if self._published is not None:
+            self._server.retire()  # the state is about to change
+            self._published = None
+        self.optimizer.step()
+        self._step += 1
+        self._maybe_reregister()
+
+    def _allreduce(self, flat: torch.Tensor) -> torch.Tensor | None:
+        while True:
+            self._refresh()
+            if self.world_size == 1:
+                return None
+            try:
+                return self._comm.allreduce(flat, "mean", step=self._step)
+            except RoundInterrupted as exc:
+                self._event("restart", epoch=self._epoch, step=self._step, reason=str(exc))
+            except PeerFailure as exc:
+                self._event("allreduce_failed", epoch=self._epoch, step=self._step, peer=exc.peer)
+                self._wait_policy(
+                    lambda p: p.epoch > self._epoch and p.topology is not None,
+                    self.config.policy_timeout_s,
+                    f"a new policy after {exc}",
+                )
+
+    def _maybe_reregister(self) -> None:
+        """Adam creates its state on the first step: tell the scheduler the new layout."""
+        sizes = None
+        if self._layout is not None and len(self._layout) != self._state_tensor_count():
+            sizes = self._capture(self._step).tensor_sizes()
+        elif self._layout is None:
+            sizes = self._capture(self._step).tensor_sizes()
+        if sizes is not None and sizes != self._layout:
+            self._layout = sizes
+            self._client.register_trainer(
+                data_address=self._comm.address,
+                shard_address=self._server.address,
+                has_state=True,
+                tensor_sizes=sizes,
+                timeout_s=5.0,
+            )
+
+    def _state_tensor_count(self) -> int:
+        n = len(self.model.state_dict())
+        for st in self.optimizer.state.values():
+            n += sum(1 for v in st.values() if isinstance(v, torch.Tensor))
+        return n + 1
+
+    def check_state_replication(self) -> bool:
+        """Serves this node's shards if the scheduler named it a donor for a joiner.
+
+        Call it right after :meth:`update` (a step boundary). The shards are sent from a
+        background thread while the script computes the next step's gradients; the next
+        :meth:`update` cannot finish before the joiner has them all.
+
+        Returns:
+            True when this node is serving a joiner now.
+        """
+        self._refresh()
+        return self._published is not None
+
+    def request_node_exit(self, timeout_s: float = 15.0) -> None:
+        """Leaves the cluster gracefully (scale-in), then releases every resource."""
+        try:
+            self._client.leave(timeout_s=timeout_s)
+            self._event("left", epoch=self._epoch, step=self._step)
+        except ChaosError as exc:
+            log.warning("leave request failed: %s", exc)
+        finally:
+            if self._embedded is not None:
+                self._embedded.wait_exit(timeout_s)
+            self.close()
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full training state, for disk checkpoints (``torch.save``)."""
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self._step,
+            "epoch": self._epoch,
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Loads a state from :meth:`state_dict` (same model and optimizer layout).
+
+        Raises:
+            KeyError: a required entry is missing.
+        """
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._step = int(state["step"])
+        torch.set_rng_state(state["torch_rng"])
+
+    # ------------------------------------------------------------------ misc
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        rec = {"t": time.time(), "node": self.node_id, "event": kind, **fields}
+        self.events.append(rec)
+        log.info("%s %s", kind, fields)
+
+    def iter_events(self) -> Iterator[dict[str, Any]]:
+        """Membership and replication events seen so far, oldest first."""
+        yield from self.events
+
+    def close(self) -> None:
+        """Closes the data plane and the daemon connection; stops an embedded daemon."""
+        for closer in (self._server.close, self._comm.close, self._client.close):
+            try:
+                closer()
+            except Exception as exc:  # noqa: BLE001 - best effort on shutdown
+                log.debug("close: %s", exc)
+        if self._embedded is not None:
+            self._embedded.stop()
+            self._embedded = None
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
