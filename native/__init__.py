@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import logging
 import os
 import shutil
@@ -139,22 +140,81 @@ def build(
     reason = _missing_toolchain()
     if reason is not None:
         raise RuntimeError(f"cannot build chaos native ops: {reason}")
-    from torch.utils.cpp_extension import load as torch_load
-
     directory = build_dir if build_dir is not None else default_build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     with _BuildLock(directory, lock_timeout_s):
         started = time.monotonic()
         log.info("chaos native: loading ops from %s (a first build compiles, ~30-60 s)", directory)
-        module = torch_load(
-            name=_EXT_NAME,
-            sources=[str(_SRC_DIR / "ops.cpp")],
-            extra_cflags=_cpu_flags(),
-            build_directory=str(directory),
-            verbose=verbose,
-        )
+        if not _build_is_complete(directory):
+            # A builder killed mid-link (a test's SIGKILL, a power cut) can leave a truncated
+            # library that ninja takes as up to date, and importing it crashes the process.
+            # Only a build that imported cleanly is trusted, so anything else starts afresh.
+            _wipe_build_dir(directory)
+        try:
+            module = _torch_build(directory, verbose)
+        except (RuntimeError, ImportError, OSError) as exc:
+            log.warning("chaos native: build in %s unusable (%s); rebuilding", directory, exc)
+            _wipe_build_dir(directory)
+            module = _torch_build(directory, verbose)
+        _mark_complete(directory)
         log.info("chaos native: ops ready in %.1f s", time.monotonic() - started)
     return module
+
+
+def _torch_build(directory: Path, verbose: bool) -> ModuleType:
+    """Run torch's JIT builder in ``directory``; the caller holds the build lock."""
+    from torch.utils.cpp_extension import load as torch_load
+
+    # torch's own FileBaton ("lock") is left behind when a builder is killed, and then makes
+    # every later build wait forever. We hold the flock, so any baton present now is stale.
+    (directory / "lock").unlink(missing_ok=True)
+    module: ModuleType = torch_load(
+        name=_EXT_NAME,
+        sources=[str(_SRC_DIR / "ops.cpp")],
+        extra_cflags=_cpu_flags(),
+        build_directory=str(directory),
+        verbose=verbose,
+    )
+    return module
+
+
+_COMPLETE_MARKER = ".chaos-build-complete"
+
+
+def _libraries_digest(directory: Path) -> str:
+    """SHA-256 over the names and bytes of the built libraries in ``directory``."""
+    digest = hashlib.sha256()
+    for lib in sorted(directory.glob("*.so")):
+        digest.update(lib.name.encode())
+        digest.update(lib.read_bytes())
+    return digest.hexdigest()
+
+
+def _build_is_complete(directory: Path) -> bool:
+    """Whether the libraries in ``directory`` are the ones a finished build imported."""
+    marker = directory / _COMPLETE_MARKER
+    try:
+        return marker.read_text().strip() == _libraries_digest(directory)
+    except OSError:
+        return False
+
+
+def _mark_complete(directory: Path) -> None:
+    """Record, atomically, the digest of the libraries that just imported cleanly."""
+    tmp = directory / f"{_COMPLETE_MARKER}.{os.getpid()}"
+    tmp.write_text(_libraries_digest(directory) + "\n")
+    os.replace(tmp, directory / _COMPLETE_MARKER)
+
+
+def _wipe_build_dir(directory: Path) -> None:
+    """Delete everything in a build directory except the build lock file."""
+    for entry in directory.iterdir():
+        if entry.name == ".chaos-build.lock":
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 def load(build_dir: Path | None = None) -> ModuleType | None:
@@ -209,6 +269,7 @@ def load_cuda(build_dir: Path | None = None) -> ModuleType | None:
         module: ModuleType | None
         try:
             with _BuildLock(directory, BUILD_LOCK_TIMEOUT_S):
+                (directory / "lock").unlink(missing_ok=True)  # a killed builder's stale baton
                 module = torch_load(
                     name=_CUDA_EXT_NAME,
                     sources=[
