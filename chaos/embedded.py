@@ -7,6 +7,7 @@ directory; the trainer talks to it over its IPC endpoint like to any other local
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -22,6 +23,23 @@ from chaos.errors import ChaosError, ChaosTimeout
 
 class DaemonStartError(ChaosError):
     """The embedded daemon exited or refused to start (bad arguments, join refused)."""
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _leave_when_parent_dies() -> None:
+    """In the child, before exec: SIGTERM (a graceful leave) when the training process dies.
+
+    An embedded daemon belongs to its training process; if that process crashes, the daemon
+    leaves the cluster rather than lingering as a member with no trainer. Linux only; a no-op
+    elsewhere.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
 
 
 def free_tcp_address(host: str = "127.0.0.1") -> str:
@@ -62,7 +80,18 @@ class EmbeddedDaemon:
             argv += ["--join", join]
         env = dict(os.environ, CHAOS_DAEMON_DIR=self.run_dir)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_leave_when_parent_dies,
+        )
+
+    def kill(self) -> None:
+        """``kill -9`` of the daemon (fault injection: the whole device fails at once)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
 
     def log_tail(self, lines: int = 20) -> str:
         """The last lines the daemon printed."""

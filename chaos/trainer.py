@@ -533,6 +533,19 @@ class Trainer:
             n += sum(1 for v in st.values() if isinstance(v, torch.Tensor))
         return n + 1
 
+    def fail_at(self, step: int, after_frames: int = 0) -> None:
+        """Fault injection by name: this device dies (``kill -9``) mid-allreduce of ``step``.
+
+        Once this process has sent ``after_frames + 1`` data frames of that step's allreduce, its
+        embedded daemon is killed with SIGKILL and the process exits at once, with no cleanup:
+        the cluster sees a node failure in the middle of a collective. For tests and emulation.
+
+        Raises:
+            ValueError: a negative step or frame count.
+        """
+        embedded = self._embedded
+        self._comm.fail_at(step, after_frames, embedded.kill if embedded is not None else None)
+
     def check_state_replication(self) -> bool:
         """Serves this node's shards if the scheduler named it a donor for a joiner.
 

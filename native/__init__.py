@@ -1,9 +1,10 @@
 """Loader of the Chaos native ops (``chaos._native``): a torch C++ extension built on first use.
 
 :func:`load` JIT-builds ``ops.cpp`` with :func:`torch.utils.cpp_extension.load` into a cache
-directory (default ``~/.cache/chaos/native/<torch>-<python>``), holding an exclusive file lock so
-that concurrent processes neither corrupt nor duplicate the build. Later calls (and later
-processes) reuse the cached library. Build ahead of time with ``python -m chaos._native build``.
+directory (default ``~/.cache/chaos/native/<torch>-<python>-<install hash>``), holding an
+exclusive file lock so that concurrent processes neither corrupt nor duplicate the build.
+Later calls (and later processes) reuse the cached library. Build ahead of time with
+``python -m chaos._native build``.
 
 When the compiler or ninja is missing, or the build fails, :func:`load` warns once and returns
 ``None``; :mod:`chaos.ops` then uses its pure-torch fallback.
@@ -49,8 +50,12 @@ _cache: dict[str, ModuleType | None] = {}
 
 
 def default_build_dir() -> Path:
-    """The cache directory for this torch and Python: ``~/.cache/chaos/native/<tag>``."""
-    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
+    """The cache directory for this torch install and Python: ``~/.cache/chaos/native/<tag>``."""
+    # Each torch install gets its own build: the ninja file names its include paths, so two
+    # environments sharing one directory would rebuild each other's library on every switch.
+    where = hashlib.sha256(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:8]
+    version = torch.__version__.replace("+", "_")
+    tag = f"torch{version}-py{sys.version_info[0]}{sys.version_info[1]}-{where}"
     return Path.home() / ".cache" / "chaos" / "native" / tag
 
 

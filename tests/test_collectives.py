@@ -49,7 +49,7 @@ def _input(name: str, numel: int, seed: int, dtype: str) -> torch.Tensor:
 def _worker(name: str, commands: Any, replies: Any) -> None:
     """A cluster member: runs the commands it is sent and replies with what happened."""
     torch.set_num_threads(1)
-    comm = Communicator(CommunicatorConfig(node_id=name, chunk_bytes=CHUNK_BYTES, timeout_s=10.0))
+    comm = Communicator(CommunicatorConfig(node_id=name, chunk_bytes=CHUNK_BYTES, timeout_s=30.0))
     replies.put(("address", name, comm.address))
     while True:
         cmd, arg = commands.get(timeout=REPLY_TIMEOUT_S * 3)
@@ -90,9 +90,11 @@ class Cluster:
     def __init__(self, size: int) -> None:
         ctx = mp.get_context("spawn")
         self.names = [f"n{i}" for i in range(size)]
-        self.replies = ctx.Queue()
+        # One reply queue per member: a member killed mid-write (fail_at) can leave a shared
+        # queue's lock held, which would silence every other member.
+        self.replies = {n: ctx.Queue() for n in self.names}
         self.commands = {n: ctx.Queue() for n in self.names}
-        self.procs = {n: ctx.Process(target=_worker, args=(n, self.commands[n], self.replies),
+        self.procs = {n: ctx.Process(target=_worker, args=(n, self.commands[n], self.replies[n]),
                                      daemon=True) for n in self.names}  # fmt: skip
         self.addresses: dict[str, str] = {}
         self.epoch = 0
@@ -100,8 +102,8 @@ class Cluster:
     def start(self) -> None:
         for p in self.procs.values():
             p.start()
-        for _ in self.names:
-            _kind, name, address = self._reply()
+        for n in self.names:
+            _kind, name, address = self._reply(n)
             self.addresses[name] = address
 
     def reap(self) -> None:
@@ -117,9 +119,9 @@ class Cluster:
                 p.kill()
                 p.join(timeout=5)
 
-    def _reply(self) -> tuple[str, str, Any]:
+    def _reply(self, name: str) -> tuple[str, str, Any]:
         try:
-            reply: tuple[str, str, Any] = self.replies.get(timeout=REPLY_TIMEOUT_S)
+            reply: tuple[str, str, Any] = self.replies[name].get(timeout=REPLY_TIMEOUT_S)
         except queue.Empty:
             codes = {n: p.exitcode for n, p in self.procs.items()}
             raise AssertionError(f"no reply from the workers; exit codes {codes}") from None
@@ -129,8 +131,8 @@ class Cluster:
         for n in names:
             self.commands[n].put((cmd, arg))
         out: dict[str, tuple[str, Any]] = {}
-        for _ in names:
-            kind, name, info = self._reply()
+        for n in names:
+            kind, name, info = self._reply(n)
             out[name] = (kind, info)
         return out
 
@@ -232,10 +234,11 @@ def test_member_killed_mid_allreduce(kind: str, shape: dict[str, Any], victim: s
                _reference(members, 20_000, 1, "mean", "float32"), 1e-5, 1e-5)  # fmt: skip
         c.send([victim], "fail_at", {"step": 1, "after_frames": 2})
         for m in members:
-            c.commands[m].put(("allreduce", {"numel": 20_000, "seed": 2, "op": "mean"}))
+            spec = {"numel": 20_000, "seed": 2, "op": "mean", "timeout_s": 10.0}
+            c.commands[m].put(("allreduce", spec))
         replies = {}
-        for _ in survivors:
-            kind_, name, info = c._reply()
+        for survivor in survivors:
+            kind_, name, info = c._reply(survivor)
             replies[name] = (kind_, info)
         c.procs[victim].join(timeout=REPLY_TIMEOUT_S)
         assert c.procs[victim].exitcode == FAILED_EXIT

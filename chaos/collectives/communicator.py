@@ -133,6 +133,7 @@ class _Frame:
 class _Fault:
     step: int
     after_frames: int
+    before_exit: Callable[[], None] | None = None
     sent: int = field(default=0)
 
 
@@ -292,19 +293,27 @@ class Communicator:
         if reason:
             raise RoundInterrupted(reason, reported_by=self.node_id)
 
-    def fail_at(self, step: int, after_frames: int = 0) -> None:
+    def fail_at(
+        self, step: int, after_frames: int = 0, before_exit: Callable[[], None] | None = None
+    ) -> None:
         """Fault injection by name: exit this process abruptly in the middle of an allreduce.
 
         The process calls ``os._exit(70)`` during the allreduce of ``step``, once it has sent
         ``after_frames`` data frames of it, as a ``kill -9`` would stop it (no cleanup, sockets
         torn down by the kernel). For tests and emulation only.
 
+        Args:
+            step: The allreduce step to die in.
+            after_frames: Data frames of that step to send first.
+            before_exit: Run just before exiting (e.g. ``kill -9`` of the node's daemon, so
+                that the whole device fails at once).
+
         Raises:
             ValueError: a negative step or frame count.
         """
         if step < 0 or after_frames < 0:
             raise ValueError("step and after_frames must be >= 0")
-        self._fault = _Fault(step, after_frames)
+        self._fault = _Fault(step, after_frames, before_exit)
 
     # ------------------------------------------------------------------ allreduce
 
@@ -480,6 +489,8 @@ class Communicator:
             return
         fault.sent += 1
         if fault.sent > fault.after_frames:
+            if fault.before_exit is not None:
+                fault.before_exit()
             os._exit(70)
 
     def _send_abort(self, key: tuple[int, int], exc: Exception) -> None:

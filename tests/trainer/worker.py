@@ -1,0 +1,110 @@
+"""A training process for the Trainer integration tests: one real member of a cluster.
+
+Run as ``python worker.py --id a --listen tcp://127.0.0.1:P [--join tcp://...] --out F``.
+It trains a small MLP on its own local data (seeded by its id) and appends one JSON line per
+step to ``--out``: the step, epoch, world size and a SHA-256 over the model parameters, the
+optimizer state and the step, so a test can check the members are bitwise equal. The test
+drives it through files: ``<out>.leave`` asks it to leave gracefully at its next step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from chaos.trainer import Trainer
+
+
+def model_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> str:
+    """SHA-256 over parameters, buffers, optimizer state tensors and the step."""
+    h = hashlib.sha256(str(step).encode())
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().contiguous().numpy().tobytes())
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, v in sorted(optimizer.state.get(p, {}).items()):
+                if isinstance(v, torch.Tensor):
+                    h.update(key.encode())
+                    h.update(v.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--id", required=True)
+    ap.add_argument("--listen", required=True)
+    ap.add_argument("--join", default=None)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--max-steps", type=int, default=10_000)
+    ap.add_argument("--step-time", type=float, default=0.02)
+    ap.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument(
+        "--die-after", type=int, default=None, help="kill -9 mid-allreduce, N steps after joining"
+    )
+    ap.add_argument("--daemon-arg", action="append", default=[], help="chaos-daemon start arg")
+    args = ap.parse_args()
+
+    torch.manual_seed(0)  # the same initial model everywhere; a joiner's is replaced anyway
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, args.width), torch.nn.ReLU(), torch.nn.Linear(args.width, 4)
+    )
+    if args.optimizer == "adam":
+        opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(sum(map(ord, args.id)))  # this device's local data
+    xs = torch.randn(256, 16, generator=gen)
+    ys = torch.randint(0, 4, (256,), generator=gen)
+
+    trainer = Trainer(
+        model,
+        opt,
+        join=args.join,
+        node_id=args.id,
+        listen=args.listen,
+        step_timeout_s=20.0,
+        daemon_args=tuple(args.daemon_arg),
+    )
+    if args.die_after is not None:
+        trainer.fail_at(trainer.step + args.die_after)
+    leave_flag = args.out.with_suffix(".leave")
+    with args.out.open("a") as out:
+        out.write(json.dumps({"ready": True, "step": trainer.step, "epoch": trainer.epoch}) + "\n")
+        out.flush()
+        while trainer.step < args.max_steps:
+            i = trainer.step % 32
+            x, y = xs[i * 8 : i * 8 + 8], ys[i * 8 : i * 8 + 8]
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            time.sleep(args.step_time)  # stands in for a longer forward/backward pass
+            trainer.update()
+            trainer.check_state_replication()
+            rec = {
+                "step": trainer.step,
+                "epoch": trainer.epoch,
+                "world": trainer.world_size,
+                "loss": float(loss.detach()),
+                "digest": model_digest(model, opt, trainer.step),
+            }
+            out.write(json.dumps(rec) + "\n")
+            out.flush()
+            if leave_flag.exists():
+                trainer.request_node_exit()
+                out.write(json.dumps({"left": True, "step": trainer.step}) + "\n")
+                return 0
+        trainer.request_node_exit()
+        out.write(json.dumps({"left": True, "step": trainer.step}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
