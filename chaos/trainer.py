@@ -46,6 +46,7 @@ from chaos.replication import (
     pull_state,
 )
 from chaos.scheduling import Neighbor, Plan, plan_replication
+from chaos.scheduling.bounds import lower_bound
 from chaos.state import TrainingState
 
 log = logging.getLogger("chaos.trainer")
@@ -72,6 +73,8 @@ class TrainerConfig:
         chunk_bytes: Allreduce frame size; see :class:`CommunicatorConfig`.
         wire_dtype: ``None``, ``"float16"`` or ``"bfloat16"`` gradient wire format.
         daemon_args: Extra ``chaos-daemon start`` arguments for the embedded daemon.
+        daemon_dir: The embedded daemon's run directory (IPC socket, event log); default: a
+            fresh temporary directory.
         pull_window: Outstanding shard requests per donor while joining.
 
     Raises:
@@ -87,6 +90,7 @@ class TrainerConfig:
     chunk_bytes: int = 1 << 20
     wire_dtype: str | None = None
     daemon_args: tuple[str, ...] = ()
+    daemon_dir: str | None = None
     pull_window: int = 8
 
     def __post_init__(self) -> None:
@@ -150,8 +154,8 @@ class _Policy:
 
 def _topology(reply: Any, me: str) -> Topology | None:
     sync = reply.sync
-    if sync is None or me not in sync.nodes:
-        return None
+    if sync is None or me not in sync.nodes or not sync.connected:
+        return None  # not a member, or a split overlay: wait for a policy that joins it up
     addresses = dict(sync.addresses)
     if sync.kind == "ring" and sync.ring:
         return Topology(
@@ -225,6 +229,7 @@ class Trainer:
                 listen or free_tcp_address(self.config.host),
                 join,
                 self.config.daemon_args,
+                self.config.daemon_dir,
             )
             try:
                 self._embedded.wait_ready(self.config.join_timeout_s)
@@ -311,6 +316,7 @@ class Trainer:
             )
         t0 = time.monotonic()
         manifest, epoch, step = self._fetch_manifest(policy.epoch, dict(rep.donor_addresses))
+        t_manifest = time.monotonic()
         state = TrainingState.for_joiner(self.model, self.optimizer, manifest)
         neighbors = [Neighbor(d.id, d.prop_s, d.trans_s_per_byte, d.sync_s) for d in rep.donors]
         plan = self._plan_for(state, rep, neighbors)
@@ -324,11 +330,16 @@ class Trainer:
             neighbors=neighbors,
             config=PullConfig(window=self.config.pull_window),
         )
+        t_pulled = time.monotonic()
         runtime = state.apply()
         self._step = runtime.step
         self._event(
             "replication_done",
             elapsed_s=time.monotonic() - t0,
+            wait_donors_s=t_manifest - t0,
+            transfer_s=t_pulled - t_manifest,
+            planned_s=plan.makespan_s,
+            lower_bound_s=lower_bound(state.total_bytes, neighbors),
             bytes=state.total_bytes,
             donors=stats.bytes_per_donor,
             replans=stats.replans,
@@ -390,14 +401,17 @@ class Trainer:
         )
 
     def _newer_policy(self) -> str | None:
-        """Interrupt check run while blocked in an allreduce."""
-        try:
-            p = self._fetch_policy(timeout_s=1.0)
-        except ChaosError:
+        """Interrupt check run while blocked in an allreduce.
+
+        The round is abandoned only when a peer already runs this step under a newer epoch
+        (then no member can complete it). A newer policy alone does not abort it: a planned
+        change applies after the current allreduce, and a member may already have completed
+        this round; failures abort it through :class:`PeerFailure` instead.
+        """
+        seen = self._comm.newer_round_seen()
+        if seen is None or seen <= self._epoch:
             return None
-        if p.epoch > self._epoch and p.topology is not None and not p.paused:
-            return f"epoch {p.epoch} replaced {self._epoch}"
-        return None
+        return f"a peer runs step {self._step} under epoch {seen} (this node: {self._epoch})"
 
     def _wait_policy(self, ok: Callable[[_Policy], bool], timeout_s: float, what: str) -> _Policy:
         deadline = time.monotonic() + timeout_s
@@ -502,6 +516,14 @@ class Trainer:
                 return self._comm.allreduce(flat, "mean", step=self._step)
             except RoundInterrupted as exc:
                 self._event("restart", epoch=self._epoch, step=self._step, reason=str(exc))
+                target = self._comm.newer_round_seen() or self._epoch + 1
+
+                def reached(p: _Policy, target: int = target) -> bool:
+                    return p.epoch >= target and p.topology is not None
+
+                self._wait_policy(
+                    reached, self.config.policy_timeout_s, f"the policy of epoch {target}"
+                )
             except PeerFailure as exc:
                 self._event("allreduce_failed", epoch=self._epoch, step=self._step, peer=exc.peer)
                 self._wait_policy(

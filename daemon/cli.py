@@ -83,6 +83,11 @@ def main() -> None:
 @click.option("--heartbeat-interval", type=float, help="Heartbeat period in seconds (0.5).")
 @click.option("--failure-timeout", type=float, help="Silence before a node is failed (1.5 s).")
 @click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port.")
+@click.option(
+    "--replication-strategy",
+    type=click.Choice(["chaos", "even", "single-source", "multi-source"]),
+    help="How a joiner's state is sourced (chaos).",
+)
 def start(
     node_id: str | None,
     listen: str | None,
@@ -92,6 +97,7 @@ def start(
     heartbeat_interval: float | None,
     failure_timeout: float | None,
     metrics_port: int | None,
+    replication_strategy: str | None,
 ) -> None:
     """Run a daemon in the foreground; SIGINT/SIGTERM make it leave gracefully."""
     cli: dict[str, Any] = {
@@ -102,6 +108,7 @@ def start(
         "heartbeat_interval_s": heartbeat_interval,
         "failure_timeout_s": failure_timeout,
         "metrics_port": metrics_port,
+        "replication_strategy": replication_strategy,
         "run_dir": os.environ.get(_ENV_DIR) or None,
     }
     try:

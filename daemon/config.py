@@ -14,12 +14,11 @@ import dataclasses
 import math
 import os
 import re
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from chaos.errors import ConfigError
 from chaos.protocol import DEFAULT_MAX_FRAME_BYTES
@@ -78,6 +77,10 @@ def _positive(name: str, value: object) -> None:
         raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
 
 
+REPLICATION_STRATEGIES: tuple[str, ...] = ("chaos", "even", "single-source", "multi-source")
+"""Values of :attr:`DaemonConfig.replication_strategy`."""
+
+
 @dataclass(frozen=True)
 class DaemonConfig:
     """Configuration of one ``chaos-daemon``.
@@ -108,6 +111,11 @@ class DaemonConfig:
         per_shard_cost_s: Per-shard message cost c (seconds) for the replication planner. Measure
             it on the data-plane transport with ``chaos-bench shard-cost`` and set the measured
             value; a higher c makes the planner choose fewer, larger shards.
+        replication_strategy: How a joiner's state is sourced (the harness compares them):
+            ``"chaos"`` (default; Algorithms 1 and 2 over the joiner's training neighbours),
+            ``"even"`` (equal split over the same neighbours), ``"single-source"`` (the fastest
+            neighbour only, as in EDL+) or ``"multi-source"`` (equal split over every training
+            member, multi-hop, as in Autoscaling).
         join_timeout_s: A joiner that is not admitted within this long exits with an error.
         op_timeout_s: A primitive whose policy is not acknowledged by every member within this
             long completes as failed.
@@ -142,6 +150,7 @@ class DaemonConfig:
     default_bandwidth_bps: float = 100e6
     sync_message_bytes: int = 100 << 20
     per_shard_cost_s: float = 4e-6
+    replication_strategy: str = "chaos"
     join_timeout_s: float = 30.0
     op_timeout_s: float = 10.0
     leave_timeout_s: float = 5.0
@@ -155,6 +164,11 @@ class DaemonConfig:
 
     def __post_init__(self) -> None:
         check_node_id(self.node_id)
+        if self.replication_strategy not in REPLICATION_STRATEGIES:
+            raise ConfigError(
+                f"replication_strategy must be one of {', '.join(REPLICATION_STRATEGIES)}, "
+                f"got {self.replication_strategy!r}"
+            )
         check_tcp_endpoint(self.listen, "listen endpoint")
         if self.join is not None:
             check_tcp_endpoint(self.join, "join endpoint")

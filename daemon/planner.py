@@ -20,6 +20,11 @@ MAX_PLAN_SHARDS = 16_384
 
 log = logging.getLogger("chaos.daemon.planner")
 
+_METHODS = {"chaos": "chaos", "even": "even", "single-source": "single-source",
+            "multi-source": "even"}  # fmt: skip
+"""``plan_replication`` method of each replication strategy (multi-source differs from even
+in its donors: every training member instead of the joiner's neighbours)."""
+
 
 def sync_policy(monitor: ClusterMonitor, cfg: DaemonConfig) -> SyncPolicy:
     """Builds the sync policy over the active members with a trainer (``syncing`` or
@@ -118,7 +123,7 @@ def replication_policy(
             neighbors=neighbors,
             per_shard_cost_s=cfg.per_shard_cost_s,
             layout="flat",
-            method="chaos",
+            method=_METHODS[cfg.replication_strategy],
         )
         if plan.num_shards > MAX_PLAN_SHARDS:
             plan = plan_replication(
@@ -126,7 +131,7 @@ def replication_policy(
                 neighbors=neighbors,
                 per_shard_cost_s=cfg.per_shard_cost_s,
                 layout="flat",
-                method="chaos",
+                method=_METHODS[cfg.replication_strategy],
                 shard_size=math.ceil(sum(sizes) / MAX_PLAN_SHARDS),
             )
     except (ValueError, ArithmeticError) as exc:

@@ -139,7 +139,10 @@ class TrainerRegistry:
         """Plans the replication to ``n`` from its training neighbours (else any trainer)."""
         mon = self.neg.monitor
         training = [m for m in mon.trainer_members((TrainerState.TRAINING,)) if m != n]
-        donors = [d for d in mon.neighbors(n) if d in training] or training
+        if self.neg.cfg.replication_strategy == "multi-source":
+            donors = training  # every training member, multi-hop (Autoscaling)
+        else:
+            donors = [d for d in mon.neighbors(n) if d in training] or training
         links = {d: mon.path_link(d, n) for d in donors}
         sync_s = {d: float((mon.link(d, n) or {}).get("tau_sync_s") or 0.0) for d in donors}
         addresses = {d: a for d in donors if (a := mon.node_attr(d, "shard_address"))}

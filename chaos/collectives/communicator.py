@@ -177,6 +177,7 @@ class Communicator:
         self._poller.register(self._router, zmq.POLLIN)
         self._topology: Topology | None = None
         self._last_key: tuple[int, int] = (-1, -1)
+        self._newer_round: int | None = None
         self._failed_step: int | None = None
         self._early: deque[_Frame] = deque()
         self._ready: deque[_Frame] = deque()
@@ -281,6 +282,16 @@ class Communicator:
             raise ValueError("every_s must be > 0")
         self._interrupt = check
         self._interrupt_every_s = float(every_s)
+
+    def newer_round_seen(self) -> int | None:
+        """The newest epoch in which a peer already runs the current allreduce's step, if any.
+
+        Such a peer abandoned (or never started) the current ``(epoch, step)`` round, so this
+        round cannot complete anywhere: the step must be rerun under that epoch's policy. The
+        trainer's interrupt check uses this, rather than the mere existence of a newer policy,
+        because a planned change must not abort a round some member may already have completed.
+        """
+        return self._newer_round
 
     def _check_interrupt(self) -> None:
         if self._interrupt is None:
@@ -444,6 +455,7 @@ class Communicator:
 
     def _start_round(self, key: tuple[int, int]) -> None:
         self._ready.clear()
+        self._newer_round = None
         later: deque[_Frame] = deque()
         for f in self._early:
             k = f.header.key
@@ -452,6 +464,8 @@ class Communicator:
             elif k < key:
                 self.stats.dropped_stale += 1
             else:
+                if k[1] == key[1]:
+                    self._newer_round = max(self._newer_round or 0, k[0])
                 later.append(f)
         self._early = later
 
@@ -582,6 +596,10 @@ class Communicator:
             return None
         frame = _Frame(peer, header, parts[1], parts[2])
         if k > key:
+            if k[1] == key[1] and k[0] > key[0]:
+                # A peer runs this same step under a newer epoch: it never completes (and
+                # never will complete) the round we are in, so nobody can; see newer_round_seen.
+                self._newer_round = max(self._newer_round or 0, k[0])
             if len(self._early) >= self.config.max_early_frames:
                 self.stats.dropped_early_overflow += 1
             else:

@@ -1,0 +1,202 @@
+"""One emulated device's training process: ``python -m chaos.emulate.device ...``.
+
+The harness starts one of these per device, inside the device's network namespace. It is a real
+:class:`chaos.trainer.Trainer` with its embedded ``chaos-daemon``; it trains a stand-in model
+whose training state has the byte size of a paper model (times the run's ``--scale``):
+
+* a frozen buffer holds the bulk of the state: it is replicated to joiners like any state, but
+  it takes no gradient, so the allreduce and the compute stay small enough for 2 cores;
+* a small trainable MLP head (SGD with momentum) gives real gradients, a real allreduce and a
+  real optimizer step every step, so members must stay bitwise equal.
+
+So the harness's figures measure scale-out, replication and the control plane, not training
+throughput; that is stated wherever they are reported.
+
+The device appends JSON lines to ``--out``: ``ready`` (with the trainer's join and replication
+events), one ``step`` record per step (its duration and the time spent in ``update``), and
+``left``. The harness steers it through files beside ``--out``: ``<out>.leave`` asks for a
+graceful leave at the next step boundary; ``<out>.checkpoint`` asks it to save its state to that
+path's ``.pt`` sibling and exit (the stop-resume baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from chaos.models import model_summary
+
+HEAD_IN = 32
+HEAD_HIDDEN = 64
+HEAD_OUT = 8
+_MIN_STORE_ELEMS = 1
+
+
+class StandInModel(torch.nn.Module):
+    """A frozen state store of ``store_bytes`` plus a small trainable head.
+
+    Args:
+        store_bytes: Size of the frozen buffer (rounded down to whole fp32 elements).
+    """
+
+    def __init__(self, store_bytes: int) -> None:
+        super().__init__()
+        elems = max(_MIN_STORE_ELEMS, store_bytes // 4)
+        gen = torch.Generator().manual_seed(1234)
+        self.register_buffer("store", torch.rand(elems, generator=gen))
+        self.head = torch.nn.Sequential(
+            torch.nn.Linear(HEAD_IN, HEAD_HIDDEN),
+            torch.nn.ReLU(),
+            torch.nn.Linear(HEAD_HIDDEN, HEAD_OUT),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(x)
+        return out
+
+
+def head_state_bytes() -> int:
+    """Bytes of the head's parameters plus its SGD momentum buffers."""
+    params = HEAD_IN * HEAD_HIDDEN + HEAD_HIDDEN + HEAD_HIDDEN * HEAD_OUT + HEAD_OUT
+    return 2 * 4 * params
+
+
+def store_bytes_for(model: str, scale: float) -> int:
+    """Frozen-buffer size that makes the whole state ``scale`` times the model's state size.
+
+    Raises:
+        ValueError: unknown model name or a non-positive scale.
+    """
+    if not scale > 0:
+        raise ValueError(f"scale must be > 0, got {scale}")
+    target = int(model_summary(model)["state_bytes"] * scale)
+    return max(4, target - head_state_bytes())
+
+
+def state_digest(model: StandInModel, opt: torch.optim.Optimizer) -> str:
+    """SHA-256 of the head's parameters and momentum buffers (the part that trains)."""
+    h = hashlib.sha256()
+    for p in model.head.parameters():
+        h.update(p.detach().numpy().tobytes())
+        buf = opt.state.get(p, {}).get("momentum_buffer")
+        if isinstance(buf, torch.Tensor):
+            h.update(buf.numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def _write(out: TextIO, rec: dict[str, Any]) -> None:
+    out.write(json.dumps(rec) + "\n")
+    out.flush()
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m chaos.emulate.device")
+    ap.add_argument("--id", required=True)
+    ap.add_argument("--listen", required=True, help="the embedded daemon's tcp://IP:PORT")
+    ap.add_argument("--host", required=True, help="address the data plane binds")
+    ap.add_argument("--join", default=None)
+    ap.add_argument("--model", default="synthetic:8")
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--step-time", type=float, default=0.05, help="emulated compute, seconds")
+    ap.add_argument("--daemon-dir", default=None)
+    ap.add_argument("--daemon-arg", action="append", default=[])
+    ap.add_argument("--resume", type=Path, default=None, help="stop-resume checkpoint to load")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the device until it is asked to leave or checkpoint, or is killed."""
+    args = _parse(argv)
+    from chaos.trainer import Trainer, capture_exit_event
+
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    model = StandInModel(store_bytes_for(args.model, args.scale))
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.01, momentum=0.9)
+    gen = torch.Generator().manual_seed(sum(map(ord, args.id)) + args.seed)
+    xs = torch.randn(512, HEAD_IN, generator=gen)  # this device's own local data
+    ys = torch.randint(0, HEAD_OUT, (512,), generator=gen)
+    started = time.time()
+    if args.resume is not None:
+        state = torch.load(args.resume, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+    trainer = Trainer(
+        model,
+        opt,
+        join=args.join,
+        node_id=args.id,
+        listen=args.listen,
+        host=args.host,
+        daemon_args=tuple(args.daemon_arg),
+        daemon_dir=args.daemon_dir,
+        step_timeout_s=60.0,
+        policy_timeout_s=30.0,
+        join_timeout_s=300.0,
+    )
+    leave_flag = args.out.with_suffix(".leave")
+    ckpt_flag = args.out.with_suffix(".checkpoint")
+    with args.out.open("a") as out:
+        _write(out, {"kind": "ready", "t": time.time(), "started": started, "step": trainer.step,
+                     "epoch": trainer.epoch, "events": list(trainer.events)})  # fmt: skip
+        return _train(args, trainer, model, opt, xs, ys, out, leave_flag, ckpt_flag,
+                      capture_exit_event)  # fmt: skip
+
+
+def _train(
+    args: argparse.Namespace,
+    trainer: Any,
+    model: StandInModel,
+    opt: torch.optim.Optimizer,
+    xs: torch.Tensor,
+    ys: torch.Tensor,
+    out: TextIO,
+    leave_flag: Path,
+    ckpt_flag: Path,
+    exit_event: Any,
+) -> int:
+    seen_events = len(trainer.events)
+    while True:
+        t0 = time.time()
+        i = trainer.step % 64
+        opt.zero_grad()
+        x, y = xs[i * 8 : i * 8 + 8], ys[i * 8 : i * 8 + 8]
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        time.sleep(args.step_time)  # stands in for the forward/backward pass of the real model
+        t1 = time.time()
+        trainer.update()
+        serving = trainer.check_state_replication()
+        t2 = time.time()
+        _write(out, {"kind": "step", "t": t2, "step": trainer.step, "epoch": trainer.epoch,
+                     "world": trainer.world_size, "dur_s": t2 - t0, "update_s": t2 - t1,
+                     "serving": serving, "loss": float(loss.detach()),
+                     "digest": state_digest(model, opt)})  # fmt: skip
+        if len(trainer.events) > seen_events:
+            for ev in trainer.events[seen_events:]:
+                _write(out, {"kind": "trainer_event", **ev})
+            seen_events = len(trainer.events)
+        if ckpt_flag.exists():
+            path = ckpt_flag.with_suffix(".pt")
+            torch.save(trainer.state_dict(), path)
+            _write(out, {"kind": "checkpointed", "t": time.time(), "step": trainer.step,
+                         "path": str(path)})  # fmt: skip
+            trainer.close()
+            return 0
+        if leave_flag.exists() or exit_event():
+            trainer.request_node_exit()
+            _write(out, {"kind": "left", "t": time.time(), "step": trainer.step})
+            return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

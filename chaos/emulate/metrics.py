@@ -1,0 +1,184 @@
+"""The metrics of BRIEF section 8, derived from a run's records (pure: no I/O).
+
+* **scale-out delay**: from the scheduler receiving the join (its ``scale_out_started`` event) to
+  the new node being ready with the full state (its ``scale_out_complete`` event).
+* **state replication delay**: the part of scale-out spent moving state: the joiner's pull, from
+  asking the donors for their manifest to the last shard verified (the trainer's
+  ``replication_done``: ``elapsed_s``; ``transfer_s`` excludes the wait for the donors' step
+  boundary).
+* **lower bound**: the water-filling theta over the joiner's donors, from the link parameters
+  the daemons measured (the trainer's ``lower_bound_s``).
+* **cluster idle time**: the sum over the other devices of the time each was blocked because of
+  the scale-out: for every step that overlaps the scale-out, its duration beyond that device's
+  median step duration outside any event.
+* **primitive delay** (leave, link add/remove/cut): the stall added to the training step (the
+  largest excess step duration on any device in the event's window) plus the control-path time
+  (the CLI's round trip, for link add/remove).
+* **failure detection time**: from ``kill -9`` to the first step every survivor ran under a
+  policy without the dead node.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from chaos.emulate.runner import RunResult
+
+WINDOW_S = 3.0
+"""Steps this long before/after an event's interval are attributed to it (for stalls)."""
+
+
+def _steps(result: RunResult, node: str) -> list[dict[str, Any]]:
+    return [r for r in result.devices.get(node, []) if r.get("kind") == "step"]
+
+
+def _baseline(result: RunResult, node: str, busy: list[tuple[float, float]]) -> float | None:
+    """Median step duration of ``node`` outside every busy interval."""
+    durs = []
+    for r in _steps(result, node):
+        start = r["t"] - r["dur_s"]
+        if not any(start < b and r["t"] > a for a, b in busy):
+            durs.append(r["dur_s"])
+    return statistics.median(durs) if durs else None
+
+
+def _busy_intervals(result: RunResult) -> list[tuple[float, float]]:
+    out = []
+    for ev in result.harness_events:
+        if ev["kind"] in ("join", "leave", "kill", "link_add", "link_remove", "link_cut"):
+            end = max(ev.get("ready_t", ev["t"]), ev.get("done_t", ev["t"]))
+            out.append((ev["t"] - 0.5, end + WINDOW_S))
+    return out
+
+
+def _excess(result: RunResult, node: str, a: float, b: float, base: float) -> list[float]:
+    """Per step of ``node`` overlapping ``[a, b]``: its duration beyond ``base``."""
+    out = []
+    for r in _steps(result, node):
+        start = r["t"] - r["dur_s"]
+        if start < b and r["t"] > a:
+            out.append(max(0.0, r["dur_s"] - base))
+    return out
+
+
+def _daemon_event(result: RunResult, name: str, peer: str) -> dict[str, Any] | None:
+    hits = [e for e in result.daemon_events if e.get("event") == name and e.get("peer") == peer]
+    return min(hits, key=lambda e: e["ts"]) if hits else None
+
+
+def _trainer_event(result: RunResult, node: str, name: str) -> dict[str, Any] | None:
+    for r in result.devices.get(node, []):
+        if r.get("kind") == "ready":
+            for ev in r.get("events", []):
+                if ev.get("event") == name:
+                    return dict(ev)
+    return None
+
+
+def join_metrics(
+    result: RunResult, ev: dict[str, Any], busy: list[tuple[float, float]]
+) -> dict[str, Any]:
+    """Scale-out, replication, lower bound and idle time of one join."""
+    node = ev["node"]
+    started = _daemon_event(result, "scale_out_started", node)
+    done = _daemon_event(result, "scale_out_complete", node)
+    rep = _trainer_event(result, node, "replication_done") or {}
+    out: dict[str, Any] = {"node": node, "neighbors": ev.get("neighbors", [])}
+    out["scale_out_s"] = done["ts"] - started["ts"] if started and done else None
+    out["replication_s"] = rep.get("elapsed_s")
+    out["transfer_s"] = rep.get("transfer_s")
+    out["lower_bound_s"] = rep.get("lower_bound_s")
+    out["planned_s"] = rep.get("planned_s")
+    out["state_bytes"] = rep.get("bytes")
+    out["donors"] = sorted((rep.get("donors") or {}).keys())
+    a = started["ts"] if started else ev["t"]
+    b = done["ts"] if done else ev.get("ready_t", ev["t"])
+    idle = 0.0
+    for other in result.devices:
+        if other == node:
+            continue
+        base = _baseline(result, other, busy)
+        if base is not None:
+            idle += sum(_excess(result, other, a, b, base))
+    out["idle_s"] = idle
+    return out
+
+
+def stall_metrics(
+    result: RunResult, ev: dict[str, Any], busy: list[tuple[float, float]]
+) -> dict[str, Any]:
+    """The stall a leave or link primitive added to the training step."""
+    a, b = ev["t"], ev.get("done_t", ev["t"]) + WINDOW_S
+    stalls = []
+    for node in result.devices:
+        if node == ev.get("node"):
+            continue
+        base = _baseline(result, node, busy)
+        if base is not None:
+            stalls += _excess(result, node, a, b, base)
+    return {"stall_s": max(stalls) if stalls else None, "control_s": ev.get("cli_s")}
+
+
+def failure_metrics(result: RunResult, ev: dict[str, Any]) -> dict[str, Any]:
+    """Failure detection: from the kill to every survivor stepping without the dead node."""
+    dead, t_kill = ev["node"], ev["t"]
+    before = {}
+    for node, recs in result.devices.items():
+        prior = [r for r in _steps(result, node) if r["t"] <= t_kill]
+        gone = any(r.get("kind") in ("left", "checkpointed") and r["t"] <= t_kill for r in recs)
+        if prior and node != dead and not gone:
+            before[node] = prior[-1]
+    firsts = []
+    for node, last in before.items():
+        later = [r for r in _steps(result, node)
+                 if r["t"] > t_kill and r["epoch"] > last["epoch"] and r["world"] < last["world"]]
+        if not later:
+            if any(r.get("kind") in ("left", "checkpointed") for r in result.devices[node]):
+                continue
+            return {"detection_s": None, "survivors": len(before)}
+        firsts.append(later[0]["t"])
+    return {"detection_s": max(firsts) - t_kill if firsts else None, "survivors": len(before)}
+
+
+def summarize(result: RunResult) -> list[dict[str, Any]]:
+    """One row per timeline event with its metrics."""
+    busy = _busy_intervals(result)
+    rows = []
+    for ev in result.harness_events:
+        kind = ev["kind"]
+        if kind not in ("join", "leave", "kill", "link_add", "link_remove", "link_cut"):
+            continue
+        row: dict[str, Any] = {"event": ev.get("label", kind), "kind": kind, "t": ev["t"]}
+        if kind == "join":
+            row.update(join_metrics(result, ev, busy))
+        elif kind == "kill":
+            row.update(failure_metrics(result, ev))
+        else:
+            row.update(stall_metrics(result, ev, busy))
+        if ev.get("note"):
+            row["note"] = ev["note"]
+        rows.append(row)
+    return rows
+
+
+def consistency(result: RunResult) -> dict[str, int]:
+    """Bitwise agreement of the members: at every step two or more devices recorded, their
+    state digests must be equal.
+
+    Returns:
+        ``{"steps_compared": N, "mismatches": M}``.
+    """
+    by_step: dict[int, set[str]] = {}
+    for recs in result.devices.values():
+        for r in recs:
+            if r.get("kind") == "step" and r.get("digest"):
+                by_step.setdefault(r["step"], set()).add(r["digest"])
+    counts: dict[int, int] = {}
+    for recs in result.devices.values():
+        for r in recs:
+            if r.get("kind") == "step":
+                counts[r["step"]] = counts.get(r["step"], 0) + 1
+    shared = [s for s, n in counts.items() if n >= 2]
+    return {"steps_compared": len(shared),
+            "mismatches": sum(1 for s in shared if len(by_step.get(s, ())) > 1)}

@@ -1,0 +1,447 @@
+"""Runs a :class:`~chaos.emulate.scenario.Scenario`: real devices on an emulated network.
+
+Each device is a real training process (:mod:`chaos.emulate.device`) with its embedded
+``chaos-daemon``, started inside its own network namespace. Links are veth pairs shaped with tc;
+new devices link to ``degree`` random running devices, as in the paper. Events are applied at
+their times; every device's step records, trainer events and daemon event log are collected,
+and :mod:`chaos.emulate.metrics` turns them into the BRIEF section 8 metrics.
+
+Without root, or with ``shaped=False``, the devices run on loopback with no shaping and every
+result is labelled ``"network": "loopback (unshaped)"``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+
+from chaos.emulate.netns import NetworkSetupError
+from chaos.emulate.network import LinkSpec, Network, NetworkConfig
+from chaos.emulate.scenario import Event, Scenario
+from chaos.emulate.schedule import BandwidthSchedule, ScheduleConfig, random_overlay
+from chaos.errors import ChaosTimeout
+
+log = logging.getLogger("chaos.emulate.runner")
+
+DAEMON_PORT = 7700
+READY_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 30.0
+DAEMON_ARGS = ("--heartbeat-interval", "0.5", "--failure-timeout", "1.5")
+
+
+class EmulationError(RuntimeError):
+    """A run could not go on: a device died unexpectedly or never became ready."""
+
+
+@dataclass
+class Device:
+    """One running device (its training process; the daemon is its child)."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    out: Path
+    daemon_dir: Path
+    address: str
+    started: float
+    gone: str | None = None
+
+    def records(self) -> list[dict[str, Any]]:
+        """The JSON lines it wrote so far."""
+        if not self.out.exists():
+            return []
+        recs = []
+        for line in self.out.read_text().splitlines():
+            if line.endswith("}"):
+                recs.append(json.loads(line))
+        return recs
+
+    def ready(self) -> dict[str, Any] | None:
+        return next((r for r in self.records() if r.get("kind") == "ready"), None)
+
+    def last_step(self) -> dict[str, Any] | None:
+        steps = [r for r in self.records() if r.get("kind") == "step"]
+        return steps[-1] if steps else None
+
+
+@dataclass
+class RunResult:
+    """What a run recorded; :mod:`chaos.emulate.metrics` derives the figures."""
+
+    scenario: Scenario
+    network: str
+    started: float
+    harness_events: list[dict[str, Any]] = field(default_factory=list)
+    devices: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    daemon_events: list[dict[str, Any]] = field(default_factory=list)
+    link_rates: dict[str, float] = field(default_factory=dict)
+
+
+class _Loopback:
+    """The unshaped stand-in for :class:`Network` (no root): every device on 127.0.0.1."""
+
+    def __init__(self, devices: tuple[str, ...]) -> None:
+        self._ports = {d: DAEMON_PORT + i for i, d in enumerate(devices)}
+        self._links: dict[tuple[str, str], LinkSpec] = {}
+
+    def address(self, node: str) -> str:
+        return "127.0.0.1"
+
+    def port(self, node: str) -> int:
+        return self._ports[node]
+
+    def links(self) -> dict[tuple[str, str], LinkSpec]:
+        return dict(self._links)
+
+    def add_link(self, a: str, b: str, bandwidth_bps: float) -> None:
+        self._links[tuple(sorted((a, b)))] = LinkSpec(a, b, bandwidth_bps)  # type: ignore[index]
+
+    def remove_link(self, a: str, b: str) -> None:
+        self._links.pop(tuple(sorted((a, b))), None)  # type: ignore[arg-type]
+
+    def cut_link(self, a: str, b: str) -> None:
+        raise EmulationError("link cut needs the shaped network (root); loopback cannot drop")
+
+    def popen(self, node: str, argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(argv, **kwargs)
+
+    def exec(self, node: str, argv: list[str], *, timeout_s: float, check: bool) -> Any:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
+                              check=check)  # fmt: skip
+
+
+class Runner:
+    """Runs one scenario; use as a context manager so every process and namespace goes away.
+
+    Args:
+        scenario: What to run.
+        out_dir: Where devices write their records and daemons their event logs.
+        shaped: Use network namespaces and tc (needs root); ``False``: unshaped loopback.
+        progress: Called with one line of text per notable happening.
+    """
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        out_dir: Path,
+        shaped: bool = True,
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
+        self.sc = scenario
+        self.out_dir = out_dir
+        self.shaped = shaped
+        self.progress = progress or (lambda _msg: None)
+        self.rng = random.Random(scenario.seed)
+        self.devices: dict[str, Device] = {}
+        self.result = RunResult(scenario, "tc-shaped netns" if shaped else "loopback (unshaped)",
+                                time.time())  # fmt: skip
+        self._net: Any = None
+        self._schedule: BandwidthSchedule | None = None
+        self._t0 = 0.0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> Runner:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        sc = self.sc
+        initial = [f"n{i}" for i in range(sc.nodes)]
+        overlay = [(f"n{int(a[1:])}", f"n{int(b[1:])}")
+                   for a, b in random_overlay(sc.nodes, sc.degree, sc.seed)]  # fmt: skip
+        lo, hi = (x * 1e6 for x in sc.bandwidth_mbps)
+        self._schedule = BandwidthSchedule(ScheduleConfig(lo, hi, sc.period_s, sc.scale, sc.seed))
+        rates = self._schedule.draw(sorted(overlay))
+        if self.shaped:
+            cfg = NetworkConfig(
+                nodes=sc.devices,
+                links=tuple(LinkSpec(a, b, bps) for (a, b), bps in rates.items()),
+                latency_s=sc.latency_s,
+            )
+            self._net = Network(cfg)
+            self._net.__enter__()
+        else:
+            self._net = _Loopback(sc.devices)
+            for (a, b), bps in rates.items():
+                self._net.add_link(a, b, bps)
+        del initial
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stops every device (SIGTERM: a graceful leave, then SIGKILL) and the network."""
+        if self._schedule is not None:
+            self._schedule.stop()
+        for d in self.devices.values():
+            if d.proc.poll() is None:
+                _signal_group(d.proc, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for d in self.devices.values():
+            try:
+                d.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(d.proc, signal.SIGKILL)
+                d.proc.wait(timeout=10)
+            _signal_group(d.proc, signal.SIGKILL)  # its daemon, if it outlived it
+        self._collect()
+        if self._net is not None and self.shaped:
+            self._net.close()
+            self._net = None
+
+    # ------------------------------------------------------------------ running
+
+    def run(self) -> RunResult:
+        """Starts the initial cluster, applies the timeline, and collects the records.
+
+        Raises:
+            EmulationError: a device failed to start or died unexpectedly.
+            NetworkSetupError: the network could not be built or changed.
+        """
+        sc = self.sc
+        links = self._net.links()
+        for i in range(sc.nodes):
+            name = f"n{i}"
+            nbrs = sorted({b if a == name else a for a, b in links if name in (a, b)}
+                          & {f"n{j}" for j in range(i)})  # fmt: skip
+            self._start_device(name, nbrs)
+            self._wait_ready(name)
+        self._t0 = time.monotonic()
+        self._mark("cluster_up", nodes=sc.nodes)
+        if self.shaped and self._schedule is not None:
+            self._schedule.start(self._net)
+        for ev in sorted(sc.events, key=lambda e: e.at_s):
+            delay = self._t0 + ev.at_s - time.monotonic()
+            if delay > 0:
+                self._watch(delay)
+            self._apply(ev)
+        self._watch(sc.settle_s)
+        self._mark("end")
+        return self.result
+
+    def _watch(self, duration_s: float) -> None:
+        """Waits ``duration_s`` while checking that no device died unexpectedly."""
+        deadline = time.monotonic() + duration_s
+        while True:
+            for d in self.devices.values():
+                code = d.proc.poll()
+                if code is not None and d.gone is None:
+                    raise EmulationError(f"device {d.name} exited with {code}:\n{_tail(d)}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(0.2, left))
+
+    def _mark(self, kind: str, **fields: Any) -> dict[str, Any]:
+        rec = {"t": time.time(), "kind": kind, **fields}
+        self.result.harness_events.append(rec)
+        return rec
+
+    # ------------------------------------------------------------------ devices
+
+    def _endpoint(self, name: str) -> str:
+        port = self._net.port(name) if not self.shaped else DAEMON_PORT
+        return f"tcp://{self._net.address(name)}:{port}"
+
+    def _start_device(self, name: str, neighbors: list[str], join: str | None = None) -> Device:
+        sc = self.sc
+        ddir = self.out_dir / "devices" / name
+        ddir.mkdir(parents=True, exist_ok=True)
+        out = ddir / "device.jsonl"
+        argv = [sys.executable, "-m", "chaos.emulate.device", "--id", name,
+                "--listen", self._endpoint(name), "--host", self._net.address(name),
+                "--model", sc.model, "--scale", str(sc.scale), "--out", str(out),
+                "--step-time", str(sc.step_time_s), "--daemon-dir", str(ddir)]  # fmt: skip
+        daemon_args = [*DAEMON_ARGS, "--replication-strategy", sc.strategy]
+        for n in neighbors:
+            daemon_args += ["--neighbor", n]
+        argv += [f"--daemon-arg={a}" for a in daemon_args]
+        if neighbors:
+            argv += ["--join", self._endpoint(join or neighbors[0])]
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        with open(ddir / "device.log", "ab") as logf:
+            proc = self._net.popen(name, argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=True)  # fmt: skip
+        dev = Device(name, proc, out, ddir, self._endpoint(name), time.time())
+        self.devices[name] = dev
+        via = f" (links to {', '.join(neighbors)})" if neighbors else ""
+        self.progress(f"start {name}{via}")
+        return dev
+
+    def _wait_ready(self, name: str) -> dict[str, Any]:
+        d = self.devices[name]
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            rec = d.ready()
+            if rec is not None:
+                return rec
+            if d.proc.poll() is not None:
+                raise EmulationError(f"device {name} exited with {d.proc.returncode}:\n{_tail(d)}")
+            time.sleep(0.1)
+        raise ChaosTimeout(f"device {name} not ready after {READY_TIMEOUT_S} s:\n{_tail(d)}")
+
+    def running(self) -> list[str]:
+        """Devices that are up and not asked to go."""
+        return [n for n, d in self.devices.items() if d.gone is None and d.proc.poll() is None]
+
+    # ------------------------------------------------------------------ events
+
+    def _apply(self, ev: Event) -> None:
+        handler = {
+            "join": self._join,
+            "leave": self._leave,
+            "kill": self._kill,
+            "link_add": self._link_add,
+            "link_remove": self._link_remove,
+            "link_cut": self._link_cut,
+        }[ev.kind]
+        rec = self._mark(ev.kind, label=ev.label())
+        handler(ev, rec)
+        self.progress(f"{rec['kind']:<12} {rec.get('label', '')} {rec.get('note', '')}".rstrip())
+
+    def _join(self, ev: Event, rec: dict[str, Any]) -> None:
+        name = str(ev.node)
+        live = self.running()
+        nbrs = sorted(self.rng.sample(live, min(self.sc.degree, len(live))))
+        for n in nbrs:
+            self._net.add_link(name, n, self._rate())
+        rec.update(node=name, neighbors=nbrs, label=f"join {name}")
+        self._start_device(name, nbrs)
+        ready = self._wait_ready(name)
+        rec["ready_t"] = ready["t"]
+
+    def _pick_node(self, ev: Event) -> str:
+        """The event's node, or a running device whose loss keeps the overlay connected."""
+        if ev.node is not None:
+            return ev.node
+        live = sorted(self.running())
+        g = nx.Graph(list(self._net.links()))
+        g.add_nodes_from(live)
+        g = g.subgraph(live).copy()
+        cands = [n for n in live[1:] if nx.is_connected(g.subgraph(set(live) - {n}))]
+        if not cands:
+            raise EmulationError(f"no device can go without splitting the overlay: {live}")
+        return str(self.rng.choice(cands))
+
+    def _leave(self, ev: Event, rec: dict[str, Any]) -> None:
+        d = self.devices[self._pick_node(ev)]
+        rec["label"] = f"leave {d.name}"
+        d.gone = "leave"
+        d.out.with_suffix(".leave").touch()
+        rec["node"] = d.name
+        try:
+            d.proc.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:
+            raise EmulationError(f"{d.name} did not leave within {STOP_TIMEOUT_S} s") from exc
+        rec["done_t"] = time.time()
+        self._drop_links(d.name)
+
+    def _kill(self, ev: Event, rec: dict[str, Any]) -> None:
+        d = self.devices[self._pick_node(ev)]
+        rec["label"] = f"kill {d.name}"
+        d.gone = "kill"
+        rec["node"] = d.name
+        rec["t"] = time.time()
+        _signal_group(d.proc, signal.SIGKILL)  # the trainer and its daemon: the device dies
+        d.proc.wait(timeout=10)
+
+    def _drop_links(self, node: str) -> None:
+        for a, b in list(self._net.links()):
+            if node in (a, b):
+                self._net.remove_link(a, b)
+
+    def _pick_link(self, ev: Event, existing: bool) -> tuple[str, str]:
+        if ev.a is not None and ev.b is not None:
+            return ev.a, ev.b
+        live = sorted(self.running())
+        g = nx.Graph(list(self._net.links()))
+        g.add_nodes_from(live)
+        g = g.subgraph(live).copy()
+        if existing:
+            bridges = {tuple(sorted(e)) for e in nx.bridges(g)}
+            cands = [e for e in sorted(g.edges) if tuple(sorted(e)) not in bridges]
+        else:
+            cands = [(a, b) for i, a in enumerate(live) for b in live[i + 1 :]
+                     if not g.has_edge(a, b)]  # fmt: skip
+        if not cands:
+            raise EmulationError(f"no link to pick for {ev.kind} among {live}")
+        a, b = self.rng.choice(cands)
+        return str(a), str(b)
+
+    def _daemon_cli(self, node: str, *args: str) -> tuple[int, float, str]:
+        argv = [sys.executable, "-m", "chaos.daemon.cli", *args, "--connect", self._endpoint(node)]
+        t0 = time.monotonic()
+        res = self._net.exec(node, argv, timeout_s=60.0, check=False)
+        return res.returncode, time.monotonic() - t0, (res.stderr or "")[-300:]
+
+    def _link_add(self, ev: Event, rec: dict[str, Any]) -> None:
+        a, b = self._pick_link(ev, existing=False)
+        self._net.add_link(a, b, self._rate())
+        code, took, err = self._daemon_cli(a, "link", "add", b)
+        rec.update(a=a, b=b, label=f"link_add {a}-{b}", rc=code, cli_s=took)
+        if code != 0:
+            rec["note"] = f"refused: {err.strip()}"
+
+    def _link_remove(self, ev: Event, rec: dict[str, Any]) -> None:
+        a, b = self._pick_link(ev, existing=True)
+        code, took, err = self._daemon_cli(a, "link", "remove", b)
+        rec.update(a=a, b=b, label=f"link_remove {a}-{b}", rc=code, cli_s=took)
+        self._net.remove_link(a, b)
+        if code != 0:
+            rec["note"] = f"refused: {err.strip()}"
+
+    def _link_cut(self, ev: Event, rec: dict[str, Any]) -> None:
+        a, b = self._pick_link(ev, existing=True)
+        rec.update(a=a, b=b, label=f"link_cut {a}-{b}", t=time.time())
+        self._net.cut_link(a, b)
+
+    def _rate(self) -> float:
+        sched = self._schedule
+        if sched is None:
+            raise EmulationError("the runner is not entered")
+        return next(iter(sched.draw([("x", "y")]).values()))
+
+    # ------------------------------------------------------------------ collection
+
+    def _collect(self) -> None:
+        res = self.result
+        for name, d in self.devices.items():
+            res.devices[name] = d.records()
+            log_path = d.daemon_dir / f"events-{name}.jsonl"
+            if log_path.exists():
+                for line in log_path.read_text().splitlines():
+                    try:
+                        res.daemon_events.append({"node": name, **json.loads(line)})
+                    except json.JSONDecodeError:
+                        continue  # a line cut short by kill -9
+        if self._net is not None:
+            links = self._net.links().items()
+            res.link_rates = {f"{a}-{b}": s.bandwidth_bps for (a, b), s in links}
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _tail(d: Device) -> str:
+    path = d.daemon_dir / "device.log"
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-15:])
+    except OSError:
+        return ""
+
+
+__all__ = ["Device", "EmulationError", "NetworkSetupError", "RunResult", "Runner"]
