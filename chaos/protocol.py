@@ -54,6 +54,8 @@ Endpoint = Annotated[
 """A trainer's data-plane endpoint (allreduce or shard server): ``tcp://HOST:PORT`` or
 ``ipc://PATH``."""
 OpId = Annotated[str, msgspec.Meta(max_length=64)]
+StateDigest = Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[0-9a-f]*$")]
+"""Hex SHA-256 of a restored training state (stop-resume); empty: not a restored state."""
 Detail = Annotated[str, msgspec.Meta(max_length=1024)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
@@ -326,6 +328,7 @@ class TrainerInfo(_Base, frozen=True, tag="trainer_info"):
     has_state: bool
     tensor_sizes: TensorSizes | None = None
     op_id: OpId = ""
+    state_digest: StateDigest = ""
 
 
 class ClusterUpdate(_Base, frozen=True, tag="cluster_update"):
@@ -464,7 +467,9 @@ class TrainerRegister(_Base, frozen=True, tag="trainer_register"):
 
     ``has_state``: the trainer holds a live training state (the first trainer, or a
     re-registration with new ``tensor_sizes``); ``False``: it must receive the state by
-    replication. The daemon answers with an :class:`OpResult` (``epoch``: the epoch whose policy
+    replication. ``state_digest``: set by trainers restored from one checkpoint (stop-resume);
+    a restored trainer whose digest equals the first trainer's joins without replication.
+    The daemon answers with an :class:`OpResult` (``epoch``: the epoch whose policy
     includes the trainer).
     """
 
@@ -474,6 +479,7 @@ class TrainerRegister(_Base, frozen=True, tag="trainer_register"):
     shard_address: Endpoint
     has_state: bool
     tensor_sizes: TensorSizes | None = None
+    state_digest: StateDigest = ""
     op_id: OpId = ""
 
 

@@ -22,6 +22,7 @@ every step boundary and, while it waits in an allreduce, every ``poll_interval_s
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import signal
 import socket
@@ -76,6 +77,11 @@ class TrainerConfig:
         daemon_dir: The embedded daemon's run directory (IPC socket, event log); default: a
             fresh temporary directory.
         pull_window: Outstanding shard requests per donor while joining.
+        restored: The model and optimizer were loaded from a checkpoint that every member
+            restores (the stop-resume baseline): the trainer joins with that state instead of
+            pulling one; the scheduler admits it only if its state digest equals the first
+            trainer's. Such members should not step until all of them are in (see
+            :meth:`Trainer.wait_world`).
 
     Raises:
         ConfigError: a non-positive timeout or interval.
@@ -92,6 +98,7 @@ class TrainerConfig:
     daemon_args: tuple[str, ...] = ()
     daemon_dir: str | None = None
     pull_window: int = 8
+    restored: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -284,6 +291,9 @@ class Trainer:
     # ------------------------------------------------------------------ joining
 
     def _register_and_sync(self, joining: bool, t0: float) -> None:
+        restored = self.config.restored
+        if restored:
+            joining = False
         sizes = None if joining else self._capture(0).tensor_sizes()
         self._layout = sizes
         self._client.register_trainer(
@@ -292,6 +302,7 @@ class Trainer:
             has_state=not joining,
             tensor_sizes=sizes,
             timeout_s=self.config.join_timeout_s,
+            state_digest=self._restored_digest() if restored else "",
         )
         policy = self._wait_policy(
             lambda p: self.node_id in p.members and p.topology is not None,
@@ -306,6 +317,33 @@ class Trainer:
         self._client.trainer_event(
             "ready", elapsed, f"epoch {self._epoch} step {self._step}", timeout_s=5.0
         )
+
+    def _restored_digest(self) -> str:
+        """SHA-256 over the model's and optimizer's tensors (not the per-device RNG)."""
+        h = hashlib.sha256()
+        for name, t in self.model.state_dict().items():
+            h.update(name.encode())
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        for p in self._params:
+            for key, v in sorted(self.optimizer.state.get(p, {}).items()):
+                if isinstance(v, torch.Tensor):
+                    h.update(key.encode())
+                    h.update(v.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    def wait_world(self, size: int, timeout_s: float) -> None:
+        """Blocks until the sync policy holds at least ``size`` members (stop-resume restarts).
+
+        Raises:
+            ChaosTimeout: fewer members after ``timeout_s``.
+        """
+        policy = self._wait_policy(
+            lambda p: len(p.members) >= size and p.topology is not None,
+            timeout_s,
+            f"{size} members",
+        )
+        if policy.epoch > self._epoch:
+            self._install(policy)
 
     def _pull(self, policy: _Policy) -> None:
         rep = policy.replication

@@ -149,6 +149,7 @@ class DaemonClient:
         has_state: bool,
         tensor_sizes: list[int] | None = None,
         timeout_s: float | None = None,
+        state_digest: str = "",
     ) -> OpResult:
         """Registers this node's training process with the scheduler (through the daemon).
 
@@ -159,6 +160,9 @@ class DaemonClient:
             tensor_sizes: The byte size of every state tensor, in stream order (with
                 ``has_state``; ``None``: not known yet, re-register when it is).
             timeout_s: Wait at most this long (default: the client's timeout).
+            state_digest: Hex SHA-256 of a state restored from a checkpoint (stop-resume):
+                with ``has_state``, a trainer whose digest equals the first trainer's joins
+                a training cluster without replication.
 
         Returns:
             The scheduler's result; ``epoch`` is the epoch whose policy includes this trainer.
@@ -173,6 +177,7 @@ class DaemonClient:
             shard_address=shard_address,
             has_state=has_state,
             tensor_sizes=None if tensor_sizes is None else list(tensor_sizes),
+            state_digest=state_digest,
         )
         return _checked(self.op(msg, timeout_s))
 

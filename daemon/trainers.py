@@ -51,6 +51,7 @@ class TrainerRegistry:
     def __init__(self, neg: Negotiator) -> None:
         self.neg = neg
         self.layout: list[int] | None = None
+        self.state_digest = ""  # the first trainer's restored-state digest (stop-resume)
         self.registered_at: dict[str, float] = {}
         self.pending: dict[str, ReplicationWire] = {}
 
@@ -65,7 +66,8 @@ class TrainerRegistry:
         cur = mon.trainer(n)
         training = [m for m in mon.trainer_members((TrainerState.TRAINING,)) if m != n]
         if msg.has_state:
-            if cur != TrainerState.TRAINING and training:
+            restored = bool(msg.state_digest) and msg.state_digest == self.state_digest
+            if cur != TrainerState.TRAINING and training and not restored:
                 self._answer(
                     reply,
                     msg.op_id,
@@ -113,6 +115,9 @@ class TrainerRegistry:
         )
         if msg.tensor_sizes is not None:
             self.layout = list(msg.tensor_sizes)
+        others = [m for m in mon.trainer_members((TrainerState.TRAINING,)) if m != n]
+        if not others:  # the first trainer: a restored cluster's members must match its state
+            self.state_digest = msg.state_digest
         self.registered_at.pop(n, None)
         self.pending.pop(n, None)
         self._registered(n, "training", msg, reply)
@@ -286,6 +291,7 @@ class TrainerRelay:
             has_state=msg.has_state,
             tensor_sizes=msg.tensor_sizes,
             op_id=op_id,
+            state_digest=msg.state_digest,
         )
         self.host.relay(reply, info, op_id)
 

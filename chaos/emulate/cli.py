@@ -322,3 +322,13 @@ def cleanup_command(prefix: str, force: bool) -> None:
 
 if __name__ == "__main__":  # pragma: no cover
     main()
+
+
+def _register_run_commands() -> None:
+    from chaos.emulate.commands import compare_command, demo_command, run_command
+
+    for cmd in (demo_command, run_command, compare_command):
+        main.add_command(cmd)
+
+
+_register_run_commands()

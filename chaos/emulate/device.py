@@ -109,6 +109,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--daemon-dir", default=None)
     ap.add_argument("--daemon-arg", action="append", default=[])
     ap.add_argument("--resume", type=Path, default=None, help="stop-resume checkpoint to load")
+    ap.add_argument("--wait-world", type=int, default=0, help="with --resume: members to await")
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
@@ -142,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         step_timeout_s=60.0,
         policy_timeout_s=30.0,
         join_timeout_s=300.0,
+        restored=args.resume is not None,
     )
+    if args.resume is not None:
+        trainer.load_state_dict(state)  # the checkpoint's step and RNG
+        trainer.wait_world(max(1, args.wait_world), 300.0)
     leave_flag = args.out.with_suffix(".leave")
     ckpt_flag = args.out.with_suffix(".checkpoint")
     with args.out.open("a") as out:

@@ -144,6 +144,7 @@ class Runner:
         self.progress = progress or (lambda _msg: None)
         self.rng = random.Random(scenario.seed)
         self.devices: dict[str, Device] = {}
+        self.retired: list[Device] = []  # earlier incarnations (stop-resume restarts)
         self.result = RunResult(scenario, "tc-shaped netns" if shaped else "loopback (unshaped)",
                                 time.time())  # fmt: skip
         self._net: Any = None
@@ -209,27 +210,35 @@ class Runner:
             NetworkSetupError: the network could not be built or changed.
         """
         sc = self.sc
+        self.start_cluster()
+        for ev in sorted(sc.events, key=lambda e: e.at_s):
+            delay = self._t0 + ev.at_s - time.monotonic()
+            if delay > 0:
+                self.watch(delay)
+            self.apply(ev)
+        self.watch(sc.settle_s)
+        self._mark("end")
+        return self.result
+
+    def start_cluster(self) -> None:
+        """Starts the initial devices one by one (each joins through its earlier neighbours).
+
+        Raises:
+            EmulationError: a device failed to start.
+        """
         links = self._net.links()
-        for i in range(sc.nodes):
+        for i in range(self.sc.nodes):
             name = f"n{i}"
             nbrs = sorted({b if a == name else a for a, b in links if name in (a, b)}
                           & {f"n{j}" for j in range(i)})  # fmt: skip
             self._start_device(name, nbrs)
             self._wait_ready(name)
         self._t0 = time.monotonic()
-        self._mark("cluster_up", nodes=sc.nodes)
+        self._mark("cluster_up", nodes=self.sc.nodes)
         if self.shaped and self._schedule is not None:
             self._schedule.start(self._net)
-        for ev in sorted(sc.events, key=lambda e: e.at_s):
-            delay = self._t0 + ev.at_s - time.monotonic()
-            if delay > 0:
-                self._watch(delay)
-            self._apply(ev)
-        self._watch(sc.settle_s)
-        self._mark("end")
-        return self.result
 
-    def _watch(self, duration_s: float) -> None:
+    def watch(self, duration_s: float) -> None:
         """Waits ``duration_s`` while checking that no device died unexpectedly."""
         deadline = time.monotonic() + duration_s
         while True:
@@ -253,9 +262,19 @@ class Runner:
         port = self._net.port(name) if not self.shaped else DAEMON_PORT
         return f"tcp://{self._net.address(name)}:{port}"
 
-    def _start_device(self, name: str, neighbors: list[str], join: str | None = None) -> Device:
+    def _start_device(
+        self,
+        name: str,
+        neighbors: list[str],
+        join: str | None = None,
+        resume: tuple[Path, int] | None = None,
+    ) -> Device:
         sc = self.sc
-        ddir = self.out_dir / "devices" / name
+        old = self.devices.get(name)
+        if old is not None:
+            self.retired.append(old)
+        incarnation = sum(1 for d in self.retired if d.name == name)
+        ddir = self.out_dir / "devices" / (name if not incarnation else f"{name}.{incarnation}")
         ddir.mkdir(parents=True, exist_ok=True)
         out = ddir / "device.jsonl"
         argv = [sys.executable, "-m", "chaos.emulate.device", "--id", name,
@@ -268,6 +287,8 @@ class Runner:
         argv += [f"--daemon-arg={a}" for a in daemon_args]
         if neighbors:
             argv += ["--join", self._endpoint(join or neighbors[0])]
+        if resume is not None:
+            argv += ["--resume", str(resume[0]), "--wait-world", str(resume[1])]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         with open(ddir / "device.log", "ab") as logf:
             proc = self._net.popen(name, argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
@@ -295,6 +316,10 @@ class Runner:
         return [n for n, d in self.devices.items() if d.gone is None and d.proc.poll() is None]
 
     # ------------------------------------------------------------------ events
+
+    def apply(self, ev: Event) -> None:
+        """Applies one event now (a join returns once the joiner is ready)."""
+        self._apply(ev)
 
     def _apply(self, ev: Event) -> None:
         handler = {
@@ -354,6 +379,70 @@ class Runner:
         rec["t"] = time.time()
         _signal_group(d.proc, signal.SIGKILL)  # the trainer and its daemon: the device dies
         d.proc.wait(timeout=10)
+
+    def stop_resume_join(self, name: str) -> dict[str, Any]:
+        """The stop-resume baseline (Pollux): to add ``name``, every device checkpoints and
+        stops, then all of them and the new one restart from that checkpoint.
+
+        The checkpoint is written to and read from the local disk (standing in for the shared
+        storage such systems use; the restarted devices do not fetch it over the emulated
+        links, which favours this baseline).
+
+        Returns:
+            The harness event, with ``scale_out_s`` (request to every device stepping together
+            again), ``replication_s`` (checkpoint save), ``idle_s`` and ``state_bytes``.
+
+        Raises:
+            EmulationError: a device did not checkpoint or restart.
+        """
+        rec = self._mark("stop_resume_join", node=name, label=f"stop-resume join {name}")
+        before = sorted(self.running())
+        live = {n: self.devices[n] for n in before}
+        for d in live.values():
+            d.out.with_suffix(".checkpoint").touch()
+        for d in live.values():
+            try:
+                d.proc.wait(timeout=STOP_TIMEOUT_S * 4)
+            except subprocess.TimeoutExpired as exc:
+                raise EmulationError(f"{d.name} did not checkpoint in time") from exc
+            d.gone = "restart"
+        saved = time.time()
+        ckpt = live[before[0]].out.with_suffix(".pt")
+        if not ckpt.exists():
+            raise EmulationError(f"no checkpoint written by {before[0]}:\n{_tail(live[before[0]])}")
+        nbrs = sorted(self.rng.sample(before, min(self.sc.degree, len(before))))
+        for n in nbrs:
+            self._net.add_link(name, n, self._rate())
+        members = [*before, name]
+        links = self._net.links()
+        for i, node in enumerate(members):
+            earlier = set(members[:i])
+            mine = sorted({b if a == node else a for a, b in links if node in (a, b)} & earlier)
+            self._start_device(node, mine, resume=(ckpt, len(members)))
+        for node in members:
+            self._wait_ready(node)
+        done = self._wait_world(members, len(members))
+        rec.update(neighbors=nbrs, saved_t=saved, done_t=done, scale_out_s=done - rec["t"],
+                   replication_s=saved - rec["t"], idle_s=len(before) * (done - rec["t"]),
+                   state_bytes=ckpt.stat().st_size)  # fmt: skip
+        self.progress(f"stop-resume  join {name}: {rec['scale_out_s']:.2f} s")
+        return rec
+
+    def _wait_world(self, members: list[str], size: int) -> float:
+        """When every member first recorded a step with ``size`` members (the latest of them)."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            firsts = []
+            for n in members:
+                recs = [r for r in self.devices[n].records()
+                        if r.get("kind") == "step" and r["world"] >= size]  # fmt: skip
+                if not recs:
+                    break
+                firsts.append(recs[0]["t"])
+            else:
+                return max(firsts)
+            self.watch(0.2)
+        raise ChaosTimeout(f"{members} did not all step together within {READY_TIMEOUT_S} s")
 
     def _drop_links(self, node: str) -> None:
         for a, b in list(self._net.links()):
@@ -415,8 +504,12 @@ class Runner:
 
     def _collect(self) -> None:
         res = self.result
+        for d in self.retired:
+            res.devices[f"{d.name}.{d.out.parent.name}"] = d.records()
         for name, d in self.devices.items():
             res.devices[name] = d.records()
+        for d in [*self.retired, *self.devices.values()]:
+            name = d.name
             log_path = d.daemon_dir / f"events-{name}.jsonl"
             if log_path.exists():
                 for line in log_path.read_text().splitlines():

@@ -1,0 +1,293 @@
+"""``chaos-emulate demo``, ``run`` and ``compare``: real clusters on the emulated network.
+
+Every device is a real ``chaos-daemon`` plus a real training process in its own namespace
+(:mod:`chaos.emulate.runner`). Progress goes to stderr, tables to stdout; JSON and PNG plots go
+where the options say. Without root the commands refuse, unless ``--loopback`` asks for the
+unshaped loopback mode, which every output then labels as such.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import click
+
+from chaos.emulate.metrics import consistency, summarize
+from chaos.emulate.runner import EmulationError, Runner, RunResult
+from chaos.emulate.scenario import Event, Scenario, demo_scenario, load_scenario
+from chaos.errors import ChaosError, ConfigError
+
+COMPARE_STRATEGIES = ("stop-resume", "single-source", "multi-source", "chaos")
+_DAEMON_STRATEGY = {"single-source": "single-source", "multi-source": "multi-source",
+                    "chaos": "chaos", "even": "even", "stop-resume": "chaos"}  # fmt: skip
+
+
+def _progress_printer() -> Any:
+    t0 = time.monotonic()
+
+    def progress(msg: str) -> None:
+        click.echo(f"[{time.monotonic() - t0:7.1f}s] {msg}", err=True)
+
+    return progress
+
+
+def _shaped(loopback: bool) -> bool:
+    if loopback:
+        click.echo("note: loopback mode: no namespaces, no shaping; results are labelled "
+                   "'loopback (unshaped)'", err=True)  # fmt: skip
+        return False
+    if os.geteuid() != 0:
+        click.echo("error: the emulated network needs root (network namespaces and tc); run as "
+                   "root, or pass --loopback for the unshaped loopback mode", err=True)  # fmt: skip
+        sys.exit(2)
+    return True
+
+
+def _fmt(v: Any, unit: str = "s") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v * 1000:.1f} ms" if unit == "ms" else f"{v:.3f} {unit}"
+    return str(v)
+
+
+def print_event_table(rows: list[dict[str, Any]]) -> None:
+    """The summary table of a run's events and their delays."""
+    click.echo(f"{'event':<24}{'delay':>14}{'replication':>14}{'lower bound':>14}"
+               f"{'idle (sum)':>12}{'control':>12}")  # fmt: skip
+    for r in rows:
+        delay = r.get("scale_out_s", r.get("detection_s", r.get("stall_s")))
+        unit = "ms" if "stall_s" in r else "s"
+        click.echo(f"{r['event']:<24}{_fmt(delay, unit):>14}{_fmt(r.get('replication_s')):>14}"
+                   f"{_fmt(r.get('lower_bound_s')):>14}{_fmt(r.get('idle_s')):>12}"
+                   f"{_fmt(r.get('control_s'), 'ms'):>12}")  # fmt: skip
+    click.echo("delay: scale-out (join), failure detection (kill), or the stall added to the "
+               "training step (leave, link events); see docs/emulation.md")  # fmt: skip
+
+
+def result_doc(result: RunResult, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON document of a run: every event and metric."""
+    sc = asdict(result.scenario)
+    return {
+        "scenario": sc,
+        "network": result.network,
+        "note": "devices replicate a state of the model's size; only a small head trains",
+        "metrics": rows,
+        "consistency": consistency(result),
+        "harness_events": result.harness_events,
+        "daemon_events": result.daemon_events,
+        "devices": result.devices,
+        "link_rates_bps": result.link_rates,
+    }
+
+
+def _write(path: Path, doc: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    click.echo(f"wrote {path}", err=True)
+
+
+def _run_scenario(sc: Scenario, out: Path, shaped: bool) -> tuple[RunResult, list[dict[str, Any]]]:
+    try:
+        with Runner(sc, out / "run", shaped=shaped, progress=_progress_printer()) as runner:
+            runner.run()
+        result = runner.result
+    except (EmulationError, ChaosError, OSError) as exc:
+        raise click.ClickException(f"the run failed: {exc}") from exc
+    return result, summarize(result)
+
+
+@click.command("demo")
+@click.option("--nodes", type=click.IntRange(4, 12), default=6, show_default=True)
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("out/demo"), show_default=True)  # fmt: skip
+@click.option("--model", default="synthetic:64", show_default=True)
+@click.option("--scale", type=float, default=0.05, show_default=True,
+              help="Shrinks bandwidths and the state together.")  # fmt: skip
+@click.option("--loopback", is_flag=True, help="Unshaped loopback mode (no root needed).")
+def demo_command(nodes: int, out_dir: Path, model: str, scale: float, loopback: bool) -> None:
+    """A small cluster through a join, a leave, a kill -9, a link add and a link cut."""
+    shaped = _shaped(loopback)
+    try:
+        sc = demo_scenario(nodes, scale, model)
+        if not shaped:
+            sc = replace(sc, events=tuple(e for e in sc.events if e.kind != "link_cut"))
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    result, rows = _run_scenario(sc, out_dir, shaped)
+    print_event_table(rows)
+    click.echo(f"members bitwise equal: {consistency(result)}  network: {result.network}")
+    _write(out_dir / "demo.json", result_doc(result, rows))
+    from chaos.emulate.plots import plot_timeline
+
+    plot_timeline(result, out_dir / "demo.png")
+    click.echo(f"wrote {out_dir / 'demo.png'}", err=True)
+
+
+@click.command("run")
+@click.argument("scenario_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              required=True)  # fmt: skip
+@click.option("--loopback", is_flag=True, help="Unshaped loopback mode (no root needed).")
+def run_command(scenario_file: Path, json_path: Path, loopback: bool) -> None:
+    """Runs a scenario TOML file; records every event and metric to --json."""
+    try:
+        sc = load_scenario(scenario_file)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="SCENARIO_FILE") from exc
+    shaped = _shaped(loopback)
+    result, rows = _run_scenario(sc, json_path.parent / f"{json_path.stem}-run", shaped)
+    print_event_table(rows)
+    _write(json_path, result_doc(result, rows))
+
+
+def _parse_sizes(text: str) -> tuple[int, int]:
+    try:
+        lo, _, hi = text.partition("-")
+        a, b = int(lo), int(hi or lo)
+    except ValueError as exc:
+        raise click.BadParameter(f"{text!r}: expected N-M, e.g. 6-12") from exc
+    if not 2 <= a < b <= 16:
+        raise click.BadParameter(f"{text!r}: need 2 <= N < M <= 16")
+    return a, b
+
+
+def compare_runs(
+    strategy: str, lo: int, hi: int, base: Scenario, out: Path, shaped: bool, repeat: int
+) -> list[dict[str, Any]]:
+    """Grows one cluster from ``lo`` to ``hi`` nodes under ``strategy``; one row per join."""
+    sc = replace(base, nodes=lo, strategy=_DAEMON_STRATEGY[strategy], events=(),
+                 seed=base.seed + repeat)  # fmt: skip
+    rows = []
+    with Runner(sc, out, shaped=shaped, progress=_progress_printer()) as runner:
+        runner.start_cluster()
+        for size in range(lo, hi):
+            runner.watch(base.settle_s)
+            name = f"n{size}"
+            if strategy == "stop-resume":
+                rec = runner.stop_resume_join(name)
+                rows.append({"from_nodes": size, "to_nodes": size + 1, **rec})
+            else:
+                runner.apply(Event(at_s=0.0, kind="join", node=name))
+                rows.append({"from_nodes": size, "to_nodes": size + 1, "node": name})
+        runner.watch(base.settle_s)
+    if strategy != "stop-resume":
+        joins = {r["node"]: r for r in summarize(runner.result) if r["kind"] == "join"}
+        rows = [{**r, **joins.get(r["node"], {})} for r in rows]
+    out_rows = []
+    for r in rows:
+        out_rows.append({
+            "strategy": strategy, "from_nodes": r["from_nodes"], "to_nodes": r["to_nodes"],
+            "model": base.model, "state_bytes": r.get("state_bytes"),
+            "scale_out_s": r.get("scale_out_s"), "replication_s": r.get("replication_s"),
+            "lower_bound_s": r.get("lower_bound_s"), "idle_s": r.get("idle_s"),
+            "repeat": repeat, "donors": r.get("donors"), "network": runner.result.network,
+        })  # fmt: skip
+    return out_rows
+
+
+@click.command("compare")
+@click.option("--sizes", default="6-12", show_default=True, help="Grow from N to M nodes.")
+@click.option("--model", default="resnet101", show_default=True)
+@click.option("--strategies", default=",".join(COMPARE_STRATEGIES), show_default=True)
+@click.option("--bandwidth", default="100-1000", show_default=True, help="Mbit/s range.")
+@click.option("--scale", type=float, default=0.02, show_default=True)
+@click.option("--repeats", type=click.IntRange(1, 20), default=1, show_default=True)
+@click.option("--settle", type=float, default=2.0, show_default=True,
+              help="Seconds of training between joins.")  # fmt: skip
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              required=True)  # fmt: skip
+@click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--loopback", is_flag=True, help="Unshaped loopback mode (no root needed).")
+def compare_command(sizes: str, model: str, strategies: str, bandwidth: str, scale: float,
+                    repeats: int, settle: float, json_path: Path, plot_dir: Path | None,
+                    loopback: bool) -> None:  # fmt: skip
+    """Scale-out under each strategy as the cluster grows (the paper's Figs. 7, 10 and 15)."""
+    lo, hi = _parse_sizes(sizes)
+    chosen = [s.strip() for s in strategies.split(",") if s.strip()]
+    bad = [s for s in chosen if s not in _DAEMON_STRATEGY]
+    if bad or not chosen:
+        raise click.BadParameter(f"unknown strategies {bad}; pick from {list(_DAEMON_STRATEGY)}")
+    low, _, high = bandwidth.partition("-")
+    try:
+        base = Scenario(name="compare", nodes=lo, model=model, scale=scale, settle_s=settle,
+                        bandwidth_mbps=(float(low), float(high or low)))  # fmt: skip
+    except (ConfigError, ValueError) as exc:
+        raise click.BadParameter(str(exc)) from exc
+    shaped = _shaped(loopback)
+    runs: list[dict[str, Any]] = []
+    for rep in range(repeats):
+        for strategy in chosen:
+            click.echo(f"== {strategy}, repeat {rep + 1}/{repeats}", err=True)
+            out = json_path.parent / f"{json_path.stem}-runs" / f"{strategy}-{rep}"
+            try:
+                runs += compare_runs(strategy, lo, hi, base, out, shaped, rep)
+            except (EmulationError, ChaosError, OSError) as exc:
+                raise click.ClickException(f"{strategy} run failed: {exc}") from exc
+            _write(json_path, {"runs": runs, "scale": scale, "sizes": [lo, hi]})
+    summary = compare_summary(runs)
+    print_compare_table(summary)
+    _write(json_path, {"runs": runs, "summary": summary, "scale": scale, "sizes": [lo, hi],
+                       "network": runs[0]["network"] if runs else None})  # fmt: skip
+    if plot_dir is not None:
+        from chaos.emulate.plots import plot_compare
+
+        for path in plot_compare(runs, plot_dir):
+            click.echo(f"wrote {path}", err=True)
+
+
+def _median(xs: list[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+def compare_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over repeats per strategy and size, and the issue's headline ratios."""
+    table: dict[str, dict[str, dict[str, float | None]]] = {}
+    for r in runs:
+        key = f"{r['from_nodes']}->{r['to_nodes']}"
+        table.setdefault(r["strategy"], {}).setdefault(key, {})
+    for strategy, per in table.items():
+        for key in per:
+            rs = [r for r in runs
+                  if r["strategy"] == strategy and f"{r['from_nodes']}->{r['to_nodes']}" == key]
+            per[key] = {m: _median([r[m] for r in rs])
+                        for m in ("scale_out_s", "replication_s", "lower_bound_s", "idle_s")}
+    out: dict[str, Any] = {"median": table}
+    chaos = table.get("chaos", {})
+    ratios: dict[str, Any] = {}
+    for other in ("stop-resume", "single-source", "multi-source"):
+        if other in table:
+            ratios[f"{other}/chaos"] = {
+                k: (table[other][k]["scale_out_s"] or 0) / v["scale_out_s"]
+                for k, v in chaos.items() if v["scale_out_s"] and k in table[other]
+            }  # fmt: skip
+    gaps = [v["replication_s"] / v["lower_bound_s"] - 1 for v in chaos.values()
+            if v["replication_s"] and v["lower_bound_s"]]  # fmt: skip
+    ratios["chaos_replication_over_lower_bound_median"] = (
+        statistics.median(gaps) if gaps else None)
+    out["ratios"] = ratios
+    return out
+
+
+def print_compare_table(summary: dict[str, Any]) -> None:
+    """Scale-out delay per strategy and size (medians over repeats)."""
+    table = summary["median"]
+    keys = sorted({k for per in table.values() for k in per}, key=lambda k: int(k.split("-")[0]))
+    click.echo(f"{'scale-out (s)':<16}" + "".join(f"{k:>10}" for k in keys))
+    for strategy, per in table.items():
+        cells = "".join(f"{_fmt(per.get(k, {}).get('scale_out_s'), ''):>10}" for k in keys)
+        click.echo(f"{strategy:<16}{cells}")
+    if "chaos" in table:
+        click.echo(f"{'chaos repl.':<16}" + "".join(
+            f"{_fmt(table['chaos'].get(k, {}).get('replication_s'), ''):>10}" for k in keys))
+        click.echo(f"{'lower bound':<16}" + "".join(
+            f"{_fmt(table['chaos'].get(k, {}).get('lower_bound_s'), ''):>10}" for k in keys))
+    click.echo(json.dumps(summary["ratios"], indent=1))

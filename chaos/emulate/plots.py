@@ -1,0 +1,90 @@
+"""PNG plots of emulation runs, in the style of the paper's figures (matplotlib, Agg)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from chaos.emulate.runner import RunResult  # noqa: E402
+
+_STYLE = {"stop-resume": ("tab:red", "s"), "single-source": ("tab:orange", "^"),
+          "multi-source": ("tab:purple", "v"), "even": ("tab:green", "D"),
+          "chaos": ("tab:blue", "o")}  # fmt: skip
+
+
+def plot_timeline(result: RunResult, path: Path) -> None:
+    """Each device's step duration over time, with the timeline's events marked."""
+    fig, ax = plt.subplots(figsize=(9, 4))
+    t0 = result.started
+    for node, recs in sorted(result.devices.items()):
+        steps = [r for r in recs if r.get("kind") == "step"]
+        if steps:
+            ax.plot([r["t"] - t0 for r in steps], [r["dur_s"] * 1000 for r in steps],
+                    lw=0.8, label=node)  # fmt: skip
+    for ev in result.harness_events:
+        if ev["kind"] not in ("cluster_up", "end"):
+            ax.axvline(ev["t"] - t0, color="grey", ls=":", lw=0.8)
+            ax.text(ev["t"] - t0, ax.get_ylim()[1] * 0.95, ev.get("label", ev["kind"]),
+                    rotation=90, va="top", fontsize=7)  # fmt: skip
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("step duration (ms)")
+    ax.set_yscale("log")
+    ax.set_title(f"{result.scenario.name}: {result.network}")
+    ax.legend(fontsize=6, ncol=4)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _series(
+    runs: list[dict[str, Any]], strategy: str, metric: str
+) -> tuple[list[str], list[float]]:
+    keys = sorted({r["from_nodes"] for r in runs if r["strategy"] == strategy})
+    xs, ys = [], []
+    for k in keys:
+        vals = [r[metric] for r in runs
+                if r["strategy"] == strategy and r["from_nodes"] == k and r[metric] is not None]
+        if vals:
+            xs.append(f"{k}→{k + 1}")
+            ys.append(statistics.median(vals))
+    return xs, ys
+
+
+def plot_compare(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """Fig. 7/10-style scale-out delay per strategy, and Fig. 15-style replication vs bound."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for strategy in sorted({r["strategy"] for r in runs}):
+        xs, ys = _series(runs, strategy, "scale_out_s")
+        color, marker = _STYLE.get(strategy, ("black", "x"))
+        ax.plot(xs, ys, marker=marker, color=color, label=strategy)
+    ax.set_yscale("log")
+    ax.set_xlabel("cluster size")
+    ax.set_ylabel("scale-out delay (s, median)")
+    ax.set_title(f"scale-out delay ({runs[0]['model']}, network: {runs[0]['network']})")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out_dir / "compare_scale_out.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for metric, style in (("replication_s", "-o"), ("lower_bound_s", "--"), ("idle_s", ":s")):
+        xs, ys = _series(runs, "chaos", metric)
+        ax.plot(xs, ys, style, label=f"chaos {metric[:-2].replace('_', ' ')}")
+    ax.set_xlabel("cluster size")
+    ax.set_ylabel("seconds (median)")
+    ax.set_title("chaos replication vs its lower bound, and cluster idle time")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out_dir / "compare_replication.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    return paths
