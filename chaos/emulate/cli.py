@@ -320,10 +320,6 @@ def cleanup_command(prefix: str, force: bool) -> None:
     click.echo(f"removed {len(removed)} namespace(s)" + "".join(f"\n  {ns}" for ns in removed))
 
 
-if __name__ == "__main__":  # pragma: no cover
-    main()
-
-
 def _register_run_commands() -> None:
     from chaos.emulate.commands import compare_command, demo_command, run_command
 
@@ -332,3 +328,7 @@ def _register_run_commands() -> None:
 
 
 _register_run_commands()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -163,7 +163,11 @@ def compare_runs(
     strategy: str, lo: int, hi: int, base: Scenario, out: Path, shaped: bool, repeat: int
 ) -> list[dict[str, Any]]:
     """Grows one cluster from ``lo`` to ``hi`` nodes under ``strategy``; one row per join."""
-    sc = replace(base, nodes=lo, strategy=_DAEMON_STRATEGY[strategy], events=(),
+    joins = tuple(Event(at_s=float(i), kind="join", node=f"n{size}")
+                  for i, size in enumerate(range(lo, hi)))  # fmt: skip
+    # the joins are listed so that the network has a namespace for every device; they are
+    # applied one by one below, each after the previous joiner is ready and has trained
+    sc = replace(base, nodes=lo, strategy=_DAEMON_STRATEGY[strategy], events=joins,
                  seed=base.seed + repeat)  # fmt: skip
     rows = []
     with Runner(sc, out, shaped=shaped, progress=_progress_printer()) as runner:

@@ -419,6 +419,7 @@ class Runner:
             earlier = set(members[:i])
             mine = sorted({b if a == node else a for a, b in links if node in (a, b)} & earlier)
             self._start_device(node, mine, resume=(ckpt, len(members)))
+            self._wait_member(node)  # a joiner names earlier devices as neighbours
         for node in members:
             self._wait_ready(node)
         done = self._wait_world(members, len(members))
@@ -427,6 +428,19 @@ class Runner:
                    state_bytes=ckpt.stat().st_size)  # fmt: skip
         self.progress(f"stop-resume  join {name}: {rec['scale_out_s']:.2f} s")
         return rec
+
+    def _wait_member(self, name: str) -> None:
+        """Waits until ``name``'s daemon is a cluster member (it installed a view)."""
+        d = self.devices[name]
+        path = d.daemon_dir / f"events-{name}.jsonl"
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if path.exists() and '"view_installed"' in path.read_text():
+                return
+            if d.proc.poll() is not None:
+                raise EmulationError(f"device {name} exited with {d.proc.returncode}:\n{_tail(d)}")
+            time.sleep(0.05)
+        raise ChaosTimeout(f"the daemon of {name} did not join within {READY_TIMEOUT_S} s")
 
     def _wait_world(self, members: list[str], size: int) -> float:
         """When every member first recorded a step with ``size`` members (the latest of them)."""

@@ -89,7 +89,7 @@ class Event:
     def label(self) -> str:
         """Short text for tables: ``kill n3``, ``link_cut n0-n1``."""
         if self.kind.startswith("link_"):
-            return f"{self.kind} {self.a}-{self.b}"
+            return f"{self.kind} {self.a}-{self.b}" if self.a else self.kind
         return f"{self.kind} {self.node or ''}".strip()
 
 
