@@ -469,6 +469,11 @@ class PullConfig:
             (each with its own checksum). Keep it at or below the donors'
             ``ShardServerConfig.max_shard_bytes``; smaller values re-fetch less after a
             corruption but cost more messages.
+        unpublished_grace_s: A donor that answers ``not_published`` (it has not reached the
+            step boundary where it publishes its snapshot) is asked again every
+            ``unpublished_retry_s`` for this long before it is dropped. Set it above the
+            longest training step of the donors.
+        unpublished_retry_s: Pause between those retries.
     """
 
     window: int = 8
@@ -477,6 +482,8 @@ class PullConfig:
     replan_method: str = "chaos"
     min_shard_bytes: int = 1024
     max_request_bytes: int = 16 << 20
+    unpublished_grace_s: float = 30.0
+    unpublished_retry_s: float = 0.02
 
     def __post_init__(self) -> None:
         for name in ("window", "max_shard_attempts", "min_shard_bytes", "max_request_bytes"):
@@ -485,6 +492,8 @@ class PullConfig:
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")
         try:
             _check_timeout(self.request_timeout_s, "request_timeout_s")
+            _check_timeout(self.unpublished_grace_s, "unpublished_grace_s")
+            _check_timeout(self.unpublished_retry_s, "unpublished_retry_s")
         except (TypeError, ValueError) as exc:
             raise ConfigError(str(exc)) from exc
         if self.replan_method not in METHODS or self.replan_method == "milp":
@@ -530,6 +539,8 @@ class _Donor:
         self.inflight: dict[int, Shard] = {}
         self.last_progress = 0.0
         self.alive = True
+        self.unpublished_since: float | None = None  # first not_published answer
+        self.retry_at = 0.0  # no requests before this (monotonic seconds)
 
     def queued_bytes(self) -> int:
         return sum(n for _, n in self.queue) + sum(n for _, n in self.inflight.values())
@@ -628,6 +639,9 @@ class _Puller:
                         f"({sum(n for _, n in self.todo)} bytes missing)"
                     )
                 wait_s = min(deadline - now, self.config.request_timeout_s)
+                pending = [d.retry_at - now for d in alive if d.retry_at > now and d.queue]
+                if pending:
+                    wait_s = min(wait_s, max(0.001, min(pending)))
                 for sock, _ in self.poller.poll(max(1, int(wait_s * 1000))):
                     entry = self.by_sock.get(sock)
                     if entry is not None:
@@ -640,7 +654,10 @@ class _Puller:
         return self.stats
 
     def _fill(self, alive: list[_Donor]) -> None:
+        now = time.monotonic()
         for d in alive:
+            if now < d.retry_at:
+                continue
             while d.queue and len(d.inflight) < self.config.window and d.sock is not None:
                 off, length = d.queue.popleft()
                 if not d.inflight:
@@ -696,8 +713,11 @@ class _Puller:
         d.last_progress = time.monotonic()
         if isinstance(head, Refusal):
             d.queue.appendleft(shard)
+            if head.reason == ShardReason.NOT_PUBLISHED and self._still_waiting(d):
+                return  # it publishes at its next step boundary: ask again shortly
             self._fail_donor(d, head.reason)
             return
+        d.unpublished_since = None
         ok = (
             isinstance(head, ShardReply)
             and len(frames) == 2
@@ -716,6 +736,17 @@ class _Puller:
             self.stats.shards_per_donor[d.id] += 1
 
     # -- failure handling
+
+    def _still_waiting(self, d: _Donor) -> bool:
+        """Whether a donor that has not published yet is still within its grace period."""
+        now = time.monotonic()
+        if d.unpublished_since is None:
+            d.unpublished_since = now
+        if now - d.unpublished_since > self.config.unpublished_grace_s:
+            return False
+        d.retry_at = now + self.config.unpublished_retry_s
+        d.last_progress = now
+        return True
 
     def _bad_shard(self, d: _Donor, shard: Shard) -> None:
         self.stats.checksum_failures += 1

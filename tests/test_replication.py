@@ -78,10 +78,16 @@ def _donor_main(faults: dict[str, Any], hidden: int, rng_seed: int, conn: Connec
     np.random.seed(rng_seed)
     state = TrainingState.capture(model, opt, step=STEP, epoch=EPOCH, hyperparameters={"bs": 32})
     info = {"digest": state_digest(state), "next_rand": torch.rand(4).tolist()}
-    fault_set = ServerFaults(**{k: v for k, v in faults.items()})
+    publish_after_s = float(faults.get("publish_after_s", 0.0))
+    fault_set = ServerFaults(**{k: v for k, v in faults.items() if k != "publish_after_s"})
     with ShardServer(faults=fault_set) as server:
-        server.publish(state, EPOCH, STEP)
+        if not publish_after_s:
+            server.publish(state, EPOCH, STEP)
         conn.send({"address": server.address, **info})
+        if publish_after_s:  # a donor still finishing its step: it publishes a little later
+            if conn.poll(publish_after_s):
+                return
+            server.publish(state, EPOCH, STEP)
         conn.poll(300.0)  # until the test says stop or closes its end (EOF)
 
 
@@ -311,6 +317,24 @@ def test_hung_donor_times_out_and_is_replanned(spawn_donors: Any) -> None:
     state, model, opt = _joiner(donors["d1"])
     stats = _pull(donors, state, _plan(state, list(donors)), request_timeout_s=1.0)
     assert stats.failed_donors == {"d0": "timeout"}
+    _assert_equal_to_donors(state, model, opt, donors)
+
+
+def test_donor_that_publishes_late_is_waited_for(spawn_donors: Any) -> None:
+    donors = spawn_donors({"d0": {}, "d1": {"publish_after_s": 1.0}})
+    state, model, opt = _joiner(donors["d0"])
+    stats = _pull(donors, state, _plan(state, ["d0", "d1"]))
+    assert stats.failed_donors == {}
+    assert stats.bytes_per_donor["d1"] > 0  # it served its share once it had published
+    _assert_equal_to_donors(state, model, opt, donors)
+
+
+def test_donor_that_never_publishes_is_dropped_after_the_grace(spawn_donors: Any) -> None:
+    donors = spawn_donors({"d0": {}, "d1": {"publish_after_s": 120.0}})
+    state, model, opt = _joiner(donors["d0"])
+    stats = _pull(donors, state, _plan(state, ["d0", "d1"]), unpublished_grace_s=0.5)
+    assert stats.failed_donors == {"d1": "not_published"}
+    assert stats.bytes_per_donor["d1"] == 0 and stats.replans >= 1
     _assert_equal_to_donors(state, model, opt, donors)
 
 

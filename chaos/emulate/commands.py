@@ -183,8 +183,8 @@ def compare_runs(
                 rows.append({"from_nodes": size, "to_nodes": size + 1, "node": name})
         runner.watch(base.settle_s)
     if strategy != "stop-resume":
-        joins = {r["node"]: r for r in summarize(runner.result) if r["kind"] == "join"}
-        rows = [{**r, **joins.get(r["node"], {})} for r in rows]
+        measured = {r["node"]: r for r in summarize(runner.result) if r["kind"] == "join"}
+        rows = [{**r, **measured.get(r["node"], {})} for r in rows]
     out_rows = []
     for r in rows:
         out_rows.append({

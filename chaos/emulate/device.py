@@ -91,6 +91,24 @@ def state_digest(model: StandInModel, opt: torch.optim.Optimizer) -> str:
     return h.hexdigest()[:32]
 
 
+GATE_TIMEOUT_S = 600.0
+
+
+def _wait_gate(path: Path) -> None:
+    """Blocks until the harness creates ``path`` (restarts load in parallel, join in order).
+
+    Raises:
+        ChaosTimeout: no gate after :data:`GATE_TIMEOUT_S`.
+    """
+    from chaos.errors import ChaosTimeout
+
+    deadline = time.monotonic() + GATE_TIMEOUT_S
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise ChaosTimeout(f"start gate {path} not opened within {GATE_TIMEOUT_S} s")
+        time.sleep(0.02)  # polling a file the harness creates
+
+
 def _write(out: TextIO, rec: dict[str, Any]) -> None:
     out.write(json.dumps(rec) + "\n")
     out.flush()
@@ -110,6 +128,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--daemon-arg", action="append", default=[])
     ap.add_argument("--resume", type=Path, default=None, help="stop-resume checkpoint to load")
     ap.add_argument("--wait-world", type=int, default=0, help="with --resume: members to await")
+    ap.add_argument("--gate", type=Path, default=None,
+                    help="load everything, then wait for this file before joining")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
@@ -131,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         state = torch.load(args.resume, weights_only=False)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
+    if args.gate is not None:
+        _wait_gate(args.gate)
     trainer = Trainer(
         model,
         opt,

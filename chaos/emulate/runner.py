@@ -38,6 +38,8 @@ log = logging.getLogger("chaos.emulate.runner")
 DAEMON_PORT = 7700
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
+PROBE_FULL_BYTES = 4 << 20  # the daemon's default bandwidth probe
+PROBE_MIN_BYTES = 256 << 10
 DAEMON_ARGS = ("--heartbeat-interval", "0.5", "--failure-timeout", "1.5")
 
 
@@ -268,6 +270,7 @@ class Runner:
         neighbors: list[str],
         join: str | None = None,
         resume: tuple[Path, int] | None = None,
+        gate: Path | None = None,
     ) -> Device:
         sc = self.sc
         old = self.devices.get(name)
@@ -289,6 +292,9 @@ class Runner:
             argv += ["--join", self._endpoint(join or neighbors[0])]
         if resume is not None:
             argv += ["--resume", str(resume[0]), "--wait-world", str(resume[1])]
+        if gate is not None:
+            argv += ["--gate", str(gate)]
+        argv += [f"--daemon-arg=--config={self._daemon_toml()}"]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         with open(ddir / "device.log", "ab") as logf:
             proc = self._net.popen(name, argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
@@ -415,11 +421,15 @@ class Runner:
             self._net.add_link(name, n, self._rate())
         members = [*before, name]
         links = self._net.links()
-        for i, node in enumerate(members):
+        gates = {}
+        for i, node in enumerate(members):  # all load in parallel (imports, checkpoint) ...
             earlier = set(members[:i])
             mine = sorted({b if a == node else a for a, b in links if node in (a, b)} & earlier)
-            self._start_device(node, mine, resume=(ckpt, len(members)))
-            self._wait_member(node)  # a joiner names earlier devices as neighbours
+            gates[node] = self.out_dir / f"gate-{node}-{len(self.retired)}"
+            self._start_device(node, mine, resume=(ckpt, len(members)), gate=gates[node])
+        for node in members:  # ... then join in order: a joiner names earlier devices
+            gates[node].touch()
+            self._wait_member(node)
         for node in members:
             self._wait_ready(node)
         done = self._wait_world(members, len(members))
@@ -428,6 +438,19 @@ class Runner:
                    state_bytes=ckpt.stat().st_size)  # fmt: skip
         self.progress(f"stop-resume  join {name}: {rec['scale_out_s']:.2f} s")
         return rec
+
+    def _daemon_toml(self) -> Path:
+        """The daemons' config file: the bandwidth probe shrinks with the scenario's scale.
+
+        The probe is a fixed-size transfer; on links slowed down by ``scale`` it must shrink
+        too, or it would take a share of the scale-out that it does not take at full scale.
+        """
+        path = self.out_dir / "daemon.toml"
+        if not path.exists():
+            probe = max(PROBE_MIN_BYTES, int(PROBE_FULL_BYTES * self.sc.scale))
+            path.write_text(f"bandwidth_probe_bytes = {probe}\n"
+                            f"bandwidth_probe_chunk_bytes = {min(65536, probe)}\n")  # fmt: skip
+        return path
 
     def _wait_member(self, name: str) -> None:
         """Waits until ``name``'s daemon is a cluster member (it installed a view)."""
