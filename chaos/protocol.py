@@ -178,7 +178,8 @@ class ReplicationWire(msgspec.Struct, kw_only=True, frozen=True):
 
     ``donor_addresses`` are the donors' shard-server endpoints, ``donors`` their planned link
     parameters (the joiner re-plans with them when a donor dies) and ``tensor_sizes`` the layout
-    that was planned.
+    that was planned. ``method`` is the planner the scheduler used (from its replication
+    strategy); a joiner that must re-plan uses the same one over the same donors.
     """
 
     target: NodeId
@@ -189,6 +190,7 @@ class ReplicationWire(msgspec.Struct, kw_only=True, frozen=True):
     donor_addresses: dict[NodeId, str] = {}
     donors: list[DonorLink] = []
     tensor_sizes: list[int] = []
+    method: Literal["chaos", "scan", "even", "single-source"] = "chaos"
 
 
 class ClusterView(msgspec.Struct, kw_only=True, frozen=True):

@@ -422,8 +422,13 @@ class Trainer:
                 state_bytes=sum(sizes),
                 per_shard_cost_s=0.0,
             )
-        log.info("state size changed since planning; re-planning locally over the same donors")
-        return plan_replication(sizes, neighbors, 4e-6, "flat", "chaos")
+        # The runtime record (step counter, RNG states) can change size between the
+        # scheduler's planning and the donors' snapshot: re-plan locally with the scheduler's
+        # method over the donors it gave work to (one, for single-source).
+        used = {k for k, v in assignment.items() if sum(length for _, length in v) > 0}
+        chosen = [n for n in neighbors if n.id in used] or neighbors
+        log.info("state size changed since planning; re-planning locally (%s)", rep.method)
+        return plan_replication(sizes, chosen, 4e-6, "flat", rep.method)
 
     # ------------------------------------------------------------------ policy
 

@@ -150,4 +150,5 @@ def replication_policy(
             for n in neighbors
         ],
         tensor_sizes=list(sizes) if tensor_sizes else [],
+        method=_METHODS[cfg.replication_strategy],  # type: ignore[arg-type]
     )
