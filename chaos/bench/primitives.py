@@ -1,0 +1,567 @@
+"""``chaos-bench primitives``: the stall that scale-in, connect-link and disconnect-link add to a
+training step, with real trainer processes on loopback.
+
+``N`` training processes (:mod:`chaos.bench.primitives_worker`, each a :class:`Trainer` with its
+embedded daemon) train together and log every step's start and end. The founder ``n1`` starts
+the cluster and the others join through it (a star overlay). Then, ``--repeats`` times:
+
+* **connect-link**: ``DaemonClient.link(peer, add=True)`` between two members that are not
+  linked (what ``chaos-daemon link add`` sends);
+* **disconnect-link**: the same link removed again;
+* **scale-in**: SIGTERM to the newest member, whose script then calls ``request_node_exit()`` at
+  its next step boundary (a graceful leave); afterwards a fresh process joins, so the cluster is
+  back to ``N`` members for the next round.
+
+After each primitive the bench waits until every remaining member has run ``--settle-steps``
+steps under the new policy.
+
+**Stall.** For each primitive and each remaining member: the summed duration of the steps
+spanning the primitive minus as many times the median undisturbed step duration
+(``baseline_step_ms``, measured in the same run: steps outside every primitive and join window,
+under an unchanged epoch). The spanning steps are those, ending after the request, in which the
+member installed a newer epoch (a new policy is installed, and an aborted round rerun, inside
+that step's ``update()``), up to its first step under the settled epoch; a connect-link usually
+commits two epochs (the link, then its measurement), so it spans two. The primitive's stall is
+the largest over the members (the cluster waits for its slowest). A step's duration runs from
+the start of its gradient computation to the return of ``update()`` and
+``check_state_replication()``. Noise can make a stall slightly negative; it is reported as
+measured, and ``baseline_step_p10_ms`` / ``baseline_step_p90_ms`` show how noisy a step is.
+
+**Control path** (``control_ms``): for the link primitives, the client's request to the daemon's
+answer (sent once the new policy is acknowledged by every member); for scale-in, the leaver's
+``request_node_exit()`` from its call to the daemon's answer to the leave. This runs while the
+members train, so it is not a stall; BRIEF §8's primitive delay is the stall plus this.
+``reruns`` counts the allreduce rounds the members aborted and reran while the primitives were
+applied.
+
+**Failures.** When training does not resume after a primitive (a member crashed, or no step
+completed under the new policy within the workers' timeouts), the attempt ends: the failure is
+listed under ``failures`` and a fresh cluster continues, up to ``--max-failures`` times.
+Samples measured before a failure are kept; a primitive that stalled training until a timeout
+and then resumed is a (large) sample, not a failure.
+
+JSON: ``{"scale_in_ms": {"p50", "p99", "n", "samples"}, "connect_link_ms": {...},
+"disconnect_link_ms": {...}, "baseline_step_ms", "baseline_step_p10_ms",
+"baseline_step_p90_ms", "baseline_steps", "control_ms": {primitive: {...}}, "reruns",
+"attempts", "failures", "nodes", "repeats", "compute_s"}``, durations in milliseconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+
+from chaos.errors import ChaosError, ChaosTimeout
+
+PRIMITIVES = ("scale_in", "connect_link", "disconnect_link")
+WORKER_STEP_TIMEOUT_S = 10.0
+"""The workers' allreduce frame timeout: far above a step here, short enough that a stuck
+cluster is given up on quickly."""
+WORKER_POLICY_TIMEOUT_S = 5.0
+_POLL_S = 0.05
+
+
+def _free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile ``q`` (0-100) of ``xs``; NaN when empty."""
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def summary_ms(xs_s: list[float]) -> dict[str, Any]:
+    """``{"p50", "p99", "n", "samples"}`` in milliseconds of durations given in seconds."""
+    ms = [x * 1e3 for x in xs_s]
+    return {
+        "p50": statistics.median(ms) if ms else float("nan"),
+        "p99": percentile(ms, 99),
+        "n": len(ms),
+        "samples": [round(x, 4) for x in ms],
+    }
+
+
+# ----------------------------------------------------------------------------- the cluster
+
+
+class _Log:
+    """Incremental reader of a worker's JSONL file (only new complete lines are parsed)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: list[dict[str, Any]] = []
+        self.steps: list[dict[str, Any]] = []
+        self._offset = 0
+
+    def poll(self) -> None:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        end = data.rfind(b"\n") + 1
+        self._offset += end
+        for line in data[:end].splitlines():
+            rec = json.loads(line)
+            self.records.append(rec)
+            if "t0" in rec:
+                self.steps.append(rec)
+
+    def left(self) -> dict[str, Any] | None:
+        return next((r for r in self.records if r.get("left")), None)
+
+
+@dataclass
+class _Member:
+    id: str
+    address: str
+    proc: subprocess.Popen[bytes]
+    log: _Log
+    logfile: Path
+
+    def last(self) -> dict[str, Any]:
+        self.log.poll()
+        return self.log.steps[-1] if self.log.steps else {}
+
+
+@dataclass
+class _Primitive:
+    kind: str
+    t_req: float
+    control_s: float
+    survivors: list[str]
+    epoch_after: int
+    t_settled: float = 0.0
+
+
+@dataclass
+class _Cluster:
+    root: Path
+    worker_args: list[str]
+    timeout_s: float
+    members: dict[str, _Member] = field(default_factory=dict)
+    windows: list[tuple[float, float]] = field(default_factory=list)
+
+    def start(self, nid: str, join: str | None) -> _Member:
+        address = _free_address()
+        out = self.root / f"{nid}.jsonl"
+        logfile = self.root / f"{nid}.log"
+        argv = [sys.executable, "-m", "chaos.bench.primitives_worker", "--id", nid]
+        argv += ["--listen", address, "--out", str(out), *self.worker_args]
+        argv += ["--join", join] if join else []
+        env = dict(os.environ, TMPDIR=str(self.root), CHAOS_DAEMON_LOG_LEVEL="WARNING")
+        with logfile.open("wb") as log:
+            proc = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+        member = _Member(nid, address, proc, _Log(out), logfile)
+        self.members[nid] = member
+        return member
+
+    def live(self) -> list[str]:
+        """Members still training (not asked to leave, not exited)."""
+        return [m.id for m in self.members.values() if m.proc.poll() is None]
+
+    def wait(self, pred: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if pred():
+                return
+            for m in self.members.values():
+                code = m.proc.poll()
+                if code not in (None, 0):
+                    lines = m.logfile.read_text(errors="replace").strip().splitlines()
+                    last = lines[-1] if lines else "(no output)"
+                    raise ChaosError(f"worker {m.id} exited with code {code}: {last}")
+            time.sleep(_POLL_S)
+        raise ChaosTimeout(f"timed out after {self.timeout_s:.0f} s waiting for {what}")
+
+    def settled(self, ids: list[str], world: int, newer_than: int, steps: int) -> int | None:
+        """The common epoch once every member of ``ids`` ran ``steps`` steps under it with
+        ``world`` members, the epoch being newer than ``newer_than``; else None."""
+        lasts = [self.members[n].last() for n in ids]
+        epochs = {r.get("epoch") for r in lasts}
+        if len(epochs) != 1 or any(r.get("world") != world for r in lasts):
+            return None
+        epoch = epochs.pop()
+        if epoch is None or epoch <= newer_than:
+            return None
+        for n in ids:
+            under = [r for r in self.members[n].log.steps[-steps:] if r["epoch"] == epoch]
+            if len(under) < steps:
+                return None
+        return int(epoch)
+
+    def epoch(self) -> int:
+        return max(int(self.members[n].last().get("epoch", -1)) for n in self.live())
+
+    def join(self, nid: str, via: str, settle_steps: int) -> None:
+        """Starts a member joining through ``via`` and waits until all train together."""
+        t0 = time.time()
+        before = self.epoch() if self.live() else -1
+        self.start(nid, self.members[via].address)
+        ids = self.live()
+
+        def together() -> bool:
+            return self.settled(ids, len(ids), before, settle_steps) is not None
+
+        self.wait(together, f"{nid} to join")
+        self.windows.append((t0, time.time()))
+
+    def close(self) -> None:
+        for m in self.members.values():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(m.proc.pid, signal.SIGKILL)
+        for m in self.members.values():
+            m.proc.wait(timeout=30)
+
+
+# ----------------------------------------------------------------------------- primitives
+
+
+def _link(cl: _Cluster, a: str, b: str, add: bool, settle_steps: int) -> _Primitive:
+    from chaos.daemon.client import DaemonClient
+
+    ids = cl.live()
+    before = cl.epoch()
+    with DaemonClient(cl.members[a].address, timeout_s=cl.timeout_s) as client:
+        t_req = time.time()
+        res = client.link(b, add=add)
+        control_s = time.time() - t_req
+    if not res.ok:
+        raise ChaosError(f"link {'add' if add else 'remove'} {a}-{b} refused: {res.reason}")
+    epoch = -1
+
+    def done() -> bool:
+        nonlocal epoch
+        epoch = cl.settled(ids, len(ids), before, settle_steps) or -1
+        return epoch >= 0
+
+    cl.wait(done, f"the policy after link {'add' if add else 'remove'} {a}-{b}")
+    kind = "connect_link" if add else "disconnect_link"
+    return _Primitive(kind, t_req, control_s, ids, epoch)
+
+
+def _scale_in(cl: _Cluster, leaver: str, settle_steps: int) -> _Primitive:
+    survivors = [n for n in cl.live() if n != leaver]
+    before = cl.epoch()
+    member = cl.members[leaver]
+    t_req = time.time()
+    member.proc.send_signal(signal.SIGTERM)  # the script leaves at its next step boundary
+    epoch = -1
+
+    def done() -> bool:
+        nonlocal epoch
+        epoch = cl.settled(survivors, len(survivors), before, settle_steps) or -1
+        return epoch >= 0 and member.proc.poll() is not None
+
+    cl.wait(done, f"{leaver} to leave")
+    if member.proc.returncode != 0:
+        raise ChaosError(f"{leaver} exited with code {member.proc.returncode} after leaving")
+    member.log.poll()
+    left = member.log.left()
+    if left is None or left.get("t_left") is None:
+        raise ChaosError(f"{leaver} exited without completing its leave request")
+    return _Primitive("scale_in", t_req, left["t_left"] - left["t_leave"], survivors, epoch)
+
+
+def _stall_s(cl: _Cluster, p: _Primitive, baseline_s: float) -> float:
+    """The primitive's stall: the worst member's extra time over the spanning steps.
+
+    A member's spanning steps are the steps, ending after the request, in which it installed a
+    newer epoch (a policy change is installed, and any aborted round rerun, inside the
+    ``update()`` of that step), up to its first step under the settled epoch.
+    """
+    worst = float("-inf")
+    for n in p.survivors:
+        span: list[dict[str, Any]] = []
+        prev: int | None = None
+        for r in cl.members[n].log.steps:
+            if r["t1"] > p.t_req and prev is not None and r["epoch"] != prev:
+                span.append(r)
+                if r["epoch"] >= p.epoch_after:
+                    break
+            prev = r["epoch"]
+        else:
+            raise ChaosError(f"{n} logged no step under epoch {p.epoch_after}")
+        extra = sum(r["t1"] - r["t0"] for r in span) - len(span) * baseline_s
+        worst = max(worst, extra)
+    return worst
+
+
+def _reruns(cl: _Cluster, p: _Primitive) -> int:
+    """Allreduce rounds the members aborted and reran while the primitive was applied."""
+    return sum(
+        1
+        for n in p.survivors
+        for r in cl.members[n].log.records
+        if r.get("trainer_event") in ("restart", "allreduce_failed")
+        and p.t_req <= r["t"] <= p.t_settled
+    )
+
+
+def _mark_windows(cl: _Cluster, prims: list[_Primitive]) -> None:
+    for p in prims:
+        ends = []
+        for n in p.survivors:
+            first = next(r for r in cl.members[n].log.steps if r["epoch"] >= p.epoch_after)
+            ends.append(first["t1"])
+        p.t_settled = max(ends)
+        cl.windows.append((p.t_req, p.t_settled))
+
+
+def _quiet_durations(cl: _Cluster) -> list[float]:
+    """Durations of the steps outside every window, under an unchanged epoch."""
+    durations: list[float] = []
+    for m in cl.members.values():
+        prev_epoch = None
+        for r in m.log.steps:
+            quiet = r["epoch"] == prev_epoch and not any(
+                r["t1"] > a and r["t0"] < b for a, b in cl.windows
+            )
+            if quiet:
+                durations.append(r["t1"] - r["t0"])
+            prev_epoch = r["epoch"]
+    return durations
+
+
+@dataclass
+class _Tally:
+    """What every attempt (one cluster each) has measured so far."""
+
+    stalls: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in PRIMITIVES})
+    control: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in PRIMITIVES})
+    baseline: list[float] = field(default_factory=list)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    reruns: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PRIMITIVES, 0))
+
+
+def _attempt(
+    cl: _Cluster,
+    nodes: int,
+    repeats: int,
+    settle_steps: int,
+    tally: _Tally,
+    echo: Callable[[str], None],
+) -> None:
+    """Runs rounds on a fresh cluster until every primitive has ``repeats`` samples.
+
+    A worker that crashes, or training that does not resume after a primitive within the
+    timeout, ends the attempt: the failure is recorded and the samples measured before it kept.
+    """
+    prims: list[_Primitive] = []
+    doing = "startup"
+    t_doing = time.time()
+
+    def missing() -> bool:
+        return any(
+            len(tally.stalls[k]) + sum(p.kind == k for p in prims) < repeats for k in PRIMITIVES
+        )
+
+    try:
+        cl.start("n1", None)
+        cl.wait(lambda: bool(cl.members["n1"].last()), "n1 to train")
+        cl.windows.append((t_doing, time.time()))
+        for i in range(2, nodes + 1):
+            cl.join(f"n{i}", "n1", settle_steps)
+        echo(f"{nodes} trainers up; measuring ...")
+        r = 0
+        while missing():
+            others = sorted(n for n in cl.live() if n != "n1")
+            a, b = others[r % len(others)], others[(r + 1) % len(others)]
+            doing, t_doing = "connect_link", time.time()
+            prims.append(_link(cl, a, b, True, settle_steps))
+            doing, t_doing = "disconnect_link", time.time()
+            prims.append(_link(cl, a, b, False, settle_steps))
+            doing, t_doing = "scale_in", time.time()
+            leaver = max(others, key=list(cl.members).index)  # the newest member
+            prims.append(_scale_in(cl, leaver, settle_steps))
+            r += 1
+            if missing():
+                doing, t_doing = "rejoin", time.time()
+                cl.join(f"j{r}", "n1", settle_steps)
+            echo(f"round {r} done")
+    except ChaosError as exc:
+        first = str(exc).strip().splitlines()[0][:300]
+        tally.failures.append({"during": doing, "error": first})
+        cl.windows.append((t_doing, float("inf")))
+        echo(f"FAILED during {doing}: {first}")
+    finally:
+        cl.close()
+    for m in cl.members.values():
+        m.log.poll()
+    _mark_windows(cl, prims)
+    durations = _quiet_durations(cl)
+    tally.baseline += durations
+    if prims and not durations:
+        raise ChaosError("no undisturbed step to take the baseline from")
+    baseline_s = statistics.median(durations) if durations else 0.0
+    for p in prims:
+        tally.stalls[p.kind].append(_stall_s(cl, p, baseline_s))
+        tally.control[p.kind].append(p.control_s)
+        tally.reruns[p.kind] += _reruns(cl, p)
+
+
+def run(
+    nodes: int,
+    repeats: int,
+    compute_s: float,
+    width: int,
+    settle_steps: int,
+    timeout_s: float,
+    max_failures: int,
+    echo: Callable[[str], None],
+    logs: Path | None = None,
+) -> dict[str, Any]:
+    """Runs the benchmark and returns its figures (see the module docstring).
+
+    Each attempt starts a fresh cluster. When a primitive leaves the cluster unable to train
+    (a member crashed, or no step completed under the new policy within the timeouts), the
+    failure is recorded under ``"failures"`` and a new attempt starts, until every primitive has
+    ``repeats`` samples or ``max_failures`` attempts failed.
+
+    Args:
+        nodes: Trainer processes.
+        repeats: Samples of each primitive.
+        compute_s: Per-step compute stand-in of each worker, seconds.
+        width: Width of the workers' MLP.
+        settle_steps: Steps under a new policy before the next primitive.
+        timeout_s: Longest wait for any one stage.
+        max_failures: Failed attempts after which the bench stops with what it has.
+        echo: Prints a progress line.
+        logs: Keep the workers' step logs and outputs here (default: a temporary directory).
+
+    Raises:
+        ValueError: fewer than 3 nodes (the link primitives need two non-founder members).
+        ChaosError: some primitive has no sample at all.
+    """
+    if nodes < 3:
+        raise ValueError(f"the link primitives need at least 3 nodes, got {nodes}")
+    worker_args = ["--compute-s", str(compute_s), "--width", str(width)]
+    worker_args += ["--step-timeout-s", str(WORKER_STEP_TIMEOUT_S)]
+    worker_args += ["--policy-timeout-s", str(WORKER_POLICY_TIMEOUT_S)]
+    tally = _Tally()
+    with contextlib.ExitStack() as stack:
+        if logs is None:
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="chaos-prim-")))
+        else:
+            root = logs
+        attempt = 0
+        while any(len(tally.stalls[k]) < repeats for k in PRIMITIVES):
+            if len(tally.failures) >= max_failures:
+                echo(f"stopping after {len(tally.failures)} failed attempts")
+                break
+            attempt += 1
+            (root / f"attempt{attempt}").mkdir(parents=True, exist_ok=True)
+            cl = _Cluster(root / f"attempt{attempt}", worker_args, timeout_s)
+            _attempt(cl, nodes, repeats, settle_steps, tally, echo)
+    empty = [k for k in PRIMITIVES if not tally.stalls[k]]
+    if empty:
+        raise ChaosError(f"no sample of {', '.join(empty)}; failures: {tally.failures}")
+    result: dict[str, Any] = {"nodes": nodes, "repeats": repeats, "compute_s": compute_s}
+    for kind in PRIMITIVES:
+        result[f"{kind}_ms"] = summary_ms(tally.stalls[kind])
+    result["baseline_step_ms"] = statistics.median(tally.baseline) * 1e3
+    result["baseline_step_p10_ms"] = percentile(tally.baseline, 10) * 1e3
+    result["baseline_step_p90_ms"] = percentile(tally.baseline, 90) * 1e3
+    result["baseline_steps"] = len(tally.baseline)
+    result["control_ms"] = {kind: summary_ms(tally.control[kind]) for kind in PRIMITIVES}
+    result["reruns"] = tally.reruns
+    result["attempts"] = attempt
+    result["failures"] = tally.failures
+    return result
+
+
+@click.command("primitives")
+@click.option("--nodes", type=click.IntRange(3, 16), default=4, show_default=True)
+@click.option(
+    "--json", "json_path", type=click.Path(dir_okay=False), required=True, help="Write here."
+)
+@click.option(
+    "--repeats",
+    type=click.IntRange(1),
+    default=10,
+    show_default=True,
+    help="Samples of each primitive (each round also re-adds the node that left).",
+)
+@click.option(
+    "--compute-s",
+    type=click.FloatRange(0.0),
+    default=0.02,
+    show_default=True,
+    help="Gradient computation per step, besides a small real forward/backward (seconds).",
+)
+@click.option("--width", type=click.IntRange(1), default=256, show_default=True, help="MLP width.")
+@click.option(
+    "--settle-steps",
+    type=click.IntRange(2),
+    default=10,
+    show_default=True,
+    help="Steps every member runs under a new policy before the next primitive.",
+)
+@click.option(
+    "--timeout-s", type=click.FloatRange(1.0), default=120.0, show_default=True, help="Per stage."
+)
+@click.option(
+    "--max-failures",
+    type=click.IntRange(1),
+    default=3,
+    show_default=True,
+    help="Failed attempts (training did not resume after a primitive) before giving up.",
+)
+@click.option(
+    "--logs",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Keep the workers' step logs (JSONL) and outputs in this directory.",
+)
+def primitives_command(
+    nodes: int,
+    json_path: str,
+    repeats: int,
+    compute_s: float,
+    width: int,
+    settle_steps: int,
+    timeout_s: float,
+    max_failures: int,
+    logs: Path | None,
+) -> None:
+    """Training-step stall of scale-in, connect-link and disconnect-link (real trainers)."""
+    result = run(
+        nodes, repeats, compute_s, width, settle_steps, timeout_s, max_failures, click.echo, logs
+    )
+    Path(json_path).write_text(json.dumps(result, indent=2))
+    head = f"{'primitive':<17}{'stall p50 ms':>13}{'stall p99 ms':>13}{'control p50 ms':>15}"
+    click.echo(f"{head}{'reruns':>8}{'n':>4}")
+    for kind in PRIMITIVES:
+        s, c = result[f"{kind}_ms"], result["control_ms"][kind]
+        row = f"{kind:<17}{s['p50']:>13.3f}{s['p99']:>13.3f}{c['p50']:>15.3f}"
+        click.echo(f"{row}{result['reruns'][kind]:>8}{s['n']:>4}")
+    click.echo(
+        f"baseline step: {result['baseline_step_ms']:.3f} ms, median of "
+        f"{result['baseline_steps']} undisturbed steps (p10 {result['baseline_step_p10_ms']:.3f}, "
+        f"p90 {result['baseline_step_p90_ms']:.3f})"
+    )
+    for f in result["failures"]:
+        click.echo(f"failed attempt, during {f['during']}: {f['error']}")
+    click.echo(f"wrote {json_path}")

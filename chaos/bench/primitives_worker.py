@@ -1,0 +1,107 @@
+"""One training process of ``chaos-bench primitives``: a real cluster member that times its steps.
+
+Run as ``python -m chaos.bench.primitives_worker --id ID --listen tcp://HOST:PORT --out FILE
+[--join tcp://...]``. It trains a small MLP through a :class:`chaos.trainer.Trainer` (with its
+embedded daemon) and appends one JSON line per step to ``--out``::
+
+    {"step": 41, "epoch": 6, "world": 4, "t0": ..., "tu": ..., "t1": ...}
+
+``t0`` is when the step's gradient computation began, ``tu`` when ``trainer.update()`` was
+called and ``t1`` when ``update()`` and ``check_state_replication()`` had returned (``time.time()``
+seconds, comparable between the processes of one host). SIGTERM makes it leave gracefully at its
+next step boundary (``capture_exit_event`` then ``request_node_exit``), after which it writes
+``{"left": true, "t_leave": ..., "t_left": ...}``. The trainer's events (a rerun round, a new
+membership, ...) are written too, as ``{"trainer_event": KIND, ...}`` lines before the step's.
+
+The gradient computation is a real forward and backward pass followed by ``--compute-s`` of
+sleep, which stands in for the rest of a device's compute: on one shared host it models devices
+that each compute on their own hardware, which is what the control path overlaps with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from chaos.trainer import Trainer, capture_exit_event
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs one member until SIGTERM (then leaves) or ``--max-steps``.
+
+    Returns:
+        The process exit code.
+    """
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--id", required=True)
+    ap.add_argument("--listen", required=True)
+    ap.add_argument("--join", default=None)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--compute-s", type=float, default=0.02)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--max-steps", type=int, default=1_000_000)
+    ap.add_argument("--step-timeout-s", type=float, default=30.0)
+    ap.add_argument("--policy-timeout-s", type=float, default=10.0)
+    ap.add_argument("--daemon-arg", action="append", default=[])
+    args = ap.parse_args(argv)
+    if args.compute_s < 0 or args.width < 1:
+        ap.error("--compute-s must be >= 0 and --width >= 1")
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, args.width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(args.width, args.width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(args.width, 10),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    gen = torch.Generator().manual_seed(sum(map(ord, args.id)))
+    xs, ys = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+    trainer = Trainer(
+        model,
+        opt,
+        join=args.join,
+        node_id=args.id,
+        listen=args.listen,
+        step_timeout_s=args.step_timeout_s,
+        policy_timeout_s=args.policy_timeout_s,
+        daemon_args=tuple(args.daemon_arg),
+    )
+    with args.out.open("a") as out:
+        ready = {"ready": True, "step": trainer.step, "epoch": trainer.epoch, "t": time.time()}
+        out.write(json.dumps(ready) + "\n")
+        out.flush()
+        seen = len(trainer.events)
+        while trainer.step < args.max_steps and not capture_exit_event():
+            t0 = time.time()
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(xs), ys).backward()
+            if args.compute_s:
+                time.sleep(args.compute_s)
+            tu = time.time()
+            trainer.update()
+            trainer.check_state_replication()
+            t1 = time.time()
+            rec = {"step": trainer.step, "epoch": trainer.epoch, "world": trainer.world_size}
+            for ev in trainer.events[seen:]:
+                out.write(json.dumps({"trainer_event": ev["event"], **ev}, default=str) + "\n")
+            seen = len(trainer.events)
+            out.write(json.dumps({**rec, "t0": t0, "tu": tu, "t1": t1}) + "\n")
+            out.flush()
+        t_leave = time.time()
+        trainer.request_node_exit()
+        left = [e["t"] for e in trainer.events if e["event"] == "left"]
+        done = {"left": True, "t_leave": t_leave, "t_left": left[-1] if left else None}
+        out.write(json.dumps(done) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""``chaos-bench primitives`` runs real trainer processes and writes the JSON its docs promise.
+
+One run with tiny settings: the bench starts its trainers (each with an embedded daemon) on
+loopback, applies each primitive once and must exit 0 with a well-formed JSON file. No timing
+is asserted. The bench reaps its workers itself; if it hangs or fails, the test stops it and
+kills every process it left.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+TIMEOUT_S = 300.0
+
+
+def test_primitives_bench_writes_its_json(tmp_path: Path) -> None:
+    out = tmp_path / "primitives.json"
+    argv = [sys.executable, "-m", "chaos.bench.cli", "primitives", "--nodes", "3"]
+    argv += ["--repeats", "1", "--settle-steps", "4", "--json", str(out)]
+    argv += ["--logs", str(tmp_path / "logs")]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        stdout, _ = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            family = psutil.Process(proc.pid).children(recursive=True)
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+            for p in family:
+                try:
+                    p.kill()
+                    p.wait(timeout=10)
+                except psutil.NoSuchProcess:
+                    pass
+    assert proc.returncode == 0, stdout[-4000:]
+    data = json.loads(out.read_text())
+    for key in ("scale_in_ms", "connect_link_ms", "disconnect_link_ms"):
+        figure = data[key]
+        assert {"p50", "p99", "n", "samples"} <= set(figure), figure
+        assert figure["n"] == len(figure["samples"]) >= 1
+        assert all(math.isfinite(x) for x in figure["samples"])
+        assert figure["p50"] <= figure["p99"]
+    assert data["baseline_step_ms"] > 0
+    assert data["baseline_steps"] > 0
+    assert set(data["control_ms"]) == {"scale_in", "connect_link", "disconnect_link"}
+    assert all(v["n"] >= 1 for v in data["control_ms"].values())
+    assert isinstance(data["failures"], list) and data["attempts"] >= 1
+    assert "stall p50" in stdout and "baseline step" in stdout
