@@ -89,8 +89,8 @@ class EventPrinter:
             return f"{text} ({'; '.join(changes) or 'new topology'})"
         if kind == "ready":
             return (
-                f"ready: training member at step {ev['step']}, epoch {ev['epoch']}, "
-                f"{ev['elapsed_s']:.2f} s after start"
+                f"ready: training member at step {ev['step']}, epoch {ev['epoch']} "
+                f"({ev['elapsed_s']:.2f} s in Trainer())"
             )
         if kind == "replication_done":
             donors = ", ".join(f"{d} {b / 1024:.0f} KiB" for d, b in sorted(ev["donors"].items()))
@@ -263,6 +263,8 @@ class Launcher:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(w.proc.pid, signal.SIGKILL)
             w.proc.wait(timeout=10.0)
+            if w.reader is not None:
+                w.reader.join(timeout=5.0)  # print what the worker said last
         shutil.rmtree(self._tmp, ignore_errors=True)
 
 
