@@ -31,7 +31,7 @@ from chaos.collectives import (
     topology_from_sync_policy,
 )
 from chaos.collectives.frames import HEADER_BYTES, Op, decode_header, encode_header
-from chaos.errors import PeerTimeout, ProtocolError
+from chaos.errors import PeerTimeout, ProtocolError, RoundInterrupted
 
 CHUNK_BYTES = 4096  # small chunks: many frames (deep pipelines) with small tensors
 REPLY_TIMEOUT_S = 60.0
@@ -61,6 +61,9 @@ def _worker(name: str, commands: Any, replies: Any) -> None:
         elif cmd == "fail_at":
             comm.fail_at(**arg)
             replies.put(("ok", name, None))
+        elif cmd == "interrupt_on_newer_round":  # what the Trainer does while it waits
+            comm.set_interrupt(lambda: "newer round" if comm.newer_round_seen() else None, 0.01)
+            replies.put(("ok", name, None))
         elif cmd == "allreduce":
             replies.put(_allreduce(comm, name, arg))
     comm.close()
@@ -72,6 +75,9 @@ def _allreduce(comm: Communicator, name: str, spec: dict[str, Any]) -> tuple[str
     try:
         out = comm.allreduce(x, spec["op"], wire_dtype=spec.get("wire"),
                              timeout_s=spec.get("timeout_s"))  # fmt: skip
+    except RoundInterrupted:
+        return ("interrupted", name, {"newer": comm.newer_round_seen(),
+                                      "input_intact": torch.equal(x, before)})  # fmt: skip
     except PeerFailure as exc:
         info = {"peer": exc.peer, "timed_out": exc.timed_out,
                 "input_intact": torch.equal(x, before), "stale": comm.stats.dropped_stale}
@@ -388,3 +394,32 @@ def test_allreduce_bench_writes_its_json(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "chaos.bench.cli", "allreduce", "--sizes", "3MiB"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode != 0 and "bad size" in bad.stderr
+
+
+def test_members_split_across_an_epoch_boundary_are_told_and_rerun() -> None:
+    """The root runs a step under epoch 2 while the others still run it under epoch 1: the
+    others learn of the newer round (NEWER frames, passed on down the tree) and abandon theirs
+    instead of waiting for the step timeout; rerun under epoch 2, everyone completes."""
+    members = ["n0", "n1", "n2", "n3"]
+    spec = {"numel": 20_000, "seed": 3, "op": "mean", "timeout_s": 60.0}
+    with cluster(4) as c:
+        c.topology(members, "tree", **TREE)  # epoch 1
+        _check(c.allreduce(members, numel=1_000, seed=1, op="sum"),
+               _reference(members, 1_000, 1, "sum", "float32"), 1e-5, 1e-5)  # fmt: skip
+        c.send(members, "interrupt_on_newer_round", None)
+        epoch2 = {"kind": "tree", "members": tuple(members), "epoch": 2, **TREE,
+                  "addresses": {m: c.addresses[m] for m in members}}  # fmt: skip
+        c.send(["n0"], "topology", epoch2)  # only the root has moved on
+        for m in members:
+            c.commands[m].put(("allreduce", spec))
+        others = ["n1", "n2", "n3"]
+        told = {m: c._reply(m) for m in others}
+        for m, (kind, _name, info) in told.items():
+            assert kind == "interrupted", (m, kind, info)
+            assert info["newer"] == 2 and info["input_intact"], (m, info)
+        c.send(others, "topology", epoch2)
+        for m in others:
+            c.commands[m].put(("allreduce", spec))
+        replies = {m: c._reply(m) for m in members}
+        _check({m: (k, i) for m, (k, _, i) in replies.items()},
+               _reference(members, 20_000, 3, "mean", "float32"), 1e-5, 1e-5)  # fmt: skip

@@ -178,6 +178,7 @@ class Communicator:
         self._topology: Topology | None = None
         self._last_key: tuple[int, int] = (-1, -1)
         self._newer_round: int | None = None
+        self._told_newer: set[tuple[str, tuple[int, int]]] = set()
         self._failed_step: int | None = None
         self._early: deque[_Frame] = deque()
         self._ready: deque[_Frame] = deque()
@@ -384,7 +385,12 @@ class Communicator:
         except (PeerFailure, ProtocolError) as exc:
             self.stats.failures += 1
             self._failed_step = key[1]
-            self._send_abort(key, exc)
+            if isinstance(exc, RoundInterrupted) and self._newer_round is not None:
+                newer = (self._newer_round, key[1])
+                for peer in list(self._links):  # pass it on: they cannot complete either
+                    self._tell_newer(peer, newer)
+            else:
+                self._send_abort(key, exc)
             raise
         self._failed_step = None
         result = acc.view(tensor.shape)
@@ -456,6 +462,7 @@ class Communicator:
     def _start_round(self, key: tuple[int, int]) -> None:
         self._ready.clear()
         self._newer_round = None
+        self._told_newer.clear()
         later: deque[_Frame] = deque()
         for f in self._early:
             k = f.header.key
@@ -463,6 +470,8 @@ class Communicator:
                 self._ready.append(f)
             elif k < key:
                 self.stats.dropped_stale += 1
+                if k[1] == key[1]:
+                    self._tell_newer(f.peer, key)
             else:
                 if k[1] == key[1]:
                     self._newer_round = max(self._newer_round or 0, k[0])
@@ -506,6 +515,24 @@ class Communicator:
             if fault.before_exit is not None:
                 fault.before_exit()
             os._exit(70)
+
+    def _tell_newer(self, peer: str, key: tuple[int, int]) -> None:
+        """Tells a peer still in an older epoch of this step that we run it under ``key``.
+
+        Without this, members split across an epoch boundary can wait on each other until the
+        step timeout (e.g. a tree root in the new epoch never sends down to children in the
+        old one). Once per peer and round.
+        """
+        link = self._links.get(peer)
+        if link is None or (peer, key) in self._told_newer:
+            return
+        self._told_newer.add((peer, key))
+        header = encode_header(Op.NEWER, torch.float32, 0, key[0], key[1], 0, 0)
+        try:
+            link.socket.send(header, zmq.SNDMORE | zmq.NOBLOCK)
+            link.socket.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # best effort: the peer then times out instead
 
     def _send_abort(self, key: tuple[int, int], exc: Exception) -> None:
         failed = exc.peer if isinstance(exc, PeerFailure) else self.node_id
@@ -591,8 +618,14 @@ class Communicator:
             self.stats.dropped_malformed += 1
             return None
         k = header.key
+        if header.op == Op.NEWER:
+            if k[1] == key[1] and k[0] > key[0]:
+                self._newer_round = max(self._newer_round or 0, k[0])
+            return None
         if k < key:
             self.stats.dropped_stale += 1
+            if k[1] == key[1]:
+                self._tell_newer(peer, key)
             return None
         frame = _Frame(peer, header, parts[1], parts[2])
         if k > key:

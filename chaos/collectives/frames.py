@@ -46,6 +46,9 @@ class Op(enum.IntEnum):
     TREE_DOWN = 4
     ABORT = 5
     """The sender gave up on this (epoch, step); the payload is the failed peer's id (utf-8)."""
+    NEWER = 6
+    """The sender runs this step under the header's newer epoch (it got an older-epoch frame
+    from the receiver): the receiver's round cannot complete. Empty payload."""
 
 
 WIRE_DTYPES: dict[torch.dtype, int] = {

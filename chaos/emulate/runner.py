@@ -288,8 +288,9 @@ class Runner:
         for n in neighbors:
             daemon_args += ["--neighbor", n]
         argv += [f"--daemon-arg={a}" for a in daemon_args]
-        if neighbors:
-            argv += ["--join", self._endpoint(join or neighbors[0])]
+        target = join or (neighbors[0] if neighbors else None)
+        if target is not None:
+            argv += ["--join", self._endpoint(target)]
         if resume is not None:
             argv += ["--resume", str(resume[0]), "--wait-world", str(resume[1])]
         if gate is not None:
@@ -402,7 +403,7 @@ class Runner:
             EmulationError: a device did not checkpoint or restart.
         """
         rec = self._mark("stop_resume_join", node=name, label=f"stop-resume join {name}")
-        before = sorted(self.running())
+        before = self.running()  # in start order: each device links to earlier ones
         live = {n: self.devices[n] for n in before}
         for d in live.values():
             d.out.with_suffix(".checkpoint").touch()
@@ -426,7 +427,9 @@ class Runner:
             earlier = set(members[:i])
             mine = sorted({b if a == node else a for a, b in links if node in (a, b)} & earlier)
             gates[node] = self.out_dir / f"gate-{node}-{len(self.retired)}"
-            self._start_device(node, mine, resume=(ckpt, len(members)), gate=gates[node])
+            via = members[0] if i and not mine else None  # its earlier links were removed
+            self._start_device(node, mine, join=via, resume=(ckpt, len(members)),
+                               gate=gates[node])  # fmt: skip
         for node in members:  # ... then join in order: a joiner names earlier devices
             gates[node].touch()
             self._wait_member(node)
