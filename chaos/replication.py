@@ -79,6 +79,7 @@ __all__ = [
     "ShardServer",
     "ShardServerConfig",
     "fetch_manifest",
+    "latest_manifest",
     "manifest_digest",
     "pull_state",
     "shard_checksum",
@@ -332,7 +333,10 @@ class ShardServer:
         if snap is None:
             return refusal(req.req_id, ShardReason.NOT_PUBLISHED, "no state is published")
         step = snap.step if isinstance(req, ManifestRequest) and req.step is None else req.step
-        if (req.epoch, step) != (snap.epoch, snap.step):
+        epoch = req.epoch
+        if isinstance(req, ManifestRequest) and req.newer_ok and snap.epoch >= req.epoch:
+            epoch = snap.epoch
+        if (epoch, step) != (snap.epoch, snap.step):
             return refusal(
                 req.req_id,
                 ShardReason.STALE_STATE,
@@ -394,6 +398,27 @@ def _check_timeout(timeout_s: float, name: str = "timeout_s") -> None:
         raise ValueError(f"{name} must be > 0, got {timeout_s!r}")
 
 
+def latest_manifest(
+    address: str, min_epoch: int, timeout_s: float, *, context: zmq.Context | None = None
+) -> tuple[bytes, int, int]:
+    """Asks one donor for the manifest of whatever it published under ``min_epoch`` or later.
+
+    A joiner uses this: the donors publish at their next step boundary, under the epoch they
+    install there, which may be newer than the one that named them.
+
+    Returns:
+        ``(manifest, epoch, step)`` of the published snapshot; pull from this donor with them.
+
+    Raises:
+        ChaosTimeout: no answer within ``timeout_s``.
+        ReplicationError: the donor refused (nothing published, or an older epoch) or answered
+            something malformed.
+    """
+    req = ManifestRequest(req_id=1, epoch=min_epoch, step=None, newer_ok=True)
+    manifest, head = _manifest_exchange(address, req, timeout_s, context)
+    return manifest, head.epoch, head.step
+
+
 def fetch_manifest(
     address: str,
     epoch: int,
@@ -423,13 +448,21 @@ def fetch_manifest(
         ReplicationError: the donor refused (stale snapshot, nothing published) or answered
             something malformed.
     """
+    req = ManifestRequest(req_id=1, epoch=epoch, step=step)
+    manifest, head = _manifest_exchange(address, req, timeout_s, context)
+    return manifest, head.step
+
+
+def _manifest_exchange(
+    address: str, req: ManifestRequest, timeout_s: float, context: zmq.Context | None
+) -> tuple[bytes, ManifestReply]:
     _check_timeout(timeout_s)
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(address)
-        sock.send(WIRE_ENCODER.encode(ManifestRequest(req_id=1, epoch=epoch, step=step)))
+        sock.send(WIRE_ENCODER.encode(req))
         if not sock.poll(int(timeout_s * 1000)):
             raise ChaosTimeout(f"donor {address} sent no manifest within {timeout_s} s")
         frames = sock.recv_multipart()
@@ -447,7 +480,7 @@ def fetch_manifest(
         raise ReplicationError(f"donor {address} answered a manifest request with {head!r}")
     if manifest_digest(frames[1]) != head.digest:
         raise ReplicationError(f"donor {address} sent a manifest that fails its digest")
-    return frames[1], head.step
+    return frames[1], head
 
 
 @dataclass(frozen=True)
@@ -554,7 +587,7 @@ class _Puller:
         plan: Plan,
         donors: Mapping[str, str],
         state: TrainingState,
-        epoch: int,
+        epoch: int | Mapping[str, int],
         step: int,
         neighbors: Sequence[Neighbor],
         config: PullConfig,
@@ -572,7 +605,8 @@ class _Puller:
                 f"the plan covers {plan.state_bytes} bytes, the joiner's state has "
                 f"{state.total_bytes}: plan with joiner_state.tensor_sizes()"
             )
-        self.state, self.epoch, self.step = state, epoch, step
+        self.state, self.step = state, step
+        self.epochs = {nid: epoch if isinstance(epoch, int) else int(epoch[nid]) for nid in donors}
         self.config, self.ctx, self.plan = config, context, plan
         self.fingerprint = state.layout_fingerprint()
         self.digest = manifest_digest(state.manifest_bytes)
@@ -666,7 +700,7 @@ class _Puller:
                 self.next_id += 1
                 req = ShardRequest(
                     req_id=req_id,
-                    epoch=self.epoch,
+                    epoch=self.epochs[d.id],
                     step=self.step,
                     fingerprint=self.fingerprint,
                     digest=self.digest,
@@ -721,7 +755,7 @@ class _Puller:
         ok = (
             isinstance(head, ShardReply)
             and len(frames) == 2
-            and (head.epoch, head.step) == (self.epoch, self.step)
+            and (head.epoch, head.step) == (self.epochs[d.id], self.step)
             and (head.offset, head.length) == shard
             and len(frames[1].buffer) == head.length
             and shard_checksum(frames[1].buffer) == head.checksum
@@ -823,7 +857,7 @@ def pull_state(
     plan: Plan,
     donors: Mapping[str, str],
     joiner_state: TrainingState,
-    epoch: int,
+    epoch: int | Mapping[str, int],
     step: int,
     timeout_s: float,
     *,
@@ -844,7 +878,9 @@ def pull_state(
         plan: The replication policy over ``joiner_state.tensor_sizes()``.
         donors: Donor id -> ``ShardServer.address``; ids not in the plan only help re-plans.
         joiner_state: The receiving state, from :meth:`TrainingState.for_joiner`.
-        epoch: Membership epoch of the snapshot the donors published.
+        epoch: Membership epoch of the snapshot the donors published, or per donor (the
+            donors of one step may have published it under different epochs; the manifest
+            digest in every request still ensures they serve the same state).
         step: Training step of that snapshot.
         timeout_s: Limit for the whole pull, in seconds.
         neighbors: Link parameters of every donor (for re-plans).

@@ -89,10 +89,13 @@ class WireMessage(msgspec.Struct, kw_only=True, frozen=True, tag_field="type"):
 
 class ManifestRequest(WireMessage, frozen=True, tag="manifest_req"):
     """Asks for the encoded manifest of the state published for ``(epoch, step)``; ``step``
-    ``None`` accepts whatever step is published for ``epoch`` (the reply names it)."""
+    ``None`` accepts whatever step is published for ``epoch`` (the reply names it).
+    ``newer_ok`` also accepts a snapshot published under a later epoch (a donor may install a
+    newer policy than the one that named it before it publishes); the reply names its epoch."""
 
     epoch: NonNeg
     step: NonNeg | None = None
+    newer_ok: bool = False
 
 
 class ShardRequest(WireMessage, frozen=True, tag="shard_req"):

@@ -43,7 +43,7 @@ from chaos.replication import (
     ReplicationError,
     ShardServer,
     ShardServerConfig,
-    fetch_manifest,
+    latest_manifest,
     pull_state,
 )
 from chaos.scheduling import Neighbor, Plan, plan_replication
@@ -51,6 +51,10 @@ from chaos.scheduling.bounds import lower_bound
 from chaos.state import TrainingState
 
 log = logging.getLogger("chaos.trainer")
+
+
+MANIFEST_GRACE_S = 5.0
+"""Once one donor published its snapshot, how long the joiner waits for the other donors."""
 
 
 class TrainingStalled(ChaosError):
@@ -353,16 +357,18 @@ class Trainer:
                 f"{getattr(rep, 'skipped', '') or 'no replication policy'}"
             )
         t0 = time.monotonic()
-        manifest, epoch, step = self._fetch_manifest(policy.epoch, dict(rep.donor_addresses))
+        manifest, keys = self._fetch_manifests(policy.epoch, dict(rep.donor_addresses))
         t_manifest = time.monotonic()
+        step = next(iter(keys.values()))[1]
         state = TrainingState.for_joiner(self.model, self.optimizer, manifest)
-        neighbors = [Neighbor(d.id, d.prop_s, d.trans_s_per_byte, d.sync_s) for d in rep.donors]
+        neighbors = [Neighbor(d.id, d.prop_s, d.trans_s_per_byte, d.sync_s) for d in rep.donors
+                     if d.id in keys]  # fmt: skip
         plan = self._plan_for(state, rep, neighbors)
         stats = pull_state(
             plan,
-            dict(rep.donor_addresses),
+            {d: a for d, a in rep.donor_addresses.items() if d in keys},
             state,
-            epoch,
+            {d: e for d, (e, _) in keys.items()},
             step,
             self.config.replication_timeout_s,
             neighbors=neighbors,
@@ -384,35 +390,54 @@ class Trainer:
             checksum_failures=stats.checksum_failures,
         )
 
-    def _fetch_manifest(self, epoch: int, donors: dict[str, str]) -> tuple[bytes, int, int]:
-        """The donors publish at their next step boundary, under the epoch they install then
-        (possibly newer than the planning epoch); ask until one has.
+    def _fetch_manifests(
+        self, epoch: int, donors: dict[str, str]
+    ) -> tuple[bytes, dict[str, tuple[int, int]]]:
+        """Asks every donor for the snapshot it published at its next step boundary.
+
+        Donors publish under the epoch they install there, which may be newer than the
+        planning ``epoch`` and differ between donors; all publish the same step. Once one has
+        answered, the others get :data:`MANIFEST_GRACE_S` to answer too; the pull then uses
+        those that did (the plan is redone without the rest).
 
         Returns:
-            ``(manifest, epoch, step)`` of the published snapshot.
+            ``(manifest, {donor: (epoch, step)})`` for the donors that published that step.
+
+        Raises:
+            ChaosTimeout: no donor published within ``join_timeout_s``.
         """
         deadline = time.monotonic() + self.config.join_timeout_s
+        keys: dict[str, tuple[int, int]] = {}
+        manifest = b""
         last: Exception | None = None
-        while time.monotonic() < deadline:
-            try:
-                epoch = max(epoch, self._fetch_policy(timeout_s=1.0).epoch)
-            except ChaosError as exc:
-                last = exc
-            for address in donors.values():
+        while time.monotonic() < deadline and len(keys) < len(donors):
+            for nid, address in donors.items():
+                if nid in keys:
+                    continue
                 try:
-                    manifest, step = fetch_manifest(address, epoch, None, timeout_s=2.0)
-                    return manifest, epoch, step
+                    got, e, s = latest_manifest(address, epoch, timeout_s=2.0)
                 except (ReplicationError, ChaosTimeout) as exc:
                     last = exc
-            time.sleep(self.config.poll_interval_s)
-        raise ChaosTimeout(f"no donor published its state for epoch {epoch}: {last}")
+                    continue
+                if not keys:
+                    manifest = got
+                    deadline = min(deadline, time.monotonic() + MANIFEST_GRACE_S)
+                if s == next(iter(keys.values()), (e, s))[1] and got == manifest:
+                    keys[nid] = (e, s)
+            if len(keys) < len(donors):
+                time.sleep(self.config.poll_interval_s)  # donors publish at their step boundary
+        if not keys:
+            raise ChaosTimeout(f"no donor published its state for epoch {epoch}: {last}")
+        return manifest, keys
 
     @staticmethod
     def _plan_for(state: TrainingState, rep: Any, neighbors: list[Neighbor]) -> Plan:
         """The scheduler's plan, or a local re-plan when the stream's size changed since."""
         sizes = state.tensor_sizes()
         assignment = {k: [tuple(r) for r in v] for k, v in rep.assignment.items()}
-        if sum(sizes) == sum(length for v in assignment.values() for _, length in v):
+        answered = {n.id for n in neighbors}
+        busy = {k for k, v in assignment.items() if v}
+        if busy <= answered and sum(sizes) == sum(n for v in assignment.values() for _, n in v):
             return Plan(
                 method="chaos",
                 layout="flat",
@@ -426,7 +451,7 @@ class Trainer:
         # scheduler's planning and the donors' snapshot: re-plan locally with the scheduler's
         # method over the donors it gave work to (one, for single-source).
         used = {k for k, v in assignment.items() if sum(length for _, length in v) > 0}
-        chosen = [n for n in neighbors if n.id in used] or neighbors
+        chosen = [n for n in neighbors if n.id in used] or neighbors  # neighbors: who answered
         log.info("state size changed since planning; re-planning locally (%s)", rep.method)
         return plan_replication(sizes, chosen, 4e-6, "flat", rep.method)
 

@@ -38,6 +38,7 @@ from chaos.replication import (
     ShardRequest,
     ShardServer,
     fetch_manifest,
+    latest_manifest,
     manifest_digest,
     pull_state,
     shard_checksum,
@@ -79,10 +80,12 @@ def _donor_main(faults: dict[str, Any], hidden: int, rng_seed: int, conn: Connec
     state = TrainingState.capture(model, opt, step=STEP, epoch=EPOCH, hyperparameters={"bs": 32})
     info = {"digest": state_digest(state), "next_rand": torch.rand(4).tolist()}
     publish_after_s = float(faults.get("publish_after_s", 0.0))
-    fault_set = ServerFaults(**{k: v for k, v in faults.items() if k != "publish_after_s"})
+    epoch = EPOCH + int(faults.get("later_epoch", 0))  # a donor that installed a newer policy
+    mine = {k: v for k, v in faults.items() if k not in ("publish_after_s", "later_epoch")}
+    fault_set = ServerFaults(**mine)
     with ShardServer(faults=fault_set) as server:
         if not publish_after_s:
-            server.publish(state, EPOCH, STEP)
+            server.publish(state, epoch, STEP)
         conn.send({"address": server.address, **info})
         if publish_after_s:  # a donor still finishing its step: it publishes a little later
             if conn.poll(publish_after_s):
@@ -335,6 +338,26 @@ def test_donor_that_never_publishes_is_dropped_after_the_grace(spawn_donors: Any
     stats = _pull(donors, state, _plan(state, ["d0", "d1"]), unpublished_grace_s=0.5)
     assert stats.failed_donors == {"d1": "not_published"}
     assert stats.bytes_per_donor["d1"] == 0 and stats.replans >= 1
+    _assert_equal_to_donors(state, model, opt, donors)
+
+
+def test_donors_that_published_under_different_epochs_serve_one_pull(spawn_donors: Any) -> None:
+    donors = spawn_donors({"d0": {}, "d1": {"later_epoch": 2}})
+    with pytest.raises(ReplicationError, match="stale_state"):
+        fetch_manifest(donors["d1"].address, EPOCH, None, timeout_s=20.0)
+    keys = {}
+    for nid, d in donors.items():
+        manifest, epoch, step = latest_manifest(d.address, EPOCH, timeout_s=20.0)
+        keys[nid] = epoch
+        assert step == STEP
+    assert keys == {"d0": EPOCH, "d1": EPOCH + 2}
+    with pytest.raises(ReplicationError, match="stale_state"):
+        latest_manifest(donors["d0"].address, EPOCH + 1, timeout_s=20.0)  # never an older one
+    state, model, opt = _joiner(donors["d0"])
+    stats = pull_state(_plan(state, ["d0", "d1"]), {n: d.address for n, d in donors.items()},
+                       state, keys, STEP, PULL_TIMEOUT_S, neighbors=_neighbors(["d0", "d1"]),
+                       config=PullConfig(window=4))  # fmt: skip
+    assert stats.failed_donors == {} and min(stats.bytes_per_donor.values()) > 0
     _assert_equal_to_donors(state, model, opt, donors)
 
 
