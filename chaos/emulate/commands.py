@@ -181,10 +181,22 @@ def compare_runs(
             else:
                 runner.apply(Event(at_s=0.0, kind="join", node=name))
                 rows.append({"from_nodes": size, "to_nodes": size + 1, "node": name})
+                if strategy == "chaos":  # Fig. 9: connect-link as the cluster grows
+                    runner.watch(base.settle_s)
+                    runner.apply(Event(at_s=0.0, kind="link_add"))
         runner.watch(base.settle_s)
+    links: list[dict[str, Any]] = []
     if strategy != "stop-resume":
-        measured = {r["node"]: r for r in summarize(runner.result) if r["kind"] == "join"}
+        summary = summarize(runner.result)
+        measured = {r["node"]: r for r in summary if r["kind"] == "join"}
         rows = [{**r, **measured.get(r["node"], {})} for r in rows]
+        nodes = lo
+        for r in summary:
+            nodes += r["kind"] == "join"
+            if r["kind"] == "link_add":
+                links.append({"strategy": strategy, "kind": "connect_link", "nodes": nodes,
+                              "link": r["event"], "control_s": r.get("control_s"),
+                              "stall_s": r.get("stall_s"), "repeat": repeat})  # fmt: skip
     out_rows = []
     for r in rows:
         out_rows.append({
@@ -194,7 +206,7 @@ def compare_runs(
             "lower_bound_s": r.get("lower_bound_s"), "idle_s": r.get("idle_s"),
             "repeat": repeat, "donors": r.get("donors"), "network": runner.result.network,
         })  # fmt: skip
-    return out_rows
+    return out_rows + links
 
 
 @click.command("compare")
@@ -227,24 +239,38 @@ def compare_command(sizes: str, model: str, strategies: str, bandwidth: str, sca
         raise click.BadParameter(str(exc)) from exc
     shaped = _shaped(loopback)
     runs: list[dict[str, Any]] = []
+    links: list[dict[str, Any]] = []
     for rep in range(repeats):
         for strategy in chosen:
             click.echo(f"== {strategy}, repeat {rep + 1}/{repeats}", err=True)
             out = json_path.parent / f"{json_path.stem}-runs" / f"{strategy}-{rep}"
             try:
-                runs += compare_runs(strategy, lo, hi, base, out, shaped, rep)
+                got = compare_runs(strategy, lo, hi, base, out, shaped, rep)
             except (EmulationError, ChaosError, OSError) as exc:
                 raise click.ClickException(f"{strategy} run failed: {exc}") from exc
-            _write(json_path, {"runs": runs, "scale": scale, "sizes": [lo, hi]})
+            runs += [r for r in got if r.get("kind") != "connect_link"]
+            links += [r for r in got if r.get("kind") == "connect_link"]
+            _write(json_path, {"runs": runs, "connect_link": links, "scale": scale,
+                               "sizes": [lo, hi]})  # fmt: skip
     summary = compare_summary(runs)
     print_compare_table(summary)
-    _write(json_path, {"runs": runs, "summary": summary, "scale": scale, "sizes": [lo, hi],
-                       "network": runs[0]["network"] if runs else None})  # fmt: skip
+    _print_connect_link(links)
+    network = runs[0]["network"] if runs else None
+    _write(json_path, {"runs": runs, "summary": summary, "connect_link": links, "scale": scale,
+                       "sizes": [lo, hi], "network": network})  # fmt: skip
     if plot_dir is not None:
         from chaos.emulate.plots import plot_compare
 
-        for path in plot_compare(runs, plot_dir):
+        for path in plot_compare(runs, plot_dir, links):
             click.echo(f"wrote {path}", err=True)
+
+
+def _print_connect_link(links: list[dict[str, Any]]) -> None:
+    if not links:
+        return
+    click.echo(f"{'connect-link':<16}" + "".join(f"{r['nodes']:>10}" for r in links))
+    click.echo(f"{'  control':<16}" + "".join(f"{_fmt(r['control_s'], ''):>10}" for r in links))
+    click.echo(f"{'  step stall':<16}" + "".join(f"{_fmt(r['stall_s'], ''):>10}" for r in links))
 
 
 def _median(xs: list[float | None]) -> float | None:

@@ -57,8 +57,11 @@ def _series(
     return xs, ys
 
 
-def plot_compare(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """Fig. 7/10-style scale-out delay per strategy, and Fig. 15-style replication vs bound."""
+def plot_compare(
+    runs: list[dict[str, Any]], out_dir: Path, links: list[dict[str, Any]] | None = None
+) -> list[Path]:
+    """Fig. 7/10-style scale-out delay per strategy, Fig. 15-style replication vs bound, and
+    Fig. 9-style connect-link delay as the cluster grows."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -87,4 +90,18 @@ def plot_compare(runs: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     paths.append(out_dir / "compare_replication.png")
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
+    if links:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for metric, style in (("control_s", "-o"), ("stall_s", "--s")):
+            pts = sorted((r["nodes"], r[metric]) for r in links if r[metric] is not None)
+            ax.plot([p[0] for p in pts], [p[1] * 1000 for p in pts], style,
+                    label=metric[:-2].replace("_", " "))  # fmt: skip
+        ax.set_xlabel("cluster size")
+        ax.set_ylabel("ms")
+        ax.set_title("connect-link: control path and training-step stall")
+        ax.legend()
+        fig.tight_layout()
+        paths.append(out_dir / "compare_connect_link.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
     return paths
