@@ -423,3 +423,27 @@ def test_members_split_across_an_epoch_boundary_are_told_and_rerun() -> None:
         replies = {m: c._reply(m) for m in members}
         _check({m: (k, i) for m, (k, _, i) in replies.items()},
                _reference(members, 20_000, 3, "mean", "float32"), 1e-5, 1e-5)  # fmt: skip
+
+
+def test_a_member_left_behind_is_told_even_when_no_longer_a_neighbour() -> None:
+    """n3 still runs a ring step under epoch 1 and sends to n0; under epoch 2 (a chain tree)
+    n0 has no link to n3, yet tells it (through a notice-only socket) to give up its round."""
+    members = ["n0", "n1", "n2", "n3"]
+    ring = {"ring_order": ("n0", "n1", "n2", "n3")}
+    chain = {"parent": {"n0": None, "n1": "n0", "n2": "n1", "n3": "n2"}}
+    spec = {"numel": 8_000, "seed": 5, "op": "sum", "timeout_s": 60.0}
+    with cluster(4) as c:
+        c.topology(members, "ring", **ring)  # epoch 1
+        c.send(members, "interrupt_on_newer_round", None)
+        epoch2 = {"kind": "tree", "members": tuple(members), "epoch": 2, **chain,
+                  "addresses": {m: c.addresses[m] for m in members}}  # fmt: skip
+        c.send(["n0", "n1", "n2"], "topology", epoch2)
+        for m in members:
+            c.commands[m].put(("allreduce", spec))
+        kind, _, info = c._reply("n3")
+        assert kind == "interrupted" and info["newer"] == 2, (kind, info)
+        c.send(["n3"], "topology", epoch2)
+        c.commands["n3"].put(("allreduce", spec))
+        replies = {m: c._reply(m) for m in members}
+        _check({m: (k, i) for m, (k, _, i) in replies.items()},
+               _reference(members, 8_000, 5, "sum", "float32"), 1e-5, 1e-5)  # fmt: skip

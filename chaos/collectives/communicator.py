@@ -179,6 +179,7 @@ class Communicator:
         self._last_key: tuple[int, int] = (-1, -1)
         self._newer_round: int | None = None
         self._told_newer: set[tuple[str, tuple[int, int]]] = set()
+        self._notices: dict[str, zmq.Socket] = {}  # address -> notice-only DEALER
         self._failed_step: int | None = None
         self._early: deque[_Frame] = deque()
         self._ready: deque[_Frame] = deque()
@@ -235,6 +236,8 @@ class Communicator:
             if peer not in self._links:
                 self._links[peer] = self._open_link(peer, address)
         self._topology = topology
+        for address in [a for a in self._notices if a not in topology.addresses.values()]:
+            self._notices.pop(address).close(linger=0)
         with self._dead_lock:
             self._dead.clear()
         kept = deque(f for f in self._early if f.header.epoch >= topology.epoch)
@@ -523,16 +526,36 @@ class Communicator:
         step timeout (e.g. a tree root in the new epoch never sends down to children in the
         old one). Once per peer and round.
         """
+        if (peer, key) in self._told_newer:
+            return
         link = self._links.get(peer)
-        if link is None or (peer, key) in self._told_newer:
+        sock = link.socket if link is not None else self._notice_socket(peer)
+        if sock is None:
             return
         self._told_newer.add((peer, key))
         header = encode_header(Op.NEWER, torch.float32, 0, key[0], key[1], 0, 0)
         try:
-            link.socket.send(header, zmq.SNDMORE | zmq.NOBLOCK)
-            link.socket.send(b"", zmq.NOBLOCK)
+            sock.send(header, zmq.SNDMORE | zmq.NOBLOCK)
+            sock.send(b"", zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # best effort: the peer then times out instead
+
+    def _notice_socket(self, peer: str) -> zmq.Socket | None:
+        """A socket to a member that is not a neighbour in this epoch (for NEWER notices: in
+        its older epoch it may still wait on us). Its own routing id, so that it never clashes
+        with a data link."""
+        topo = self._topology
+        address = topo.addresses.get(peer) if topo is not None else None
+        if address is None:
+            return None
+        sock = self._notices.get(address)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.ROUTING_ID, f"{self.node_id}~notice".encode())
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self._notices[address] = sock
+        return sock
 
     def _send_abort(self, key: tuple[int, int], exc: Exception) -> None:
         failed = exc.peer if isinstance(exc, PeerFailure) else self.node_id
@@ -661,6 +684,9 @@ class Communicator:
         for link in self._links.values():
             self._close_link(link)
         self._links.clear()
+        for sock in self._notices.values():
+            sock.close(linger=0)
+        self._notices.clear()
         self._router.close(linger=0)
         self._ctx.term()
 
