@@ -230,6 +230,7 @@ class Trainer:
         self._epoch = -1
         self._policy: _Policy | None = None
         self._published: tuple[int, int] | None = None
+        self._last_contact = time.monotonic()  # last answer from the local daemon
         self._layout: list[int] | None = None
         self.events: list[dict[str, Any]] = []
         self._embedded: EmbeddedDaemon | None = None
@@ -514,7 +515,23 @@ class Trainer:
                 self._event("serving", joiner=rep.target, epoch=policy.epoch, step=self._step)
 
     def _refresh(self) -> None:
-        p = self._fetch_policy()
+        """Installs a newer policy at this step boundary, if the daemon has one.
+
+        A daemon that is slow to answer (a busy or starved device) is not fatal: training goes
+        on under the current policy, until the daemon has been silent for ``policy_timeout_s``.
+
+        Raises:
+            TrainingStalled: no answer from the daemon for ``policy_timeout_s``.
+        """
+        try:
+            p = self._fetch_policy()
+        except ChaosTimeout as exc:
+            silent = time.monotonic() - self._last_contact
+            if silent > self.config.policy_timeout_s:
+                raise TrainingStalled(f"the daemon did not answer for {silent:.0f} s") from exc
+            log.warning("daemon slow (%s); keeping the policy of epoch %d", exc, self._epoch)
+            return
+        self._last_contact = time.monotonic()
         if p.epoch > self._epoch and p.topology is not None and not p.paused:
             self._install(p)
 
