@@ -490,9 +490,9 @@ class PullConfig:
     Args:
         window: Outstanding shard requests per donor. Raise it on long, fat links so that a
             donor always has a shard queued; 1 makes every shard cost a round trip.
-        request_timeout_s: A donor that sends nothing for this long while requests are
-            outstanding is declared dead and its shards re-planned. Set it well above the time
-            one window of shards takes on the slowest link.
+        request_timeout_s: A donor that sends nothing for this long (plus three times the
+            time its planned link needs for the bytes in flight) while requests are outstanding
+            is declared dead and its shards re-planned.
         max_shard_attempts: A shard that fails its checksum this many times in all (over every
             donor) fails the pull.
         replan_method: Planner for re-planning a dead donor's shards (``plan_replication``'s
@@ -713,8 +713,14 @@ class _Puller:
     def _check_timeouts(self) -> None:
         now = time.monotonic()
         for d in self.donors.values():
-            if d.alive and d.inflight and now - d.last_progress > self.config.request_timeout_s:
+            if d.alive and d.inflight and now - d.last_progress > self._allowance(d):
                 self._fail_donor(d, "timeout")
+
+    def _allowance(self, d: _Donor) -> float:
+        """How long a donor may stay silent: ``request_timeout_s``, plus three times what its
+        link needs for the bytes in flight (a large shard on a slow link is not a dead donor)."""
+        inflight = sum(length for _, length in d.inflight.values())
+        return self.config.request_timeout_s + 3.0 * inflight * d.neighbor.trans_s_per_byte
 
     def _on_readable(self, d: _Donor, is_monitor: bool) -> None:
         if not d.alive:
