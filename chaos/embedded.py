@@ -18,6 +18,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from chaos.daemon.config import ipc_endpoint_for
 from chaos.errors import ChaosError, ChaosTimeout
 
 
@@ -72,7 +73,7 @@ class EmbeddedDaemon:
         self.listen = listen
         self.run_dir = run_dir or tempfile.mkdtemp(prefix=f"chaos-{node_id}-")
         Path(self.run_dir).mkdir(parents=True, exist_ok=True)
-        self.endpoint = f"ipc://{Path(self.run_dir) / 'daemon.ipc'}"
+        self.endpoint = ipc_endpoint_for(self.run_dir)
         self.log_path = Path(self.run_dir) / "daemon.log"
         argv = [sys.executable, "-m", "chaos.daemon.cli", "start", "--id", node_id]
         argv += ["--listen", listen, *extra_args]

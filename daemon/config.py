@@ -11,9 +11,11 @@ error, so a typo never goes unnoticed.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import os
 import re
+import tempfile
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -233,6 +235,13 @@ class DaemonConfig:
             raise ConfigError(f"metrics_port must be in 1..65535, got {self.metrics_port!r}")
         if self.ipc_endpoint is not None and not self.ipc_endpoint.startswith("ipc://"):
             raise ConfigError(f"ipc_endpoint must start with ipc://, got {self.ipc_endpoint!r}")
+        if self.ipc_endpoint is not None and (
+            len(self.ipc_endpoint.removeprefix("ipc://").encode()) > IPC_PATH_MAX
+        ):
+            raise ConfigError(
+                f"ipc_endpoint path is longer than {IPC_PATH_MAX} bytes (the unix socket limit): "
+                f"{self.ipc_endpoint!r}"
+            )
         for f in self.faults:
             _parse_fault_spec(f)
 
@@ -263,9 +272,23 @@ class DaemonConfig:
         return self.event_log or str(Path(self.run_dir) / f"events-{self.node_id}.jsonl")
 
 
+#: Longest path a unix socket address can hold (``sizeof(sockaddr_un.sun_path) - 1`` on Linux).
+IPC_PATH_MAX = 107
+
+
 def ipc_endpoint_for(run_dir: str) -> str:
-    """The default IPC endpoint of the daemon whose run directory is ``run_dir``."""
-    return f"ipc://{Path(run_dir) / 'daemon.ipc'}"
+    """The default IPC endpoint of the daemon whose run directory is ``run_dir``.
+
+    It is ``ipc://<run_dir>/daemon.ipc`` when that fits in a unix socket address. A deeper run
+    directory (pytest's temporary folders, an emulation's device folders) gets a short path in
+    the system temporary directory derived from the run directory, so the daemon and every
+    client that knows the run directory still agree on it.
+    """
+    path = str(Path(run_dir) / "daemon.ipc")
+    if len(path.encode()) <= IPC_PATH_MAX:
+        return f"ipc://{path}"
+    digest = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:20]
+    return f"ipc://{Path(tempfile.gettempdir()) / f'chaos-{digest}.ipc'}"
 
 
 def _parse_fault_spec(spec: str) -> tuple[str, list[str]]:

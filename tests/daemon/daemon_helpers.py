@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from chaos.daemon.client import DaemonClient
+from chaos.daemon.config import ipc_endpoint_for
 from chaos.daemon.events import read_events
 
 from chaos.errors import ChaosError
@@ -75,7 +76,7 @@ class Node:
 
     @property
     def ipc(self) -> str:
-        return f"ipc://{self.run_dir / 'daemon.ipc'}"
+        return ipc_endpoint_for(str(self.run_dir))
 
     @property
     def events_path(self) -> Path:

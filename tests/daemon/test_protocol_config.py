@@ -8,11 +8,13 @@ from pathlib import Path
 import msgspec
 import pytest
 from chaos.daemon.cli import main
-from chaos.daemon.config import DaemonConfig, load_config
+from chaos.daemon.client import DaemonClient
+from chaos.daemon.config import IPC_PATH_MAX, DaemonConfig, ipc_endpoint_for, load_config
 from chaos.daemon.election import Election
 from chaos.daemon.states import Role
 from click.testing import CliRunner
 
+from chaos.embedded import EmbeddedDaemon, free_tcp_address
 from chaos.errors import ConfigError, ProtocolError
 from chaos.protocol import (
     ClusterUpdate,
@@ -99,11 +101,29 @@ def _cfg(**kw: object) -> DaemonConfig:
         {"neighbors": ("a",)},
         {"faults": ("explode:b",)},
         {"ipc_endpoint": "/tmp/x"},
+        {"ipc_endpoint": "ipc:///tmp/" + "x" * 120},
     ],
 )
 def test_bad_config_values(kw: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         _cfg(**kw)
+
+
+def test_deep_run_dir_gets_a_short_ipc_path(tmp_path: Path) -> None:
+    """A run directory too deep for a unix socket address still yields a bindable endpoint."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    endpoint = ipc_endpoint_for(str(deep))
+    assert len(endpoint.removeprefix("ipc://").encode()) <= IPC_PATH_MAX
+    assert endpoint == ipc_endpoint_for(str(deep))  # every client derives the same one
+    assert endpoint != ipc_endpoint_for(str(tmp_path / "other" / ("d" * 60) / ("e" * 60)))
+    assert ipc_endpoint_for(str(tmp_path)) == f"ipc://{tmp_path / 'daemon.ipc'}"
+    daemon = EmbeddedDaemon("deep", free_tcp_address(), None, run_dir=str(deep))
+    try:
+        daemon.wait_ready(20.0)
+        with DaemonClient(daemon.endpoint, timeout_s=5.0) as client:
+            assert [n.id for n in client.status().nodes] == ["deep"]
+    finally:
+        daemon.stop()
 
 
 def test_config_precedence(tmp_path: Path) -> None:
