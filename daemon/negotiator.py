@@ -484,6 +484,12 @@ class Negotiator:
         self.monitor.remove_node(node)
         self.last_heard.pop(node, None)
         self.trainers.forget(node)
+        for pending in list(self.ops.values()):  # a leaver acknowledges nothing more
+            pending.waiting.discard(node)
+            if not pending.waiting:
+                self._complete(pending, now, ok=True)
+        for so in self.scaleouts.values():
+            so.waiting.discard(node)
         op = self.commit("scale_in_leave", now, reply=reply, req_op_id=msg.op_id)
         if node == self.host.node_id:
             op.after = TimeoutNow(sender=node, epoch=self.epoch, term=self.host.term)

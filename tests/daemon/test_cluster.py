@@ -72,6 +72,23 @@ def test_sigterm_leaves_gracefully(cluster: Cluster) -> None:
     assert not any(e["event"] == "handler_error" for n in nodes for e in n.events())
 
 
+def test_everyone_leaving_at_once_completes_every_leave(cluster: Cluster) -> None:
+    """SIGTERM to all members at once (the end of a run): each leave is acknowledged.
+
+    A leaver stops acknowledging views, so the scheduler must not wait for it; each daemon's
+    ``left`` event says ok instead of a timeout.
+    """
+    nodes = cluster.start(3)
+    wait_until(lambda: _agree(nodes), "one scheduler")
+    for n in nodes:
+        n.proc.send_signal(signal.SIGTERM)
+    for n in nodes:
+        assert n.proc.wait(timeout=15) == 0
+    for n in nodes:
+        left = [e for e in n.events() if e["event"] == "left"]
+        assert len(left) == 1 and left[0]["ok"] is True, (n.id, left)
+
+
 def test_kill9_member_is_removed_by_every_survivor(cluster: Cluster) -> None:
     nodes = cluster.start(4)
     cluster.kill9(nodes[2])
