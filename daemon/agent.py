@@ -244,11 +244,15 @@ class Agent:
         m = self.measurements.get(msg.seq)
         if m is None or m.pongs >= _MEASURE_PINGS or msg.sender != m.cmd.peer:
             return
-        # the first round trip may include connection setup: keep the best of a few
+        # the first round trip may include connection setup: keep the best of a few. Once the
+        # first pong shows the connection is up, the others go out back to back (one more
+        # round trip in all, not one per ping).
         m.rtt_s = rtt if m.rtt_s is None else min(m.rtt_s, rtt)
         m.pongs += 1
+        if m.pongs == 1:
+            for _ in range(_MEASURE_PINGS - 1):
+                self._ping(m, now)
         if m.pongs < _MEASURE_PINGS:
-            self._ping(m, now)
             return
         if m.cmd.measure_bandwidth:
             self._start_bulk(m, now)

@@ -13,6 +13,7 @@ and counted, like a lost packet. A failed peer's DEALER is closed with its queue
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 from collections.abc import Iterable
@@ -266,7 +267,9 @@ class Transport:
         Returns:
             The inbound frames.
         """
-        events = dict(self.poller.poll(max(0, int(timeout_s * 1000))))
+        # zmq_poll takes whole milliseconds: round up, so a timer 0.4 ms away sleeps 1 ms
+        # instead of spinning until it is due
+        events = dict(self.poller.poll(max(0, math.ceil(timeout_s * 1000))))
         out: list[Inbound] = []
         for sock in events:
             if not isinstance(sock, zmq.Socket):
