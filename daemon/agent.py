@@ -60,7 +60,7 @@ class AgentHost(Protocol):
 
     def to_scheduler(self, msg: Message) -> bool: ...  # noqa: D102
 
-    def connect_peer(self, peer: str, address: str) -> None: ...  # noqa: D102
+    def connect_peer(self, peer: str, address: str) -> bool: ...  # noqa: D102
 
     def event(self, name: str, **fields: object) -> None: ...  # noqa: D102
 
@@ -91,6 +91,7 @@ class Measurement:
     bulk_started: float = 0.0
     bulk_bytes: int = 0
     last_ping: float = float("-inf")
+    burst_sent: bool = False
 
 
 @dataclass
@@ -249,7 +250,8 @@ class Agent:
         # round trip in all, not one per ping).
         m.rtt_s = rtt if m.rtt_s is None else min(m.rtt_s, rtt)
         m.pongs += 1
-        if m.pongs == 1:
+        if not m.burst_sent:
+            m.burst_sent = True
             for _ in range(_MEASURE_PINGS - 1):
                 self._ping(m, now)
         if m.pongs < _MEASURE_PINGS:
@@ -263,11 +265,15 @@ class Agent:
 
     def on_connect(self, cmd: ConnectCommand, now: float) -> None:
         """Starts measuring the link to ``cmd.peer`` (ping, then maybe bulk)."""
-        self.host.connect_peer(cmd.peer, cmd.address)
+        warm = self.host.connect_peer(cmd.peer, cmd.address)
         seq = next(self._seq)
         m = Measurement(cmd=cmd, started=now, deadline=now + self.cfg.probe_timeout_s, seq=seq)
         self.measurements[seq] = m
-        self._ping(m, now)
+        # over a connection already open, every ping goes out at once (one round trip); a fresh
+        # one is pinged once first, so that connection setup inflates only one sample
+        m.burst_sent = warm
+        for _ in range(_MEASURE_PINGS if warm else 1):
+            self._ping(m, now)
 
     def _ping(self, m: Measurement, now: float) -> None:
         m.last_ping = now

@@ -214,10 +214,9 @@ class Daemon:
         self.transport.ensure_peer(peer, address)
         self.send(peer, msg)
 
-    def connect_peer(self, peer: str, address: str) -> None:
-        """Opens the DEALER to ``peer``."""
-        if peer != self.node_id:
-            self.transport.ensure_peer(peer, address)
+    def connect_peer(self, peer: str, address: str) -> bool:
+        """Opens the DEALER to ``peer``; ``True`` when it was already open."""
+        return peer != self.node_id and self.transport.ensure_peer(peer, address)
 
     def event(self, name: str, **fields: object) -> None:
         """Logs an event to the JSONL log and the ``logging`` module."""
@@ -597,7 +596,10 @@ class Daemon:
             self.election.on_leader(msg.term, msg.sender, now)
             self.event("leader_changed", scheduler=msg.sender, term=msg.term)
         self._install(msg, now)
+        # acknowledge as soon as the view and policy are in place; the event log and metrics
+        # come after, off the scheduler's critical path
         self.respond(reply, PolicyAck(sender=self.node_id, epoch=msg.epoch, term=self.term))
+        self._record_install(msg)
 
     def _install(self, msg: ClusterUpdate, now: float) -> None:
         self.view = msg.view
@@ -611,6 +613,8 @@ class Daemon:
             if peer not in keep:
                 self.transport.drop_peer(peer)
         self.agent.set_view(msg.view, now)
+
+    def _record_install(self, msg: ClusterUpdate) -> None:
         self.event(
             "view_installed",
             epoch=msg.epoch,

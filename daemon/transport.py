@@ -196,14 +196,19 @@ class Transport:
         self.poller.register(sock, zmq.POLLIN)
         return sock
 
-    def ensure_peer(self, peer: str, address: str) -> None:
-        """Opens (or re-points) the DEALER to ``peer`` at ``address``."""
+    def ensure_peer(self, peer: str, address: str) -> bool:
+        """Opens (or re-points) the DEALER to ``peer`` at ``address``.
+
+        Returns:
+            ``True`` when that DEALER was already open (its connection is likely up).
+        """
         cur = self.dealers.get(peer)
         if cur is not None and cur[0] == address:
-            return
+            return True
         if cur is not None:
             self.drop_peer(peer)
         self.dealers[peer] = (address, self._dealer(address))
+        return False
 
     def drop_peer(self, peer: str) -> None:
         """Closes the DEALER to ``peer`` (no-op if none)."""

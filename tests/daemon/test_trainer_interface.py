@@ -250,8 +250,8 @@ class _Host:
     def send_to_address(self, peer: str, address: str, msg: Any) -> None:
         pass
 
-    def connect_peer(self, peer: str, address: str) -> None:
-        pass
+    def connect_peer(self, peer: str, address: str) -> bool:
+        return False
 
     def broadcast(self, peers: dict[str, str], msg: Any) -> None:
         self.updates.append(msg)
