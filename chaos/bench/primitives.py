@@ -27,6 +27,12 @@ the start of its gradient computation to the return of ``update()`` and
 ``check_state_replication()``. Noise can make a stall slightly negative; it is reported as
 measured, and ``baseline_step_p10_ms`` / ``baseline_step_p90_ms`` show how noisy a step is.
 
+**Null (placebo).** The worst of several members' noisy step durations exceeds the median even
+when nothing happens. For each sample, the same estimator (same members, same number of steps
+each) is also applied at a step number where every one of those members ran quiet steps; its
+distribution is ``null_ms``, and ``added_p50_ms`` = stall p50 - null p50 is the part of the
+stall the primitive adds beyond that bias.
+
 **Control path** (``control_ms``): for the link primitives, the client's request to the daemon's
 answer (sent once the new policy is acknowledged by every member); for scale-in, the leaver's
 ``request_node_exit()`` from its call to the daemon's answer to the leave. This runs while the
@@ -41,7 +47,8 @@ Samples measured before a failure are kept; a primitive that stalled training un
 and then resumed is a (large) sample, not a failure.
 
 JSON: ``{"scale_in_ms": {"p50", "p99", "n", "samples"}, "connect_link_ms": {...},
-"disconnect_link_ms": {...}, "baseline_step_ms", "baseline_step_p10_ms",
+"disconnect_link_ms": {...}, "null_ms": {primitive: {...}}, "added_p50_ms": {primitive: ms},
+"baseline_step_ms", "baseline_step_p10_ms",
 "baseline_step_p90_ms", "baseline_steps", "control_ms": {primitive: {...}}, "reruns",
 "attempts", "failures", "nodes", "repeats", "compute_s"}``, durations in milliseconds.
 """
@@ -285,14 +292,18 @@ def _scale_in(cl: _Cluster, leaver: str, settle_steps: int) -> _Primitive:
     return _Primitive("scale_in", t_req, left["t_left"] - left["t_leave"], survivors, epoch)
 
 
-def _stall_s(cl: _Cluster, p: _Primitive, baseline_s: float) -> float:
+def _stall_s(cl: _Cluster, p: _Primitive, baseline_s: float) -> tuple[float, dict[str, int]]:
     """The primitive's stall: the worst member's extra time over the spanning steps.
 
     A member's spanning steps are the steps, ending after the request, in which it installed a
     newer epoch (a policy change is installed, and any aborted round rerun, inside the
     ``update()`` of that step), up to its first step under the settled epoch.
+
+    Returns:
+        ``(stall_s, spans)``: the stall and how many steps each member's span has.
     """
     worst = float("-inf")
+    spans: dict[str, int] = {}
     for n in p.survivors:
         span: list[dict[str, Any]] = []
         prev: int | None = None
@@ -306,7 +317,41 @@ def _stall_s(cl: _Cluster, p: _Primitive, baseline_s: float) -> float:
             raise ChaosError(f"{n} logged no step under epoch {p.epoch_after}")
         extra = sum(r["t1"] - r["t0"] for r in span) - len(span) * baseline_s
         worst = max(worst, extra)
-    return worst
+        spans[n] = len(span)
+    return worst, spans
+
+
+def _null_stall_s(
+    quiet: dict[str, dict[int, float]], spans: dict[str, int], baseline_s: float, pick: int
+) -> float | None:
+    """The same estimator as :func:`_stall_s` on undisturbed steps (the placebo).
+
+    Taking the worst of several members' noisy step durations is above the median even when
+    nothing happens; this measures by how much. It takes the members' steps from a step number
+    at which every member of ``spans`` ran that many quiet steps in a row.
+
+    Args:
+        quiet: Per member, its quiet steps' durations by step number.
+        spans: Per member, how many steps the real primitive spanned.
+        baseline_s: The median undisturbed step.
+        pick: Which of the eligible start steps to use (taken modulo their count), so that
+            successive samples come from different parts of the run.
+
+    Returns:
+        The placebo stall, or ``None`` when no step number qualifies.
+    """
+    if not spans or any(n not in quiet for n in spans):
+        return None
+    common = set.intersection(*(set(quiet[n]) for n in spans))
+    starts = sorted(
+        s for s in common if all(s + i in quiet[n] for n, k in spans.items() for i in range(k))
+    )
+    if not starts:
+        return None
+    s0 = starts[pick % len(starts)]
+    return max(
+        sum(quiet[n][s0 + i] for i in range(k)) - k * baseline_s for n, k in spans.items()
+    )
 
 
 def _reruns(cl: _Cluster, p: _Primitive) -> int:
@@ -330,19 +375,21 @@ def _mark_windows(cl: _Cluster, prims: list[_Primitive]) -> None:
         cl.windows.append((p.t_req, p.t_settled))
 
 
-def _quiet_durations(cl: _Cluster) -> list[float]:
-    """Durations of the steps outside every window, under an unchanged epoch."""
-    durations: list[float] = []
-    for m in cl.members.values():
+def _quiet_steps(cl: _Cluster) -> dict[str, dict[int, float]]:
+    """Per member, the durations of its steps outside every window, under an unchanged epoch,
+    by step number."""
+    out: dict[str, dict[int, float]] = {}
+    for nid, m in cl.members.items():
         prev_epoch = None
+        mine = out.setdefault(nid, {})
         for r in m.log.steps:
             quiet = r["epoch"] == prev_epoch and not any(
                 r["t1"] > a and r["t0"] < b for a, b in cl.windows
             )
             if quiet:
-                durations.append(r["t1"] - r["t0"])
+                mine[int(r["step"])] = r["t1"] - r["t0"]
             prev_epoch = r["epoch"]
-    return durations
+    return out
 
 
 @dataclass
@@ -350,6 +397,7 @@ class _Tally:
     """What every attempt (one cluster each) has measured so far."""
 
     stalls: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in PRIMITIVES})
+    nulls: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in PRIMITIVES})
     control: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in PRIMITIVES})
     baseline: list[float] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)
@@ -411,13 +459,18 @@ def _attempt(
     for m in cl.members.values():
         m.log.poll()
     _mark_windows(cl, prims)
-    durations = _quiet_durations(cl)
+    quiet = _quiet_steps(cl)
+    durations = [d for steps in quiet.values() for d in steps.values()]
     tally.baseline += durations
     if prims and not durations:
         raise ChaosError("no undisturbed step to take the baseline from")
     baseline_s = statistics.median(durations) if durations else 0.0
-    for p in prims:
-        tally.stalls[p.kind].append(_stall_s(cl, p, baseline_s))
+    for i, p in enumerate(prims):
+        stall, spans = _stall_s(cl, p, baseline_s)
+        tally.stalls[p.kind].append(stall)
+        null = _null_stall_s(quiet, spans, baseline_s, pick=7919 * i)
+        if null is not None:
+            tally.nulls[p.kind].append(null)
         tally.control[p.kind].append(p.control_s)
         tally.reruns[p.kind] += _reruns(cl, p)
 
@@ -481,6 +534,10 @@ def run(
     result: dict[str, Any] = {"nodes": nodes, "repeats": repeats, "compute_s": compute_s}
     for kind in PRIMITIVES:
         result[f"{kind}_ms"] = summary_ms(tally.stalls[kind])
+    result["null_ms"] = {kind: summary_ms(tally.nulls[kind]) for kind in PRIMITIVES}
+    result["added_p50_ms"] = {
+        kind: result[f"{kind}_ms"]["p50"] - result["null_ms"][kind]["p50"] for kind in PRIMITIVES
+    }
     result["baseline_step_ms"] = statistics.median(tally.baseline) * 1e3
     result["baseline_step_p10_ms"] = percentile(tally.baseline, 10) * 1e3
     result["baseline_step_p90_ms"] = percentile(tally.baseline, 90) * 1e3
@@ -551,12 +608,17 @@ def primitives_command(
         nodes, repeats, compute_s, width, settle_steps, timeout_s, max_failures, click.echo, logs
     )
     Path(json_path).write_text(json.dumps(result, indent=2))
-    head = f"{'primitive':<17}{'stall p50 ms':>13}{'stall p99 ms':>13}{'control p50 ms':>15}"
-    click.echo(f"{head}{'reruns':>8}{'n':>4}")
+    head = f"{'primitive':<17}{'stall p50 ms':>13}{'stall p99 ms':>13}{'null p50 ms':>12}"
+    click.echo(f"{head}{'added p50 ms':>13}{'control p50 ms':>15}{'reruns':>8}{'n':>4}")
     for kind in PRIMITIVES:
         s, c = result[f"{kind}_ms"], result["control_ms"][kind]
-        row = f"{kind:<17}{s['p50']:>13.3f}{s['p99']:>13.3f}{c['p50']:>15.3f}"
-        click.echo(f"{row}{result['reruns'][kind]:>8}{s['n']:>4}")
+        z, added = result["null_ms"][kind], result["added_p50_ms"][kind]
+        row = f"{kind:<17}{s['p50']:>13.3f}{s['p99']:>13.3f}{z['p50']:>12.3f}{added:>13.3f}"
+        click.echo(f"{row}{c['p50']:>15.3f}{result['reruns'][kind]:>8}{s['n']:>4}")
+    click.echo(
+        "null: the same estimator on undisturbed steps (the worst member's noise); "
+        "added = stall p50 - null p50"
+    )
     click.echo(
         f"baseline step: {result['baseline_step_ms']:.3f} ms, median of "
         f"{result['baseline_steps']} undisturbed steps (p10 {result['baseline_step_p10_ms']:.3f}, "

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import psutil
+from chaos.bench.primitives import _null_stall_s
 
 TIMEOUT_S = 300.0
 
@@ -52,4 +53,25 @@ def test_primitives_bench_writes_its_json(tmp_path: Path) -> None:
     assert set(data["control_ms"]) == {"scale_in", "connect_link", "disconnect_link"}
     assert all(v["n"] >= 1 for v in data["control_ms"].values())
     assert isinstance(data["failures"], list) and data["attempts"] >= 1
-    assert "stall p50" in stdout and "baseline step" in stdout
+    assert set(data["null_ms"]) == set(data["added_p50_ms"]) == set(data["control_ms"])
+    for kind, null in data["null_ms"].items():
+        assert null["n"] == len(null["samples"]) and all(math.isfinite(x) for x in null["samples"])
+        if null["n"]:
+            want = data[f"{kind}_ms"]["p50"] - null["p50"]
+            assert math.isclose(data["added_p50_ms"][kind], want, rel_tol=1e-9, abs_tol=1e-12)
+    assert "stall p50" in stdout and "baseline step" in stdout and "null p50" in stdout
+
+
+def test_null_estimator_takes_the_worst_member_over_quiet_runs() -> None:
+    """The placebo applies the stall estimator to steps every member ran undisturbed."""
+    quiet = {
+        "a": {10: 0.030, 11: 0.020, 12: 0.020, 20: 0.050},
+        "b": {10: 0.020, 11: 0.025, 12: 0.020, 21: 0.050},
+    }
+    # a spans 2 steps, b spans 1: only step 10 (a: 10, 11; b: 10) and 11 (a: 11, 12; b: 11) fit
+    first = _null_stall_s(quiet, {"a": 2, "b": 1}, baseline_s=0.020, pick=0)
+    assert first is not None and math.isclose(first, 0.010)  # a: 0.050 - 0.040
+    second = _null_stall_s(quiet, {"a": 2, "b": 1}, baseline_s=0.020, pick=1)
+    assert second is not None and math.isclose(second, 0.005)  # b: 0.025 - 0.020
+    assert _null_stall_s(quiet, {"a": 4, "b": 1}, baseline_s=0.020, pick=0) is None
+    assert _null_stall_s(quiet, {"c": 1}, baseline_s=0.020, pick=0) is None
