@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import psutil
+
 from chaos.bench.primitives import _null_stall_s
 
 TIMEOUT_S = 300.0
