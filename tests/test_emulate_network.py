@@ -116,6 +116,16 @@ def test_schedule_draws_reproducibly_within_scaled_range() -> None:
         ScheduleConfig(low_bps=500e6, high_bps=100e6)
 
 
+def test_a_links_rate_does_not_depend_on_the_other_links_drawn() -> None:
+    """Baselines that add links in another order, or extra links, see the same rate per link."""
+    cfg = ScheduleConfig(low_bps=100e6, high_bps=1000e6, scale=0.1, seed=7)
+    some = BandwidthSchedule(cfg).draw([("a", "b"), ("b", "c")])
+    more = BandwidthSchedule(cfg).draw([("x", "y"), ("c", "b"), ("a", "c"), ("a", "b")])
+    assert some[("a", "b")] == more[("a", "b")]
+    assert some[("b", "c")] == more[("c", "b")]  # either order of the ends
+    assert len({some[("a", "b")], some[("b", "c")], more[("a", "c")]}) == 3
+
+
 def test_random_overlay_is_connected() -> None:
     import networkx as nx
 

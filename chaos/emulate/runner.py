@@ -144,7 +144,11 @@ class Runner:
         self.out_dir = out_dir
         self.shaped = shaped
         self.progress = progress or (lambda _msg: None)
-        self.rng = random.Random(scenario.seed)
+        # separate streams: the neighbours each join gets must not depend on how many other
+        # random choices (nodes to fail, links to add) came before it, so that every strategy
+        # of a compare run grows the same overlay
+        self.join_rng = random.Random(f"{scenario.seed}:joins")
+        self.pick_rng = random.Random(f"{scenario.seed}:picks")
         self.devices: dict[str, Device] = {}
         self.retired: list[Device] = []  # earlier incarnations (stop-resume restarts)
         self.result = RunResult(scenario, "tc-shaped netns" if shaped else "loopback (unshaped)",
@@ -344,9 +348,9 @@ class Runner:
     def _join(self, ev: Event, rec: dict[str, Any]) -> None:
         name = str(ev.node)
         live = self.running()
-        nbrs = sorted(self.rng.sample(live, min(self.sc.degree, len(live))))
+        nbrs = sorted(self.join_rng.sample(sorted(live), min(self.sc.degree, len(live))))
         for n in nbrs:
-            self._net.add_link(name, n, self._rate())
+            self._net.add_link(name, n, self._rate(name, n))
         rec.update(node=name, neighbors=nbrs, label=f"join {name}")
         self._start_device(name, nbrs)
         ready = self._wait_ready(name)
@@ -363,7 +367,7 @@ class Runner:
         cands = [n for n in live[1:] if nx.is_connected(g.subgraph(set(live) - {n}))]
         if not cands:
             raise EmulationError(f"no device can go without splitting the overlay: {live}")
-        return str(self.rng.choice(cands))
+        return str(self.pick_rng.choice(cands))
 
     def _leave(self, ev: Event, rec: dict[str, Any]) -> None:
         d = self.devices[self._pick_node(ev)]
@@ -417,9 +421,9 @@ class Runner:
         ckpt = live[before[0]].out.with_suffix(".pt")
         if not ckpt.exists():
             raise EmulationError(f"no checkpoint written by {before[0]}:\n{_tail(live[before[0]])}")
-        nbrs = sorted(self.rng.sample(before, min(self.sc.degree, len(before))))
+        nbrs = sorted(self.join_rng.sample(sorted(before), min(self.sc.degree, len(before))))
         for n in nbrs:
-            self._net.add_link(name, n, self._rate())
+            self._net.add_link(name, n, self._rate(name, n))
         members = [*before, name]
         links = self._net.links()
         gates = {}
@@ -504,7 +508,7 @@ class Runner:
                      if not g.has_edge(a, b)]  # fmt: skip
         if not cands:
             raise EmulationError(f"no link to pick for {ev.kind} among {live}")
-        a, b = self.rng.choice(cands)
+        a, b = self.pick_rng.choice(cands)
         return str(a), str(b)
 
     def _daemon_cli(self, node: str, *args: str) -> tuple[int, float, str]:
@@ -515,7 +519,7 @@ class Runner:
 
     def _link_add(self, ev: Event, rec: dict[str, Any]) -> None:
         a, b = self._pick_link(ev, existing=False)
-        self._net.add_link(a, b, self._rate())
+        self._net.add_link(a, b, self._rate(a, b))
         code, took, err = self._daemon_cli(a, "link", "add", b)
         rec.update(a=a, b=b, label=f"link_add {a}-{b}", rc=code, cli_s=took)
         if code != 0:
@@ -534,11 +538,11 @@ class Runner:
         rec.update(a=a, b=b, label=f"link_cut {a}-{b}", t=time.time())
         self._net.cut_link(a, b)
 
-    def _rate(self) -> float:
+    def _rate(self, a: str, b: str) -> float:
         sched = self._schedule
         if sched is None:
             raise EmulationError("the runner is not entered")
-        return next(iter(sched.draw([("x", "y")]).values()))
+        return sched.draw([(a, b)])[(a, b)]
 
     # ------------------------------------------------------------------ collection
 

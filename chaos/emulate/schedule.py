@@ -60,15 +60,26 @@ class BandwidthSchedule:
 
     def __init__(self, config: ScheduleConfig) -> None:
         self.config = config
-        self._rng = random.Random(config.seed)
+        self._round = 0  # redraws so far: a link's rate depends on (seed, link, round) only
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.history: list[dict[tuple[str, str], float]] = []
 
     def draw(self, links: Iterable[tuple[str, str]]) -> dict[tuple[str, str], float]:
-        """One scaled rate per link, in the order given (sort for reproducibility)."""
+        """One scaled rate per link for the current period.
+
+        A link's rate depends only on the seed, its two ends (in either order) and how many
+        redraws came before, not on which other links were drawn first. So runs that add links
+        in a different order or add extra links (e.g. one baseline against another in
+        ``chaos-emulate compare``) see the same rate on the same link.
+        """
         c = self.config
-        return {k: self._rng.uniform(c.low_bps, c.high_bps) * c.scale for k in links}
+        out: dict[tuple[str, str], float] = {}
+        for a, b in links:
+            lo, hi = sorted((a, b))
+            rng = random.Random(f"{c.seed}:{lo}:{hi}:{self._round}")
+            out[(a, b)] = rng.uniform(c.low_bps, c.high_bps) * c.scale
+        return out
 
     def apply(self, network: _Shapeable) -> dict[tuple[str, str], float]:
         """Draws new rates for every link of ``network`` and sets them.
@@ -79,6 +90,7 @@ class BandwidthSchedule:
         Raises:
             NetworkSetupError: tc failed.
         """
+        self._round += 1
         rates = self.draw(sorted(network.links()))
         for (a, b), bps in rates.items():
             network.set_bandwidth(a, b, bps)
