@@ -425,6 +425,40 @@ def test_members_split_across_an_epoch_boundary_are_told_and_rerun() -> None:
                _reference(members, 20_000, 3, "mean", "float32"), 1e-5, 1e-5)  # fmt: skip
 
 
+def test_a_split_where_no_frame_crosses_is_resolved_by_the_movers_notice() -> None:
+    """n2 and n3 run a step under epoch 2 while n0 and n1 still run it under epoch 1. In the
+    epoch-1 tree n1 waits for its children n2 and n3, and n0 for n1, so neither sends a frame;
+    in the epoch-2 tree n3 sends only to n2, which waits for n0. No data frame ever crosses the
+    two groups. The movers' first round in epoch 2 tells their epoch-1 neighbours, so the others
+    give up their round instead of waiting for the step timeout; rerun under epoch 2, everyone
+    completes."""
+    members = ["n0", "n1", "n2", "n3"]
+    chain = {"parent": {"n0": None, "n1": "n0", "n2": "n1", "n3": "n1"}}
+    crossed = {"parent": {"n2": None, "n3": "n2", "n0": "n2", "n1": "n0"}}
+    spec = {"numel": 12_000, "seed": 9, "op": "sum", "timeout_s": 60.0}
+    with cluster(4) as c:
+        c.topology(members, "tree", **chain)  # epoch 1
+        _check(c.allreduce(members, numel=1_000, seed=2, op="sum"),
+               _reference(members, 1_000, 2, "sum", "float32"), 1e-5, 1e-5)  # fmt: skip
+        c.send(members, "interrupt_on_newer_round", None)
+        epoch2 = {"kind": "tree", "members": tuple(members), "epoch": 2, **crossed,
+                  "addresses": {m: c.addresses[m] for m in members}}  # fmt: skip
+        movers, behind = ["n2", "n3"], ["n0", "n1"]
+        c.send(movers, "topology", epoch2)
+        for m in members:
+            c.commands[m].put(("allreduce", spec))
+        for m in behind:
+            kind, _, info = c._reply(m)
+            assert kind == "interrupted" and info["newer"] == 2, (m, kind, info)
+            assert info["input_intact"], (m, info)
+        c.send(behind, "topology", epoch2)
+        for m in behind:
+            c.commands[m].put(("allreduce", spec))
+        replies = {m: c._reply(m) for m in members}
+        _check({m: (k, i) for m, (k, _, i) in replies.items()},
+               _reference(members, 12_000, 9, "sum", "float32"), 1e-5, 1e-5)  # fmt: skip
+
+
 def test_a_member_left_behind_is_told_even_when_no_longer_a_neighbour() -> None:
     """n3 still runs a ring step under epoch 1 and sends to n0; under epoch 2 (a chain tree)
     n0 has no link to n3, yet tells it (through a notice-only socket) to give up its round."""

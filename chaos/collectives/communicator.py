@@ -183,6 +183,8 @@ class Communicator:
         self._failed_step: int | None = None
         self._early: deque[_Frame] = deque()
         self._ready: deque[_Frame] = deque()
+        # the previous epoch's neighbours, told of this node's first round in a new epoch
+        self._announce: list[str] = []
         self._dead: set[str] = set()
         self._dead_lock = threading.Lock()
         self._interrupt: Callable[[], str | None] | None = None
@@ -229,6 +231,13 @@ class Communicator:
                 raise ValueError(f"epoch went backwards: {old.epoch} -> {topology.epoch}")
             if topology.epoch == old.epoch and topology != old:
                 raise ValueError(f"epoch {old.epoch} reissued with a different topology")
+        if old is not None and topology.epoch > old.epoch:
+            # Members still in the old epoch may wait on this node there, and frames may never
+            # cross between the two trees (a node waiting for children sends nothing), so this
+            # node's first round in the new epoch tells its old neighbours it has moved on.
+            self._announce = sorted(
+                p for p in old.neighbours(self.node_id) if p in topology.addresses
+            )
         wanted = {p: topology.addresses[p] for p in topology.neighbours(self.node_id)}
         for peer in [p for p, link in self._links.items() if wanted.get(p) != link.address]:
             self._close_link(self._links.pop(peer))
@@ -383,6 +392,9 @@ class Communicator:
         buf = None if wire == acc_dtype else self._wire_buffer(wire, src.numel())
         run = algorithms.Round(self, topo, key, src, acc, buf, op, timeout)
         self._start_round(key)
+        announce, self._announce = self._announce, []
+        for peer in announce:
+            self._tell_newer(peer, key)
         try:
             run.execute()
         except (PeerFailure, ProtocolError) as exc:
@@ -469,6 +481,12 @@ class Communicator:
         later: deque[_Frame] = deque()
         for f in self._early:
             k = f.header.key
+            if f.header.op == Op.NEWER:  # a notice that came before its step: apply or drop
+                if k[1] == key[1] and k[0] > key[0]:
+                    self._newer_round = max(self._newer_round or 0, k[0])
+                elif k > key:
+                    later.append(f)
+                continue
             if k == key:
                 self._ready.append(f)
             elif k < key:
@@ -644,6 +662,8 @@ class Communicator:
         if header.op == Op.NEWER:
             if k[1] == key[1] and k[0] > key[0]:
                 self._newer_round = max(self._newer_round or 0, k[0])
+            elif k[1] > key[1] and len(self._early) < self.config.max_early_frames:
+                self._early.append(_Frame(peer, header, parts[1], parts[2]))  # a later step's
             return None
         if k < key:
             self.stats.dropped_stale += 1
