@@ -611,11 +611,25 @@ class Trainer:
                 )
             except PeerFailure as exc:
                 self._event("allreduce_failed", epoch=self._epoch, step=self._step, peer=exc.peer)
+                self._report_step_failed(exc.peer)
                 self._wait_policy(
                     lambda p: p.epoch > self._epoch and p.topology is not None,
                     self.config.policy_timeout_s,
                     f"a new policy after {exc}",
                 )
+
+    def _report_step_failed(self, peer: str) -> None:
+        """Tells the scheduler this node's step failed, so that a restart epoch comes even when
+        nobody failed (e.g. a round that timed out); best effort."""
+        try:
+            self._client.trainer_event(
+                "step_failed",
+                detail=peer,
+                epoch=self._epoch,
+                timeout_s=min(2.0, self.config.policy_timeout_s),
+            )
+        except ChaosError as exc:
+            log.debug("step_failed report not taken: %s", exc)
 
     def _maybe_reregister(self) -> None:
         """Adam creates its state on the first step: tell the scheduler the new layout."""

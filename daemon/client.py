@@ -187,14 +187,19 @@ class DaemonClient:
         elapsed_s: float = 0.0,
         detail: str = "",
         timeout_s: float | None = None,
+        epoch: int = 0,
     ) -> OpResult:
         """Reports a trainer event to the scheduler (``ready``: the state is in place).
 
         Args:
-            kind: ``"ready"``, ``"replication_done"`` or ``"step_failed"``.
+            kind: ``"ready"``, ``"replication_done"`` or ``"step_failed"`` (an allreduce failed
+                and no newer policy is known; ``detail`` names the blamed peer, ``epoch`` the
+                epoch the step ran under; the scheduler commits a restart epoch if nothing
+                else will).
             elapsed_s: The trainer's own duration for the event (e.g. join to ready), seconds.
             detail: Free text (at most 1024 characters).
             timeout_s: Wait at most this long (default: the client's timeout).
+            epoch: The trainer's epoch (used by ``step_failed``).
 
         Returns:
             The scheduler's result.
@@ -203,7 +208,7 @@ class DaemonClient:
             ChaosTimeout: no answer in time.
             RequestRefused: refused (e.g. ``bad_request``: no trainer registered here).
         """
-        msg = TrainerEvent(kind=kind, elapsed_s=elapsed_s, detail=detail)
+        msg = TrainerEvent(kind=kind, elapsed_s=elapsed_s, detail=detail, epoch=epoch)
         return _checked(self.op(msg, timeout_s))
 
     def link(self, peer: str, add: bool, timeout_s: float | None = None) -> OpResult:

@@ -165,6 +165,9 @@ class TrainerRegistry:
         if cur == TrainerState.NONE:
             self._answer(reply, msg.op_id, Reason.BAD_REQUEST, f"{n} has no registered trainer")
             return
+        if msg.kind == "step_failed":
+            self._on_step_failed(msg, reply, now)
+            return
         if msg.kind == "ready" and cur == TrainerState.SYNCING:
             mon.set_trainer(
                 n,
@@ -183,6 +186,26 @@ class TrainerRegistry:
                 donors=donors,
                 multi_hop=bool(donors) and not set(donors) & set(mon.neighbors(n)),
             )
+        self._answer(reply, msg.op_id)
+
+    def _on_step_failed(self, msg: TrainerEvent, reply: ReplyPath | None, now: float) -> None:
+        """A trainer's allreduce of epoch ``msg.epoch`` failed, blaming ``msg.detail``.
+
+        The trainer waits for a newer policy before it reruns the step. When nothing else will
+        bring one (no newer epoch yet, and the blamed peer is still heard, so the failure
+        detector will not remove it), the scheduler commits a restart: the same membership
+        under a new epoch, applied before the next allreduce.
+        """
+        neg = self.neg
+        suspect = msg.detail
+        silent_s = now - neg.last_heard.get(suspect, now)
+        if neg.epoch > msg.epoch:
+            self._answer(reply, msg.op_id)  # a newer policy is already on its way
+            return
+        if neg.monitor.has(suspect) and silent_s > neg.cfg.heartbeat_interval_s * 1.5:
+            self._answer(reply, msg.op_id)  # the failure detector decides about this one
+            return
+        neg.commit("allreduce_restart", now, apply_at="before_next_allreduce", restart=True)
         self._answer(reply, msg.op_id)
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -303,9 +326,9 @@ class TrainerRelay:
         op_id = uuid.uuid4().hex[:12]
         self._sent[op_id] = msg
         me = self.host.node_id
-        fwd = msgspec.structs.replace(
-            msg, sender=me, node_id=me, epoch=self.host.epoch, op_id=op_id
-        )
+        # a failed step names the epoch it ran under; other events carry this daemon's epoch
+        epoch = msg.epoch if msg.kind == "step_failed" else self.host.epoch
+        fwd = msgspec.structs.replace(msg, sender=me, node_id=me, epoch=epoch, op_id=op_id)
         self.host.relay(reply, fwd, op_id)
 
     def on_result(self, msg: OpResult) -> None:

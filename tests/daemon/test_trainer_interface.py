@@ -139,6 +139,37 @@ def test_first_trainer_joiner_plan_ready_and_refusals(cluster: Cluster) -> None:
     assert not any(e["event"] == "handler_error" for n in (n1, n2, n3) for e in n.events())
 
 
+def test_a_failed_step_without_a_failure_gets_a_restart_epoch(cluster: Cluster) -> None:
+    """An allreduce that failed while every member is alive (e.g. a round that timed out) gets a
+    restart epoch; a report about an older epoch, or about a peer the failure detector will
+    remove, commits nothing."""
+    n1, n2 = cluster.start(2)
+    _register(n1, True, SIZES)
+    epoch, _, _ = _register(n2, False)
+    with _trainer(n2) as c:
+        assert c.trainer_event("ready", 0.1, timeout_s=10.0).ok
+    cur = wait_until(lambda: (q := _policy(n2)).epoch >= epoch and q.epoch, "n2's policy")
+
+    def restarts() -> list[dict[str, Any]]:
+        commits = [e for e in n1.events() if e["event"] == "committed"]
+        return [e for e in commits if e["cause"] == "allreduce_restart"]
+
+    with _trainer(n2) as c:  # stale: a newer epoch exists already
+        assert c.trainer_event("step_failed", detail="n1", epoch=cur - 1, timeout_s=10.0).ok
+    assert restarts() == []
+    with _trainer(n2) as c:
+        assert c.trainer_event("step_failed", detail="n1", epoch=cur, timeout_s=10.0).ok
+    done = restarts()
+    assert len(done) == 1 and done[0]["epoch"] == cur + 1
+    assert done[0]["restart_allreduce"] is True and done[0]["apply_at"] == "before_next_allreduce"
+    p = wait_until(lambda: (q := _policy(n2)).epoch > cur and q, "the restart policy")
+    assert p.sync is not None and sorted(p.sync.nodes) == ["n1", "n2"]
+    # the other member's report of the same failed round finds the restart already there
+    with _trainer(n1) as c:
+        assert c.trainer_event("step_failed", detail="n2", epoch=cur, timeout_s=10.0).ok
+    assert len(restarts()) == 1
+
+
 def test_no_state_source_until_a_layout_is_known(cluster: Cluster) -> None:
     n1, n2 = cluster.start(2)
     _register(n1, True, None)  # a trainer with state but no sizes yet (Adam's lazy state)
