@@ -277,6 +277,10 @@ class LinkRequest(_Base, frozen=True, tag="link_request"):
     op: Literal["connect", "disconnect"]
     reason: Literal["requested", "probe_failed", "probe_recovered"] = "requested"
     op_id: OpId = ""
+    premeasured: bool = False
+    """Connect only: ``a`` (the sender) is already pinging ``b`` and sends the
+    :class:`LinkReport` itself, with op id ``"pre-" + op_id``, so the scheduler need not order
+    the measurement."""
 
 
 class ConnectCommand(_Base, frozen=True, tag="connect_command"):

@@ -520,6 +520,11 @@ class Negotiator:
             self.monitor.set_link(msg.a, msg.b, up=True)
             self.commit("connect_link", now, reply=reply, req_op_id=msg.op_id)
             return
+        if msg.premeasured and msg.sender == msg.a:  # a measures it and reports by itself
+            self.linkops["pre-" + msg.op_id] = LinkOp(
+                msg, reply, now, now + self.cfg.probe_timeout_s
+            )
+            return
         op_id = uuid.uuid4().hex[:12]
         self.linkops[op_id] = LinkOp(msg, reply, now, now + self.cfg.probe_timeout_s)
         self.host.send(
@@ -573,6 +578,8 @@ class Negotiator:
         if lop is not None:
             self._finish_connect(lop, msg, now)
             return
+        if msg.op_id.startswith("pre-"):
+            return  # the measurement of a connect-link that was refused or timed out
         if msg.up and self.monitor.link(msg.sender, j) is not None:  # bandwidth refinement
             self.monitor.set_link(
                 msg.sender, j, up=True, latency_s=msg.latency_s, bandwidth_bps=msg.bandwidth_bps

@@ -727,6 +727,9 @@ class Daemon:
             why = "itself" if msg.peer == self.node_id else f"while {self.state.value}"
             self.result(reply, op_id, Reason.BAD_REQUEST, f"cannot link {why}")
             return
+        # connect-link: measure the new link while the request travels to the scheduler
+        # (saves the scheduler's order to measure it, a round trip on the critical path)
+        address = self._view_address(msg.peer) if msg.op == "connect" else None
         req = LinkRequest(
             sender=self.node_id,
             epoch=self.epoch,
@@ -734,8 +737,28 @@ class Daemon:
             b=msg.peer,
             op=msg.op,
             op_id=op_id,
+            premeasured=address is not None,
         )
         self.relay(reply, req, op_id)
+        if address is not None and op_id in self._clients:
+            self.agent.on_connect(
+                ConnectCommand(
+                    sender=self.node_id,
+                    epoch=self.epoch,
+                    term=self.term,
+                    peer=msg.peer,
+                    address=address,
+                    measure_bandwidth=False,
+                    op_id="pre-" + op_id,
+                ),
+                now,
+            )
+
+    def _view_address(self, peer: str) -> str | None:
+        """The control address of ``peer`` in the installed view (``None``: not a member)."""
+        if self.view is None:
+            return None
+        return next((n.address for n in self.view.nodes if n.id == peer), None)
 
     def _on_trainer_event(self, msg: TrainerEvent, reply: ReplyPath | None, now: float) -> None:
         if msg.node_id is None:  # from the local trainer
