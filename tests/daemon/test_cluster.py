@@ -129,7 +129,14 @@ def test_link_add_and_remove(cluster: Cluster) -> None:
     res = cluster.cli(n4, "link", "add", "n2")
     assert res.returncode == 0, res.stderr
     wait_until(lambda: all(_link(n, "n2", "n4") for n in nodes), "link n2-n4 everywhere")
+    # n4 measured the latency itself while its request went to the scheduler
+    assert (_link(nodes[0], "n2", "n4") or {}).get("latency_s") is not None
     wait_until(lambda: (_link(nodes[0], "n2", "n4") or {}).get("bandwidth_bps"), "link measured")
+    res = cluster.cli(n4, "link", "add", "ghost")
+    assert res.returncode != 0 and "unknown_peer" in res.stderr
+    res = cluster.cli(n4, "link", "add", "n2")  # already up: refused, nothing measured commits
+    assert res.returncode != 0 and "already up" in res.stderr
+    assert n4.alive() and nodes[0].alive()
     assert "n4" in next(x for x in n2.status().nodes if x.id == "n2").neighbors
 
     res = cluster.cli(n4, "link", "remove", "n4", "--connect", n2.address)  # from n2
