@@ -23,9 +23,11 @@ still heard are not a strict majority, nothing is removed: the scheduler steps d
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -98,6 +100,9 @@ class PendingOp:
     req_op_id: str = ""
     deadline: float = 0.0
     after: TimeoutNow | None = None
+    then: Callable[[], None] | None = None
+    """Run once the primitive completes (or fails): follow-up work, such as ordering a link's
+    bandwidth probe, kept off the primitive's critical path."""
 
 
 @dataclass
@@ -286,6 +291,8 @@ class Negotiator:
                     elapsed_s=elapsed,
                 ),
             )
+        if op.then is not None:
+            op.then()
         if op.after is not None:
             target = min(self.monitor.members(), default=None)
             if target is not None:
@@ -592,9 +599,15 @@ class Negotiator:
             self._fail(lop.reply, lop.req.op_id, Reason.UNREACHABLE, f"{a} cannot reach {b}")
             return
         self.monitor.set_link(a, b, up=True, latency_s=msg.latency_s)
-        self.commit(
+        op = self.commit(
             "connect_link", now, reply=lop.reply, req_op_id=lop.req.op_id, started=lop.started
         )
+        # the bandwidth probe (a bulk transfer) starts once every member has the new policy
+        op.then = functools.partial(self._order_bandwidth_probe, a, b)
+
+    def _order_bandwidth_probe(self, a: str, b: str) -> None:
+        if not (self.monitor.has(a) and self.monitor.has(b)):
+            return
         self.host.send(
             a,
             ConnectCommand(
