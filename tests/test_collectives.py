@@ -396,33 +396,45 @@ def test_allreduce_bench_writes_its_json(tmp_path: Path) -> None:
     assert bad.returncode != 0 and "bad size" in bad.stderr
 
 
+def _split_round(
+    epoch1: dict[str, Any], epoch2: dict[str, Any], movers: list[str], spec: dict[str, Any]
+) -> None:
+    """Runs one step with ``movers`` under epoch 2 and the other members still under epoch 1.
+
+    The members left behind must give up their round (``interrupted``, told of epoch 2, input
+    intact) rather than wait for the step timeout; after they move on too, everyone completes
+    the step and matches the single-process reference.
+    """
+    members = ["n0", "n1", "n2", "n3"]
+    behind = [m for m in members if m not in movers]
+    with cluster(4) as c:
+        c.topology(members, **epoch1)  # epoch 1
+        _check(c.allreduce(members, numel=1_000, seed=1, op="sum"),
+               _reference(members, 1_000, 1, "sum", "float32"), 1e-5, 1e-5)  # fmt: skip
+        c.send(members, "interrupt_on_newer_round", None)
+        topo2 = {"members": tuple(members), "epoch": 2, **epoch2,
+                 "addresses": {m: c.addresses[m] for m in members}}  # fmt: skip
+        c.send(movers, "topology", topo2)
+        for m in members:
+            c.commands[m].put(("allreduce", spec))
+        for m in behind:
+            kind, _, info = c._reply(m)
+            assert kind == "interrupted" and info["newer"] == 2, (m, kind, info)
+            assert info["input_intact"], (m, info)
+        c.send(behind, "topology", topo2)
+        for m in behind:
+            c.commands[m].put(("allreduce", spec))
+        replies = {m: c._reply(m) for m in members}
+        want = _reference(members, spec["numel"], spec["seed"], spec["op"], "float32")
+        _check({m: (k, i) for m, (k, _, i) in replies.items()}, want, 1e-5, 1e-5)
+
+
 def test_members_split_across_an_epoch_boundary_are_told_and_rerun() -> None:
     """The root runs a step under epoch 2 while the others still run it under epoch 1: the
     others learn of the newer round (NEWER frames, passed on down the tree) and abandon theirs
     instead of waiting for the step timeout; rerun under epoch 2, everyone completes."""
-    members = ["n0", "n1", "n2", "n3"]
-    spec = {"numel": 20_000, "seed": 3, "op": "mean", "timeout_s": 60.0}
-    with cluster(4) as c:
-        c.topology(members, "tree", **TREE)  # epoch 1
-        _check(c.allreduce(members, numel=1_000, seed=1, op="sum"),
-               _reference(members, 1_000, 1, "sum", "float32"), 1e-5, 1e-5)  # fmt: skip
-        c.send(members, "interrupt_on_newer_round", None)
-        epoch2 = {"kind": "tree", "members": tuple(members), "epoch": 2, **TREE,
-                  "addresses": {m: c.addresses[m] for m in members}}  # fmt: skip
-        c.send(["n0"], "topology", epoch2)  # only the root has moved on
-        for m in members:
-            c.commands[m].put(("allreduce", spec))
-        others = ["n1", "n2", "n3"]
-        told = {m: c._reply(m) for m in others}
-        for m, (kind, _name, info) in told.items():
-            assert kind == "interrupted", (m, kind, info)
-            assert info["newer"] == 2 and info["input_intact"], (m, info)
-        c.send(others, "topology", epoch2)
-        for m in others:
-            c.commands[m].put(("allreduce", spec))
-        replies = {m: c._reply(m) for m in members}
-        _check({m: (k, i) for m, (k, _, i) in replies.items()},
-               _reference(members, 20_000, 3, "mean", "float32"), 1e-5, 1e-5)  # fmt: skip
+    tree = {"kind": "tree", **TREE}
+    _split_round(tree, tree, ["n0"], {"numel": 20_000, "seed": 3, "op": "mean", "timeout_s": 60.0})
 
 
 def test_a_split_where_no_frame_crosses_is_resolved_by_the_movers_notice() -> None:
@@ -432,52 +444,16 @@ def test_a_split_where_no_frame_crosses_is_resolved_by_the_movers_notice() -> No
     two groups. The movers' first round in epoch 2 tells their epoch-1 neighbours, so the others
     give up their round instead of waiting for the step timeout; rerun under epoch 2, everyone
     completes."""
-    members = ["n0", "n1", "n2", "n3"]
-    chain = {"parent": {"n0": None, "n1": "n0", "n2": "n1", "n3": "n1"}}
-    crossed = {"parent": {"n2": None, "n3": "n2", "n0": "n2", "n1": "n0"}}
+    chain = {"kind": "tree", "parent": {"n0": None, "n1": "n0", "n2": "n1", "n3": "n1"}}
+    crossed = {"kind": "tree", "parent": {"n2": None, "n3": "n2", "n0": "n2", "n1": "n0"}}
     spec = {"numel": 12_000, "seed": 9, "op": "sum", "timeout_s": 60.0}
-    with cluster(4) as c:
-        c.topology(members, "tree", **chain)  # epoch 1
-        _check(c.allreduce(members, numel=1_000, seed=2, op="sum"),
-               _reference(members, 1_000, 2, "sum", "float32"), 1e-5, 1e-5)  # fmt: skip
-        c.send(members, "interrupt_on_newer_round", None)
-        epoch2 = {"kind": "tree", "members": tuple(members), "epoch": 2, **crossed,
-                  "addresses": {m: c.addresses[m] for m in members}}  # fmt: skip
-        movers, behind = ["n2", "n3"], ["n0", "n1"]
-        c.send(movers, "topology", epoch2)
-        for m in members:
-            c.commands[m].put(("allreduce", spec))
-        for m in behind:
-            kind, _, info = c._reply(m)
-            assert kind == "interrupted" and info["newer"] == 2, (m, kind, info)
-            assert info["input_intact"], (m, info)
-        c.send(behind, "topology", epoch2)
-        for m in behind:
-            c.commands[m].put(("allreduce", spec))
-        replies = {m: c._reply(m) for m in members}
-        _check({m: (k, i) for m, (k, _, i) in replies.items()},
-               _reference(members, 12_000, 9, "sum", "float32"), 1e-5, 1e-5)  # fmt: skip
+    _split_round(chain, crossed, ["n2", "n3"], spec)
 
 
 def test_a_member_left_behind_is_told_even_when_no_longer_a_neighbour() -> None:
     """n3 still runs a ring step under epoch 1 and sends to n0; under epoch 2 (a chain tree)
     n0 has no link to n3, yet tells it (through a notice-only socket) to give up its round."""
-    members = ["n0", "n1", "n2", "n3"]
-    ring = {"ring_order": ("n0", "n1", "n2", "n3")}
-    chain = {"parent": {"n0": None, "n1": "n0", "n2": "n1", "n3": "n2"}}
+    ring = {"kind": "ring", "ring_order": ("n0", "n1", "n2", "n3")}
+    chain = {"kind": "tree", "parent": {"n0": None, "n1": "n0", "n2": "n1", "n3": "n2"}}
     spec = {"numel": 8_000, "seed": 5, "op": "sum", "timeout_s": 60.0}
-    with cluster(4) as c:
-        c.topology(members, "ring", **ring)  # epoch 1
-        c.send(members, "interrupt_on_newer_round", None)
-        epoch2 = {"kind": "tree", "members": tuple(members), "epoch": 2, **chain,
-                  "addresses": {m: c.addresses[m] for m in members}}  # fmt: skip
-        c.send(["n0", "n1", "n2"], "topology", epoch2)
-        for m in members:
-            c.commands[m].put(("allreduce", spec))
-        kind, _, info = c._reply("n3")
-        assert kind == "interrupted" and info["newer"] == 2, (kind, info)
-        c.send(["n3"], "topology", epoch2)
-        c.commands["n3"].put(("allreduce", spec))
-        replies = {m: c._reply(m) for m in members}
-        _check({m: (k, i) for m, (k, _, i) in replies.items()},
-               _reference(members, 8_000, 5, "sum", "float32"), 1e-5, 1e-5)  # fmt: skip
+    _split_round(ring, chain, ["n0", "n1", "n2"], spec)
