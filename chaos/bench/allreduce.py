@@ -54,30 +54,42 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _topologies(n: int, addrs: dict[str, str]) -> dict[str, Topology]:
+def _topologies(n: int, addrs: dict[str, dict[str, str]]) -> dict[str, Topology]:
     names = tuple(f"r{i}" for i in range(n))
     parent = {m: (None if i == 0 else names[(i - 1) // 2]) for i, m in enumerate(names)}
     return {
-        "ring": Topology("ring", names, addrs, 1, ring_order=names),
-        "tree": Topology("tree", names, addrs, 1, parent=parent),
+        "ring": Topology("ring", names, addrs["ring"], 1, ring_order=names),
+        "tree": Topology("tree", names, addrs["tree"], 1, parent=parent),
     }
 
 
 def _worker(rank: int, n: int, port: int, sizes: list[int], repeats: int, chunk_bytes: int,
             results: Any) -> None:  # fmt: skip
-    """One benchmark process: times every algorithm; rank 0 puts the JSON rows on ``results``."""
+    """One benchmark process: times every algorithm; rank 0 puts the JSON rows on ``results``.
+
+    Ring and tree each get their own communicator with a fixed topology, as in training, where
+    the sync policy stays put for many steps; the algorithms still alternate repetition by
+    repetition, so all three see the same machine noise.
+    """
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, n, rank == 0, timeout=_td(120.0))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
-    comm = Communicator(CommunicatorConfig(node_id=f"r{rank}", chunk_bytes=chunk_bytes,
-                                           timeout_s=120.0))  # fmt: skip
+    comms = {
+        algo: Communicator(CommunicatorConfig(node_id=f"r{rank}", chunk_bytes=chunk_bytes,
+                                              timeout_s=120.0))  # fmt: skip
+        for algo in ("ring", "tree")
+    }
     try:
-        store.set(f"chaos-addr-{rank}", comm.address)
-        addrs = {f"r{i}": store.get(f"chaos-addr-{i}").decode() for i in range(n)}
-        topos = _topologies(n, addrs)
-        epoch = 0
+        for algo, comm in comms.items():
+            store.set(f"chaos-{algo}-{rank}", comm.address)
+        addrs = {
+            algo: {f"r{i}": store.get(f"chaos-{algo}-{i}").decode() for i in range(n)}
+            for algo in comms
+        }
+        for algo, topo in _topologies(n, addrs).items():
+            comms[algo].update_topology(topo)
         rows: dict[str, dict[str, list[float]]] = {}
         for size in sizes:
             x = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
@@ -86,18 +98,13 @@ def _worker(rank: int, n: int, port: int, sizes: list[int], repeats: int, chunk_
             times: dict[str, list[float]] = {a: [] for a in ALGOS}
             for rep in range(repeats + 1):  # the first repetition warms up and is discarded
                 for algo in ALGOS:
-                    if algo != "gloo":
-                        epoch += 1
-                        t = topos[algo]
-                        comm.update_topology(Topology(t.kind, t.members, t.addresses, epoch,
-                                                      t.ring_order, t.parent))  # fmt: skip
                     y.copy_(x)
                     dist.barrier()
                     t0 = time.perf_counter()
                     if algo == "gloo":
                         dist.all_reduce(y)
                     else:
-                        comm.allreduce(x, "sum", out=o)
+                        comms[algo].allreduce(x, "sum", out=o)
                     dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                     dist.all_reduce(dt, op=dist.ReduceOp.MAX)
                     if rep:
@@ -106,7 +113,8 @@ def _worker(rank: int, n: int, port: int, sizes: list[int], repeats: int, chunk_
         if rank == 0:
             results.put(json.dumps(rows))
     finally:
-        comm.close()
+        for comm in comms.values():
+            comm.close()
         dist.destroy_process_group()
 
 
