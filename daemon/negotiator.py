@@ -10,7 +10,9 @@ requester then gets an :class:`~chaos.protocol.OpResult` with the control-path t
 * **scale-in** for a leave (``after_allreduce``) or a failure (``before_next_allreduce``, and the
   allreduce in flight restarts).
 * **connect-link**: one end connects and pings; the policy is issued; the bandwidth is measured
-  afterwards (overlapping training) and a ``link_measured`` update follows.
+  afterwards (overlapping training); a ``link_measured`` update follows only when the measurement
+  changes the sync policy's structure (otherwise the scheduler's monitor records it, and the
+  members see it with the next epoch).
 * **disconnect-link**: requested (``after_allreduce``; refused if it would disconnect the
   overlay) or a failed probe (``before_next_allreduce`` with restart; the link stays, marked down).
 
@@ -33,7 +35,13 @@ from typing import Protocol
 
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.monitor import ClusterMonitor
-from chaos.daemon.planner import data_addresses, replication_policy, sync_policy, to_wire
+from chaos.daemon.planner import (
+    data_addresses,
+    replication_policy,
+    same_data_plane,
+    sync_policy,
+    to_wire,
+)
 from chaos.daemon.states import NodeState
 from chaos.daemon.trainers import TrainerRegistry
 from chaos.daemon.transport import ReplyPath
@@ -591,7 +599,18 @@ class Negotiator:
             self.monitor.set_link(
                 msg.sender, j, up=True, latency_s=msg.latency_s, bandwidth_bps=msg.bandwidth_bps
             )
-            self.commit("link_measured", now)
+            if self._data_plane_changes():
+                self.commit("link_measured", now)
+            else:  # same trees and rings: no epoch, so no trainer installs (or reruns) anything
+                self.host.event("link_refined", a=msg.sender, b=j,
+                                bandwidth_bps=msg.bandwidth_bps, latency_s=msg.latency_s,
+                                epoch=self.epoch)  # fmt: skip
+
+    def _data_plane_changes(self) -> bool:
+        """Whether the sync policy built from the monitor now differs from the last one issued."""
+        policy = sync_policy(self.monitor, self.cfg)
+        sync = to_wire(policy, data_addresses(self.monitor, policy.nodes))
+        return not same_data_plane(self.last_sync, sync)
 
     def _finish_connect(self, lop: LinkOp, msg: LinkReport, now: float) -> None:
         a, b = lop.req.a, lop.req.b

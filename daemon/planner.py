@@ -49,6 +49,26 @@ def sync_policy(monitor: ClusterMonitor, cfg: DaemonConfig) -> SyncPolicy:
     )
 
 
+def same_data_plane(a: SyncPolicyWire | None, b: SyncPolicyWire) -> bool:
+    """Whether two sync policies wire the data plane identically.
+
+    Only the structure counts (kind, nodes, root, parents, ring order, data endpoints and
+    connectivity); the estimates (``bottleneck_bps``, ``est_time_s``) do not, since no trainer
+    acts on them.
+    """
+    if a is None:
+        return False
+    return (
+        a.kind == b.kind
+        and a.nodes == b.nodes
+        and a.root == b.root
+        and a.parents == b.parents
+        and a.ring == b.ring
+        and a.addresses == b.addresses
+        and a.connected == b.connected
+    )
+
+
 def data_addresses(monitor: ClusterMonitor, nodes: tuple[str, ...] | list[str]) -> dict[str, str]:
     """The data-plane endpoints of ``nodes`` (those that registered one)."""
     out: dict[str, str] = {}

@@ -376,3 +376,34 @@ def test_multi_hop_donors_carried_plans_and_restarts() -> None:
     neg.trainers.on_info(_info("c", False, port=3), None, 7.0)
     assert host.answers[-1].ok and neg.monitor.trainer("c").value == "syncing"
     assert host.updates[-1].replication.donor_addresses == {"a": "ipc:///tmp/a-2"}
+
+
+def test_a_link_measurement_commits_an_epoch_only_when_it_changes_the_sync_policy() -> None:
+    from chaos.protocol import LinkReport
+
+    neg, host = _negotiator()
+    neg.trainers.on_info(_info("a", True, SIZES), None, 1.0)
+    for t, n in enumerate("bcd"):
+        neg.trainers.on_info(_info(n, False), None, 2.0 + t)
+    neg.monitor.set_link("a", "c", latency_s=0.001, bandwidth_bps=None)  # a new link, unmeasured
+    neg.commit("connect_link", 6.0)
+    before = host.updates[-1].sync
+    epoch, commits = neg.epoch, len(host.updates)
+
+    def measured(bw: float) -> None:
+        report = LinkReport(sender="a", epoch=neg.epoch, term=1, peer="c", up=True,
+                            latency_s=0.001, bandwidth_bps=bw, op_id="refine-1")  # fmt: skip
+        neg.on_link_report(report, 7.0)
+
+    # a slow measurement: the max-bottleneck tree keeps b-c, so the trainers' policy is the same
+    # and no epoch is committed; the monitor has the figure and the event log says so
+    measured(1e6)
+    assert neg.epoch == epoch and len(host.updates) == commits
+    assert neg.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(1e6)
+    refined = [f for name, f in host.events if name == "link_refined"]
+    assert refined[-1]["a"] == "a" and refined[-1]["b"] == "c" and refined[-1]["epoch"] == epoch
+    # a fast one changes the tree (a-c replaces the slower b-c): a new epoch is committed
+    measured(1e10)
+    assert neg.epoch == epoch + 1 and host.updates[-1].cause == "link_measured"
+    after = host.updates[-1].sync
+    assert (after.parents, after.ring) != (before.parents, before.ring)
