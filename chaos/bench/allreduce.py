@@ -64,7 +64,7 @@ def _topologies(n: int, addrs: dict[str, dict[str, str]]) -> dict[str, Topology]
 
 
 def _worker(rank: int, n: int, port: int, sizes: list[int], repeats: int, chunk_bytes: int,
-            results: Any) -> None:  # fmt: skip
+            keep_memory: bool, results: Any) -> None:  # fmt: skip
     """One benchmark process: times every algorithm; rank 0 puts the JSON rows on ``results``.
 
     Ring and tree each get their own communicator with a fixed topology, as in training, where
@@ -78,7 +78,8 @@ def _worker(rank: int, n: int, port: int, sizes: list[int], repeats: int, chunk_
     dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
     comms = {
         algo: Communicator(CommunicatorConfig(node_id=f"r{rank}", chunk_bytes=chunk_bytes,
-                                              timeout_s=120.0))  # fmt: skip
+                                              timeout_s=120.0,
+                                              keep_frame_memory=keep_memory))  # fmt: skip
         for algo in ("ring", "tree")
     }
     try:
@@ -124,8 +125,13 @@ def _td(seconds: float) -> Any:
     return datetime.timedelta(seconds=seconds)
 
 
-def run_bench(nodes: int, sizes: list[int], repeats: int, chunk_bytes: int) -> dict[str, Any]:
+def run_bench(
+    nodes: int, sizes: list[int], repeats: int, chunk_bytes: int, keep_memory: bool = True
+) -> dict[str, Any]:
     """Spawns the processes, collects rank 0's timings and returns the JSON-ready result.
+
+    ``keep_memory`` is :attr:`CommunicatorConfig.keep_frame_memory` (process-wide, so the gloo
+    side of the same processes runs with the same allocator settings).
 
     Raises:
         RuntimeError: a benchmark process failed or produced nothing.
@@ -133,8 +139,8 @@ def run_bench(nodes: int, sizes: list[int], repeats: int, chunk_bytes: int) -> d
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, nodes, port, sizes, repeats, chunk_bytes,
-                                               results)) for r in range(nodes)]  # fmt: skip
+    args = (nodes, port, sizes, repeats, chunk_bytes, keep_memory, results)
+    procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(nodes)]
     for p in procs:
         p.start()
     try:
@@ -147,7 +153,8 @@ def run_bench(nodes: int, sizes: list[int], repeats: int, chunk_bytes: int) -> d
                 p.join()
     rows = json.loads(raw)
     out: dict[str, Any] = {"nodes": nodes, "repeats": repeats, "chunk_bytes": chunk_bytes,
-                           "dtype": "float32", "op": "sum", "sizes": {}}  # fmt: skip
+                           "keep_frame_memory": keep_memory, "dtype": "float32", "op": "sum",
+                           "sizes": {}}  # fmt: skip
     for size in sizes:
         med = {a: statistics.median(rows[str(size)][a]) for a in ALGOS}
         best = min(("ring", "tree"), key=lambda a: med[a])
@@ -188,15 +195,18 @@ def _label(size: int) -> str:
               help="Timed repetitions per size and algorithm (after one warm-up).")
 @click.option("--chunk-bytes", type=click.IntRange(64), default=LOOPBACK_CHUNK_BYTES,
               show_default=True, help="Chaos wire chunk size (loopback-tuned default).")
+@click.option("--keep-frame-memory/--no-keep-frame-memory", default=True, show_default=True,
+              help="CommunicatorConfig.keep_frame_memory: glibc keeps freed frame buffers "
+                   "mapped (process-wide; the default of the library).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="Write the results here.")
 def allreduce_command(nodes: int, sizes: str, repeats: int, chunk_bytes: int,
-                      json_path: Path | None) -> None:  # fmt: skip
+                      keep_frame_memory: bool, json_path: Path | None) -> None:  # fmt: skip
     """Chaos allreduce (ring and tree) vs torch.distributed gloo on loopback."""
     parsed = [parse_size(s) for s in sizes.split(",") if s.strip()]
     if not parsed:
         raise click.BadParameter("no sizes given", param_hint="--sizes")
-    result = run_bench(nodes, parsed, repeats, chunk_bytes)
+    result = run_bench(nodes, parsed, repeats, chunk_bytes, keep_frame_memory)
     click.echo(f"allreduce, {nodes} processes on loopback, float32 sum, median of {repeats}")
     click.echo(f"{'size':>8} {'ring s':>10} {'tree s':>10} {'chaos s':>10} {'gloo s':>10} "
                f"{'ratio':>7}")  # fmt: skip

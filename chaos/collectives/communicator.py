@@ -25,6 +25,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from chaos.collectives import algorithms
+from chaos.collectives.allocator import keep_frame_memory
 from chaos.collectives.frames import WIRE_DTYPES, Header, Op, decode_header, encode_header
 from chaos.collectives.topology import Topology
 from chaos.errors import PeerFailure, PeerTimeout, ProtocolError, RoundInterrupted
@@ -61,6 +62,10 @@ class CommunicatorConfig:
             beyond this they are dropped and counted.
         poll_slice_s: Longest single poll, so that a peer reported dead from another thread
             (:meth:`Communicator.report_dead`) is noticed within this time.
+        keep_frame_memory: Make glibc keep freed frame buffers mapped for reuse (see
+            :mod:`chaos.collectives.allocator`; process-wide). Saves the kernel zeroing fresh
+            pages for every received frame; turn it off if the process must give memory back
+            to the OS eagerly.
 
     Raises:
         ValueError: an empty node id, a non-positive size or timeout, or an unknown wire dtype.
@@ -76,6 +81,7 @@ class CommunicatorConfig:
     io_threads: int = 1
     max_early_frames: int = 4096
     poll_slice_s: float = 0.1
+    keep_frame_memory: bool = True
 
     def __post_init__(self) -> None:
         if not self.node_id:
@@ -163,6 +169,8 @@ class Communicator:
         self.config = config
         self.node_id = config.node_id
         self.stats = CollectiveStats()
+        if config.keep_frame_memory:
+            keep_frame_memory(config.chunk_bytes)
         self._ctx = zmq.Context(config.io_threads)
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
