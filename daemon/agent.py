@@ -113,6 +113,8 @@ class Agent:
     cfg: DaemonConfig
     links: dict[str, LinkProbe] = field(default_factory=dict)
     measurements: dict[int, Measurement] = field(default_factory=dict)
+    measured: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
+    """Peer -> (latency_s, bandwidth_bps) of this node's latest completed measurement."""
     incoming: dict[str, _Incoming] = field(default_factory=dict)
     resources: Resources | None = None
     _seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
@@ -133,6 +135,8 @@ class Agent:
         for peer in list(self.links):
             if peer not in wanted:
                 del self.links[peer]
+        for peer in [p for p in self.measured if p not in wanted]:
+            del self.measured[peer]  # the link is gone: a later one is measured anew
         for peer, up in wanted.items():
             cur = self.links.get(peer)
             if cur is None:
@@ -351,6 +355,8 @@ class Agent:
         latency = m.rtt_s / 2 if m.rtt_s is not None else None
         if up and m.cmd.peer in self.links:
             self.links[m.cmd.peer].last_pong = time.monotonic()
+        if up and bandwidth_bps is not None:
+            self.measured[m.cmd.peer] = (latency, bandwidth_bps)
         self.host.event(
             "link_measured",
             peer=m.cmd.peer,

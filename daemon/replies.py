@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from chaos.protocol import PolicyReply, StatusReply
+import msgspec
+
+from chaos.protocol import LinkInfo, PolicyReply, StatusReply
 
 if TYPE_CHECKING:
     from chaos.daemon.node import Daemon
@@ -13,13 +15,18 @@ if TYPE_CHECKING:
 def status_reply(d: Daemon) -> StatusReply:
     """The daemon's state and its copy of the cluster view.
 
-    The scheduler shows the trainer states it holds now: ``ready`` changes a node to
-    ``training`` without a new epoch, so the members show it only from the next view.
+    The scheduler shows the trainer states and links its monitor holds now: ``ready`` and a link
+    measurement that leaves the sync policy as it was change them without a new epoch. A member
+    shows its view, with its own links' latest measurements laid over it.
     """
     view = d.view
     nodes = list(view.nodes) if view else []
+    links = list(view.links) if view else []
     if d.negotiator is not None:
         nodes = d.negotiator.monitor.with_trainer_states(nodes)
+        links = list(d.negotiator.monitor.to_view(d.epoch, d.term, d.node_id).links)
+    else:
+        links = _with_own_measurements(d.node_id, links, d.agent.measured)
     return StatusReply(
         sender=d.node_id,
         epoch=d.epoch,
@@ -30,9 +37,26 @@ def status_reply(d: Daemon) -> StatusReply:
         scheduler=d.node_id if d.is_scheduler else d.election.leader,
         term=d.term,
         nodes=nodes,
-        links=list(view.links) if view else [],
+        links=links,
         sync=d.update.sync if d.update else None,
     )
+
+
+def _with_own_measurements(
+    me: str, links: list[LinkInfo], measured: dict[str, tuple[float | None, float | None]]
+) -> list[LinkInfo]:
+    """``links`` with this node's own latest measurement of each of its links."""
+    out = []
+    for x in links:
+        peer = x.b if x.a == me else x.a if x.b == me else None
+        got = measured.get(peer) if peer is not None else None
+        if got is not None and x.up:
+            lat, bw = got
+            x = msgspec.structs.replace(
+                x, latency_s=lat if lat is not None else x.latency_s, bandwidth_bps=bw
+            )
+        out.append(x)
+    return out
 
 
 def policy_reply(d: Daemon) -> PolicyReply:

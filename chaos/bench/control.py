@@ -179,7 +179,19 @@ def _links(
             def measured(a: str = a, c: str = c) -> bool:
                 return any({x.a, x.b} == {a, c} and x.bandwidth_bps for x in b.status(a).links)
 
+            def settled(a: str = a, c: str = c) -> bool:
+                # the scheduler has the measurement and every member runs its latest epoch
+                # (a measurement that changes the sync policy commits one more)
+                sts = [b.status(n) for n in ids]
+                sched = next((s for s in sts if s.role == "scheduler"), None)
+                return (
+                    sched is not None
+                    and any({x.a, x.b} == {a, c} and x.bandwidth_bps for x in sched.links)
+                    and len({s.epoch for s in sts}) == 1
+                )
+
             _wait(measured, "link measured")
+            _wait(settled, "measurement settled")
             t = time.perf_counter()
             res = cl.link(c, add=False)
             rm_ms.append((time.perf_counter() - t) * 1e3)

@@ -132,6 +132,8 @@ def test_link_add_and_remove(cluster: Cluster) -> None:
     # n4 measured the latency itself while its request went to the scheduler
     assert (_link(nodes[0], "n2", "n4") or {}).get("latency_s") is not None
     wait_until(lambda: (_link(nodes[0], "n2", "n4") or {}).get("bandwidth_bps"), "link measured")
+    # the measuring end shows its own measurement too, even when it commits no new epoch
+    wait_until(lambda: (_link(n4, "n2", "n4") or {}).get("bandwidth_bps"), "n4 shows it")
     res = cluster.cli(n4, "link", "add", "ghost")
     assert res.returncode != 0 and "unknown_peer" in res.stderr
     res = cluster.cli(n4, "link", "add", "n2")  # already up: refused, nothing measured commits
