@@ -162,6 +162,12 @@ class SyncPolicyWire(msgspec.Struct, kw_only=True, frozen=True):
     connected: bool = True
     addresses: dict[NodeId, str] = {}
     """Data-plane endpoint of every node in the policy."""
+    topology_epoch: NonNeg = 0
+    """The epoch in which this data-plane structure (kind, nodes, tree or ring, endpoints) was
+    first issued; allreduce frames carry it. A commit that leaves the structure as it was and
+    restarts no allreduce (a link that no tree or ring uses, a node's trainer becoming ready)
+    carries it over, so trainers switch epochs without disturbing a round. 0: the epoch of the
+    update that carries the policy (older schedulers)."""
 
 
 class DonorLink(msgspec.Struct, kw_only=True, frozen=True):

@@ -156,6 +156,9 @@ def request_exit() -> None:
 @dataclass
 class _Policy:
     epoch: int
+    topo_epoch: int
+    """The epoch of its data-plane structure (``SyncPolicyWire.topology_epoch``), which the
+    allreduce frames carry; at most ``epoch``."""
     members: tuple[str, ...]
     topology: Topology | None
     replication: Any
@@ -163,21 +166,24 @@ class _Policy:
     raw: Any = field(repr=False, default=None)
 
 
+def _topo_epoch(reply: Any) -> int:
+    """The epoch the allreduce frames of this policy carry (see ``topology_epoch``)."""
+    sync = reply.sync
+    return int(sync.topology_epoch) if sync is not None and sync.topology_epoch else reply.epoch
+
+
 def _topology(reply: Any, me: str) -> Topology | None:
     sync = reply.sync
     if sync is None or me not in sync.nodes or not sync.connected:
         return None  # not a member, or a split overlay: wait for a policy that joins it up
     addresses = dict(sync.addresses)
+    epoch = _topo_epoch(reply)
     if sync.kind == "ring" and sync.ring:
-        return Topology(
-            "ring", tuple(sync.nodes), addresses, reply.epoch, ring_order=tuple(sync.ring)
-        )
+        return Topology("ring", tuple(sync.nodes), addresses, epoch, ring_order=tuple(sync.ring))
     if sync.kind == "tree" and sync.parents:
-        return Topology(
-            "tree", tuple(sync.nodes), addresses, reply.epoch, parent=dict(sync.parents)
-        )
+        return Topology("tree", tuple(sync.nodes), addresses, epoch, parent=dict(sync.parents))
     return Topology(
-        "ring", (me,), {me: addresses.get(me, "tcp://127.0.0.1:1")}, reply.epoch, ring_order=(me,)
+        "ring", (me,), {me: addresses.get(me, "tcp://127.0.0.1:1")}, epoch, ring_order=(me,)
     )
 
 
@@ -462,6 +468,7 @@ class Trainer:
         reply = self._client.policy(timeout_s=timeout_s)
         return _Policy(
             epoch=reply.epoch,
+            topo_epoch=_topo_epoch(reply),
             members=tuple(reply.members if reply.sync is None else reply.sync.nodes),
             topology=_topology(reply, self.node_id),
             replication=reply.replication,
@@ -478,9 +485,16 @@ class Trainer:
         this round; failures abort it through :class:`PeerFailure` instead.
         """
         seen = self._comm.newer_round_seen()
-        if seen is None or seen <= self._epoch:
+        if seen is None or seen <= self._topo_epoch():
             return None
-        return f"a peer runs step {self._step} under epoch {seen} (this node: {self._epoch})"
+        return (
+            f"a peer runs step {self._step} under epoch {seen} (this node: {self._topo_epoch()})"
+        )
+
+    def _topo_epoch(self) -> int:
+        """The epoch of the installed data-plane structure (what this node's frames carry)."""
+        topo = self._comm.topology
+        return topo.epoch if topo is not None else -1
 
     def _wait_policy(self, ok: Callable[[_Policy], bool], timeout_s: float, what: str) -> _Policy:
         deadline = time.monotonic() + timeout_s
@@ -499,7 +513,10 @@ class Trainer:
         """Installs a policy at a step boundary: sockets edited in place, donor role taken."""
         if policy.topology is None:
             raise ChaosError(f"the policy of epoch {policy.epoch} does not include {self.node_id}")
-        self._comm.update_topology(policy.topology)
+        if policy.topology != self._comm.topology:
+            # an epoch that kept the structure (same topology epoch) leaves the sockets and any
+            # round in flight alone
+            self._comm.update_topology(policy.topology)
         changed = self._policy is None or set(policy.members) != set(self._policy.members)
         self._policy = policy
         self._epoch = policy.epoch
@@ -601,10 +618,10 @@ class Trainer:
                 return self._comm.allreduce(flat, "mean", step=self._step)
             except RoundInterrupted as exc:
                 self._event("restart", epoch=self._epoch, step=self._step, reason=str(exc))
-                target = self._comm.newer_round_seen() or self._epoch + 1
+                target = self._comm.newer_round_seen() or self._topo_epoch() + 1
 
                 def reached(p: _Policy, target: int = target) -> bool:
-                    return p.epoch >= target and p.topology is not None
+                    return p.topo_epoch >= target and p.topology is not None
 
                 self._wait_policy(
                     reached, self.config.policy_timeout_s, f"the policy of epoch {target}"
@@ -612,8 +629,13 @@ class Trainer:
             except PeerFailure as exc:
                 self._event("allreduce_failed", epoch=self._epoch, step=self._step, peer=exc.peer)
                 self._report_step_failed(exc.peer)
+                failed = self._topo_epoch()  # the rerun needs a new structure epoch
+
+                def renewed(p: _Policy, failed: int = failed) -> bool:
+                    return p.topo_epoch > failed and p.topology is not None
+
                 self._wait_policy(
-                    lambda p: p.epoch > self._epoch and p.topology is not None,
+                    renewed,
                     self.config.policy_timeout_s,
                     f"a new policy after {exc}",
                 )

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import msgspec
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.monitor import ClusterMonitor
 from chaos.daemon.planner import (
@@ -207,6 +208,10 @@ class Negotiator:
         sync = to_wire(policy, data_addresses(self.monitor, policy.nodes))
         if replication is None:
             replication = self.trainers.carried()
+        prev = self.last_sync
+        same = not restart and prev is not None and same_data_plane(prev, sync)
+        topo_epoch = prev.topology_epoch if same and prev and prev.topology_epoch else self.epoch
+        sync = msgspec.structs.replace(sync, topology_epoch=topo_epoch)
         self.last_sync = sync
         op_id = uuid.uuid4().hex[:12]
         upd = ClusterUpdate(
@@ -350,6 +355,13 @@ class Negotiator:
             return
         if self.pending_views and self.last_update is not None:
             return  # one unacknowledged membership change at a time (Raft's single change)
+        if self.last_update is not None:
+            # Raft's single-server change: remove one member per commit (the longest silent);
+            # the next goes once a majority of the old and the new membership acknowledged it.
+            # Removing several at once lets a minority's new membership be its own majority: a
+            # side of a partition that still heard one member of the other side for a moment
+            # would commit a view that its own election could win.
+            failed = [max(failed, key=lambda m: (silent[m], m))]
         for m in failed:
             self.monitor.set_state(m, NodeState.FAILED)
             self.monitor.remove_node(m)

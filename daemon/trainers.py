@@ -199,8 +199,11 @@ class TrainerRegistry:
         neg = self.neg
         suspect = msg.detail
         silent_s = now - neg.last_heard.get(suspect, now)
-        if neg.epoch > msg.epoch:
-            self._answer(reply, msg.op_id)  # a newer policy is already on its way
+        issued = neg.last_sync.topology_epoch if neg.last_sync is not None else 0
+        if issued > msg.epoch:
+            # a newer data-plane structure is already on its way (a commit that kept the
+            # structure, e.g. a link no tree uses, would not rerun the step: it does not count)
+            self._answer(reply, msg.op_id)
             return
         if neg.monitor.has(suspect) and silent_s > neg.cfg.heartbeat_interval_s * 1.5:
             self._answer(reply, msg.op_id)  # the failure detector decides about this one

@@ -407,3 +407,67 @@ def test_a_link_measurement_commits_an_epoch_only_when_it_changes_the_sync_polic
     assert neg.epoch == epoch + 1 and host.updates[-1].cause == "link_measured"
     after = host.updates[-1].sync
     assert (after.parents, after.ring) != (before.parents, before.ring)
+
+
+def test_a_commit_that_keeps_the_structure_keeps_the_topology_epoch() -> None:
+    neg, host = _negotiator()
+    neg.trainers.on_info(_info("a", True, SIZES), None, 1.0)
+    for t, n in enumerate("bcd"):
+        neg.trainers.on_info(_info(n, False), None, 2.0 + t)
+    first = host.updates[-1].sync
+    assert first.topology_epoch == neg.epoch  # a new structure: its own epoch
+    # a slow new link that no tree uses: a new membership epoch, the same structure epoch
+    neg.monitor.set_link("a", "c", latency_s=0.001, bandwidth_bps=1e3)
+    neg.commit("connect_link", 6.0)
+    kept = host.updates[-1].sync
+    assert host.updates[-1].epoch == first.topology_epoch + 1
+    assert kept.topology_epoch == first.topology_epoch and kept.parents == first.parents
+    # a restart always gets a new structure epoch, even with the same structure
+    neg.commit("allreduce_restart", 7.0, apply_at="before_next_allreduce", restart=True)
+    assert host.updates[-1].sync.topology_epoch == neg.epoch
+    restart_epoch = neg.epoch
+    # a step that failed under the restart's structure gets another restart, even after a
+    # commit that kept the structure (that one would not rerun the step)
+    neg.commit("connect_link", 8.0)
+    assert host.updates[-1].sync.topology_epoch == restart_epoch
+    from chaos.protocol import TrainerEvent
+
+    failed = TrainerEvent(sender="b", node_id="b", kind="step_failed", epoch=restart_epoch,
+                          detail="c", op_id="f")  # fmt: skip
+    neg.last_heard["c"] = 8.0
+    neg.trainers.on_event(failed, None, 8.0)
+    assert host.updates[-1].cause == "allreduce_restart" and neg.epoch == restart_epoch + 2
+    # one reported under an older structure epoch than the newest one is answered, not restarted
+    stale = TrainerEvent(sender="b", node_id="b", kind="step_failed", epoch=restart_epoch - 1,
+                         detail="c", op_id="g")  # fmt: skip
+    neg.trainers.on_event(stale, None, 8.5)
+    assert neg.epoch == restart_epoch + 2
+
+
+def test_failures_are_removed_one_per_commit() -> None:
+    """Raft's single-server change: two silent members are not removed in one commit, so a
+    minority cannot commit a membership whose majority it is."""
+    from chaos.daemon.states import NodeState
+
+    from chaos.protocol import PolicyAck
+
+    neg, host = _negotiator()
+    neg.monitor.add_node("e", "tcp://127.0.0.1:20", NodeState.ACTIVE, 0.0)
+    neg.monitor.set_link("d", "e", latency_s=0.001, bandwidth_bps=1e9)
+    neg.commit("scale_out", 0.5)
+    for m in "abcde":
+        neg.on_ack(PolicyAck(sender=m, epoch=neg.epoch, term=1), 0.6)
+    assert neg.stable_members == frozenset("abcde")
+    for m in "abc":
+        neg.last_heard[m] = 10.0
+    neg.last_heard["d"], neg.last_heard["e"] = 8.0, 8.2  # both silent past the timeout
+    neg.check_failures(10.0)
+    assert host.updates[-1].cause == "scale_in_failure"
+    assert [n.id for n in host.updates[-1].view.nodes] == ["a", "b", "c", "e"]  # d, longest
+    epoch = neg.epoch
+    neg.check_failures(10.1)  # e waits until a majority acknowledged the removal of d
+    assert neg.epoch == epoch
+    for m in "abc":
+        neg.on_ack(PolicyAck(sender=m, epoch=epoch, term=1), 10.2)
+    neg.check_failures(10.3)
+    assert neg.epoch == epoch + 1 and [n.id for n in host.updates[-1].view.nodes] == ["a", "b", "c"]
