@@ -250,6 +250,7 @@ class Negotiator:
             term=self.host.term,
             members=sorted(members),
             sync_kind=sync.kind,
+            topology_epoch=sync.topology_epoch,
             apply_at=apply_at,
             restart_allreduce=restart,
             op_id=op_id,
