@@ -343,6 +343,27 @@ def test_malformed_and_unknown_frames_are_dropped() -> None:
         assert comm.stats.dropped_unknown_peer == 1
 
 
+def test_an_abort_that_came_before_its_round_fails_the_round() -> None:
+    """A neighbour's abort of a step this node has not started yet is kept with the early
+    frames; when the step starts it fails it (PeerFailure), not as a protocol error."""
+    addrs = _addrs("ab")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    with Communicator(CommunicatorConfig(node_id="a")) as comm:
+        addrs["a"] = comm.address
+        comm.update_topology(Topology("ring", ("a", "b"), addrs, 1, ring_order=("a", "b")))
+        b = ctx.socket(zmq.DEALER)
+        b.setsockopt(zmq.ROUTING_ID, b"b")
+        b.connect(comm.address)
+        b.send_multipart([encode_header(Op.ABORT, torch.float32, 0, 1, 5, 0, 0), b"c"])
+        with pytest.raises(PeerTimeout):  # step 4: b sends nothing; its abort of 5 is kept
+            comm.allreduce(torch.ones(4), timeout_s=0.5, step=4)
+        assert comm.stats.early_buffered == 1
+        with pytest.raises(PeerFailure) as info:
+            comm.allreduce(torch.ones(4), timeout_s=5.0, step=5)
+        assert info.value.peer == "c" and not info.value.timed_out
+        b.close(linger=0)
+
+
 def test_header_roundtrip_and_validation() -> None:
     raw = encode_header(Op.TREE_DOWN, torch.bfloat16, 3, 7, 11, 13, 17)
     h = decode_header(raw)

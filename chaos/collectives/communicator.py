@@ -612,8 +612,10 @@ class Communicator:
             PeerFailure: a neighbour's connection dropped, was reported dead, or sent an abort.
             PeerTimeout: nothing arrived within ``timeout_s``.
         """
-        if self._ready:
-            return self._ready.popleft()
+        while self._ready:  # frames that came before this round started
+            early = self._accept(self._ready.popleft())
+            if early is not None:
+                return early
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -690,12 +692,20 @@ class Communicator:
                 self.stats.early_buffered += 1
                 self._early.append(frame)
             return None
-        if peer not in self._links:
+        return self._accept(frame)
+
+    def _accept(self, frame: _Frame) -> _Frame | None:
+        """A frame of the running round: dropped if not from a neighbour; an abort raises.
+
+        Raises:
+            PeerFailure: the frame is a neighbour's abort of this round.
+        """
+        if frame.peer not in self._links:
             self.stats.dropped_unknown_peer += 1
             return None
-        if header.op == Op.ABORT:
-            failed = parts[2].bytes.decode(errors="replace")[:64] or peer
-            raise PeerFailure(failed, "aborted by a neighbour", reported_by=peer)
+        if frame.header.op == Op.ABORT:
+            failed = frame.payload.bytes.decode(errors="replace")[:64] or frame.peer
+            raise PeerFailure(failed, "aborted by a neighbour", reported_by=frame.peer)
         return frame
 
     # ------------------------------------------------------------------ lifecycle
