@@ -161,6 +161,12 @@ def _run(argv: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
 
 @needs_root
 def test_demo_runs_end_to_end_and_cleans_up(tmp_path: Path) -> None:
+    # the leftovers of an earlier run in the same folder (a leave flag, an old log) are cleared
+    for i in range(5):
+        stale = tmp_path / "run" / "devices" / f"n{i}"
+        stale.mkdir(parents=True)
+        (stale / "device.leave").touch()
+        (stale / "device.jsonl").write_text('{"kind": "left", "t": 0.0, "step": 0}\n')
     res = _run(["demo", "--nodes", "4", "--scale", "0.05", "--out", str(tmp_path)], 600)
     assert res.returncode == 0, res.stderr[-3000:]
     doc = json.loads((tmp_path / "demo.json").read_text())

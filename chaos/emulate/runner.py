@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -161,6 +162,9 @@ class Runner:
 
     def __enter__(self) -> Runner:
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        # a run in the same folder before this one left its devices' logs and control files
+        # (a leave flag would make the new device leave at once): start from an empty folder
+        shutil.rmtree(self.out_dir / "devices", ignore_errors=True)
         sc = self.sc
         initial = [f"n{i}" for i in range(sc.nodes)]
         overlay = [(f"n{int(a[1:])}", f"n{int(b[1:])}")
