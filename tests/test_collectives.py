@@ -323,22 +323,32 @@ def test_reported_dead_neighbour_fails_fast_with_input_intact() -> None:
         assert timeout.value.peer == "b" and isinstance(timeout.value, TimeoutError)
 
 
-def test_malformed_and_unknown_frames_are_dropped() -> None:
+@contextmanager
+def _ring_ab_with_raw_peer(routing_id: bytes) -> Iterator[tuple[Communicator, zmq.Socket]]:
+    """Member ``a`` of the ring (a, b) at epoch 1, and a raw DEALER that sends to it as
+    ``routing_id`` (``b`` to act as the neighbour, anything else as a stranger)."""
     addrs = _addrs("ab")
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     with Communicator(CommunicatorConfig(node_id="a")) as comm:
         addrs["a"] = comm.address
         comm.update_topology(Topology("ring", ("a", "b"), addrs, 1, ring_order=("a", "b")))
-        stranger = ctx.socket(zmq.DEALER)
-        stranger.setsockopt(zmq.ROUTING_ID, b"mallory")
-        stranger.connect(comm.address)
+        raw = ctx.socket(zmq.DEALER)
+        raw.setsockopt(zmq.ROUTING_ID, routing_id)
+        raw.connect(comm.address)
+        try:
+            yield comm, raw
+        finally:
+            raw.close(linger=0)
+
+
+def test_malformed_and_unknown_frames_are_dropped() -> None:
+    with _ring_ab_with_raw_peer(b"mallory") as (comm, stranger):
         good = encode_header(Op.RING_REDUCE_SCATTER, torch.float32, 0, 1, 0, 0, 1)
         stranger.send_multipart([b"\x09" * HEADER_BYTES, b"abcd"])  # bad version
         stranger.send_multipart([b"short"])  # wrong part count
         stranger.send_multipart([good, b"abcd"])  # right key, not a neighbour
         with pytest.raises(PeerTimeout):
             comm.allreduce(torch.ones(4), timeout_s=0.5, step=0)
-        stranger.close(linger=0)
         assert comm.stats.dropped_malformed == 2
         assert comm.stats.dropped_unknown_peer == 1
 
@@ -346,14 +356,7 @@ def test_malformed_and_unknown_frames_are_dropped() -> None:
 def test_an_abort_that_came_before_its_round_fails_the_round() -> None:
     """A neighbour's abort of a step this node has not started yet is kept with the early
     frames; when the step starts it fails it (PeerFailure), not as a protocol error."""
-    addrs = _addrs("ab")
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    with Communicator(CommunicatorConfig(node_id="a")) as comm:
-        addrs["a"] = comm.address
-        comm.update_topology(Topology("ring", ("a", "b"), addrs, 1, ring_order=("a", "b")))
-        b = ctx.socket(zmq.DEALER)
-        b.setsockopt(zmq.ROUTING_ID, b"b")
-        b.connect(comm.address)
+    with _ring_ab_with_raw_peer(b"b") as (comm, b):
         b.send_multipart([encode_header(Op.ABORT, torch.float32, 0, 1, 5, 0, 0), b"c"])
         with pytest.raises(PeerTimeout):  # step 4: b sends nothing; its abort of 5 is kept
             comm.allreduce(torch.ones(4), timeout_s=0.5, step=4)
@@ -361,7 +364,6 @@ def test_an_abort_that_came_before_its_round_fails_the_round() -> None:
         with pytest.raises(PeerFailure) as info:
             comm.allreduce(torch.ones(4), timeout_s=5.0, step=5)
         assert info.value.peer == "c" and not info.value.timed_out
-        b.close(linger=0)
 
 
 def test_header_roundtrip_and_validation() -> None:
