@@ -204,8 +204,7 @@ class Negotiator:
         """
         self.epoch += 1
         view = self.monitor.to_view(self.epoch, self.host.term, self.host.node_id)
-        policy = sync_policy(self.monitor, self.cfg)
-        sync = to_wire(policy, data_addresses(self.monitor, policy.nodes))
+        sync = self._current_sync()
         if replication is None:
             replication = self.trainers.carried()
         prev = self.last_sync
@@ -621,9 +620,12 @@ class Negotiator:
 
     def _data_plane_changes(self) -> bool:
         """Whether the sync policy built from the monitor now differs from the last one issued."""
+        return not same_data_plane(self.last_sync, self._current_sync())
+
+    def _current_sync(self) -> SyncPolicyWire:
+        """The sync policy the monitor gives now, with the members' data endpoints."""
         policy = sync_policy(self.monitor, self.cfg)
-        sync = to_wire(policy, data_addresses(self.monitor, policy.nodes))
-        return not same_data_plane(self.last_sync, sync)
+        return to_wire(policy, data_addresses(self.monitor, policy.nodes))
 
     def _finish_connect(self, lop: LinkOp, msg: LinkReport, now: float) -> None:
         a, b = lop.req.a, lop.req.b
