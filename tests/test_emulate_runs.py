@@ -195,6 +195,11 @@ def test_compare_measures_each_strategy(tmp_path: Path) -> None:
     for r in runs:
         assert (r["from_nodes"], r["to_nodes"]) == (3, 4)
         assert r["scale_out_s"] > 0 and r["state_bytes"] > 0
+    sr = next(r for r in runs if r["strategy"] == "stop-resume")
+    fetched = {n: t for n, t in sr["checkpoint_fetch_s"].items() if n != sr["checkpoint_store"]}
+    assert set(fetched) == {"n0", "n1", "n2", "n3"} - {sr["checkpoint_store"]}
+    assert all(t is not None and t > 0 for t in fetched.values())  # read over the links
+    assert sr["checkpoint_fetch_s"][sr["checkpoint_store"]] is None  # the store reads its disk
     chaos = next(r for r in runs if r["strategy"] == "chaos")
     assert chaos["lower_bound_s"] > 0 and chaos["replication_s"] >= chaos["lower_bound_s"] * 0.5
     assert (tmp_path / "compare_scale_out.png").exists()

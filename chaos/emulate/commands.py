@@ -205,6 +205,8 @@ def compare_runs(
             "scale_out_s": r.get("scale_out_s"), "replication_s": r.get("replication_s"),
             "lower_bound_s": r.get("lower_bound_s"), "idle_s": r.get("idle_s"),
             "repeat": repeat, "donors": r.get("donors"), "network": runner.result.network,
+            **({"checkpoint_store": r.get("checkpoint_store"), "checkpoint_fetch_s": r["fetch_s"]}
+               if "fetch_s" in r else {}),
         })  # fmt: skip
     return out_rows + links
 

@@ -109,6 +109,27 @@ def _wait_gate(path: Path) -> None:
         time.sleep(0.02)  # polling a file the harness creates
 
 
+def _fetch_checkpoint(store: str) -> tuple[dict[str, Any], float]:
+    """Reads the stop-resume checkpoint from the store device ``HOST:PORT`` over the network.
+
+    Returns:
+        The state dict and the seconds the transfer took.
+
+    Raises:
+        StoreTimeout: the store did not deliver in time.
+        CheckpointFetchError: a bad or partial checkpoint.
+    """
+    import io
+
+    from chaos.emulate.ckpt_store import fetch
+
+    host, _, port = store.rpartition(":")
+    t0 = time.monotonic()
+    data = fetch(host, int(port))
+    took = time.monotonic() - t0
+    return torch.load(io.BytesIO(data), weights_only=True), took  # no pickle from the wire
+
+
 def _write(out: TextIO, rec: dict[str, Any]) -> None:
     out.write(json.dumps(rec) + "\n")
     out.flush()
@@ -127,6 +148,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--daemon-dir", default=None)
     ap.add_argument("--daemon-arg", action="append", default=[])
     ap.add_argument("--resume", type=Path, default=None, help="stop-resume checkpoint to load")
+    ap.add_argument("--resume-from", default=None, metavar="HOST:PORT",
+                    help="read the stop-resume checkpoint from this store")  # fmt: skip
     ap.add_argument("--wait-world", type=int, default=0, help="with --resume: members to await")
     ap.add_argument("--gate", type=Path, default=None,
                     help="load everything, then wait for this file before joining")  # fmt: skip
@@ -147,8 +170,12 @@ def main(argv: list[str] | None = None) -> int:
     xs = torch.randn(512, HEAD_IN, generator=gen)  # this device's own local data
     ys = torch.randint(0, HEAD_OUT, (512,), generator=gen)
     started = time.time()
-    if args.resume is not None:
-        state = torch.load(args.resume, weights_only=False)
+    fetch_s = None
+    if args.resume_from is not None:
+        state, fetch_s = _fetch_checkpoint(args.resume_from)
+    elif args.resume is not None:
+        state = torch.load(args.resume, weights_only=True)
+    if args.resume is not None or args.resume_from is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
     if args.gate is not None:
@@ -165,16 +192,17 @@ def main(argv: list[str] | None = None) -> int:
         step_timeout_s=60.0,
         policy_timeout_s=30.0,
         join_timeout_s=300.0,
-        restored=args.resume is not None,
+        restored=args.resume is not None or args.resume_from is not None,
     )
-    if args.resume is not None:
+    if args.resume is not None or args.resume_from is not None:
         trainer.load_state_dict(state)  # the checkpoint's step and RNG
         trainer.wait_world(max(1, args.wait_world), 300.0)
     leave_flag = args.out.with_suffix(".leave")
     ckpt_flag = args.out.with_suffix(".checkpoint")
     with args.out.open("a") as out:
         _write(out, {"kind": "ready", "t": time.time(), "started": started, "step": trainer.step,
-                     "epoch": trainer.epoch, "events": list(trainer.events)})  # fmt: skip
+                     "epoch": trainer.epoch, "events": list(trainer.events),
+                     "checkpoint_fetch_s": fetch_s})  # fmt: skip
         return _train(args, trainer, model, opt, xs, ys, out, leave_flag, ckpt_flag,
                       capture_exit_event)  # fmt: skip
 
@@ -214,9 +242,11 @@ def _train(
             seen_events = len(trainer.events)
         if ckpt_flag.exists():
             path = ckpt_flag.with_suffix(".pt")
-            torch.save(trainer.state_dict(), path)
+            save = ckpt_flag.read_text().strip() != "stop"  # only the store device writes
+            if save:
+                torch.save(trainer.state_dict(), path)
             _write(out, {"kind": "checkpointed", "t": time.time(), "step": trainer.step,
-                         "path": str(path)})  # fmt: skip
+                         "path": str(path) if save else None})  # fmt: skip
             trainer.close()
             return 0
         if leave_flag.exists() or exit_event():

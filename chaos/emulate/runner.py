@@ -37,6 +37,7 @@ from chaos.errors import ChaosTimeout
 log = logging.getLogger("chaos.emulate.runner")
 
 DAEMON_PORT = 7700
+STORE_PORT = 7690
 READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
 PROBE_FULL_BYTES = 4 << 20  # the daemon's default bandwidth probe
@@ -277,7 +278,7 @@ class Runner:
         name: str,
         neighbors: list[str],
         join: str | None = None,
-        resume: tuple[Path, int] | None = None,
+        resume: tuple[Path | str, int] | None = None,
         gate: Path | None = None,
     ) -> Device:
         sc = self.sc
@@ -299,8 +300,9 @@ class Runner:
         target = join or (neighbors[0] if neighbors else None)
         if target is not None:
             argv += ["--join", self._endpoint(target)]
-        if resume is not None:
-            argv += ["--resume", str(resume[0]), "--wait-world", str(resume[1])]
+        if resume is not None:  # a local file, or the store's HOST:PORT
+            flag = "--resume" if isinstance(resume[0], Path) else "--resume-from"
+            argv += [flag, str(resume[0]), "--wait-world", str(resume[1])]
         if gate is not None:
             argv += ["--gate", str(gate)]
         argv += [f"--daemon-arg=--config={self._daemon_toml()}"]
@@ -396,25 +398,28 @@ class Runner:
         d.proc.wait(timeout=10)
 
     def stop_resume_join(self, name: str) -> dict[str, Any]:
-        """The stop-resume baseline (Pollux): to add ``name``, every device checkpoints and
-        stops, then all of them and the new one restart from that checkpoint.
+        """The stop-resume baseline (Pollux): to add ``name``, the store device checkpoints,
+        every device stops, then all of them and the new one restart from that checkpoint.
 
-        The checkpoint is written to and read from the local disk (standing in for the shared
-        storage such systems use; the restarted devices do not fetch it over the emulated
-        links, which favours this baseline).
+        An edge cluster has no shared storage besides its devices, so the first running device
+        is the checkpoint store (:mod:`chaos.emulate.ckpt_store`): it writes the checkpoint to
+        its disk and reads it back from there; every other restarted device, the joiner
+        included, reads it over the emulated links (multi-hop where needed), all at once.
 
         Returns:
             The harness event, with ``scale_out_s`` (request to every device stepping together
-            again), ``replication_s`` (checkpoint save), ``idle_s`` and ``state_bytes``.
+            again), ``replication_s`` (checkpoint save plus the joiner's read), ``fetch_s``
+            (each device's read), ``idle_s`` and ``state_bytes``.
 
         Raises:
-            EmulationError: a device did not checkpoint or restart.
+            EmulationError: a device did not checkpoint or restart, or the store did not start.
         """
         rec = self._mark("stop_resume_join", node=name, label=f"stop-resume join {name}")
         before = self.running()  # in start order: each device links to earlier ones
         live = {n: self.devices[n] for n in before}
-        for d in live.values():
-            d.out.with_suffix(".checkpoint").touch()
+        store = before[0]
+        for d in live.values():  # only the store writes; the others just stop
+            d.out.with_suffix(".checkpoint").write_text("save" if d.name == store else "stop")
         for d in live.values():
             try:
                 d.proc.wait(timeout=STOP_TIMEOUT_S * 4)
@@ -422,33 +427,70 @@ class Runner:
                 raise EmulationError(f"{d.name} did not checkpoint in time") from exc
             d.gone = "restart"
         saved = time.time()
-        ckpt = live[before[0]].out.with_suffix(".pt")
+        ckpt = live[store].out.with_suffix(".pt")
         if not ckpt.exists():
-            raise EmulationError(f"no checkpoint written by {before[0]}:\n{_tail(live[before[0]])}")
+            raise EmulationError(f"no checkpoint written by {store}:\n{_tail(live[store])}")
         nbrs = sorted(self.join_rng.sample(sorted(before), min(self.sc.degree, len(before))))
         for n in nbrs:
             self._net.add_link(name, n, self._rate(name, n))
         members = [*before, name]
+        server = self._start_store(store, ckpt)
+        try:
+            self._restart_all(members, store, ckpt)
+            fetch = {n: self.devices[n].ready().get("checkpoint_fetch_s")  # type: ignore[union-attr]
+                     for n in members}  # fmt: skip
+        finally:
+            _stop(server)
+        done = self._wait_world(members, len(members))
+        rec.update(neighbors=nbrs, saved_t=saved, done_t=done, scale_out_s=done - rec["t"],
+                   replication_s=saved - rec["t"] + (fetch[name] or 0.0), fetch_s=fetch,
+                   checkpoint_store=store, idle_s=len(before) * (done - rec["t"]),
+                   state_bytes=ckpt.stat().st_size)  # fmt: skip
+        self.progress(f"stop-resume  join {name}: {rec['scale_out_s']:.2f} s")
+        return rec
+
+    def _restart_all(self, members: list[str], store: str, ckpt: Path) -> None:
+        """Starts every member from the checkpoint: all load in parallel (imports, the
+        checkpoint read), then their daemons join in order; returns once all are ready."""
         links = self._net.links()
         gates = {}
-        for i, node in enumerate(members):  # all load in parallel (imports, checkpoint) ...
+        remote = f"{self._net.address(store)}:{STORE_PORT}"
+        for i, node in enumerate(members):
             earlier = set(members[:i])
             mine = sorted({b if a == node else a for a, b in links if node in (a, b)} & earlier)
             gates[node] = self.out_dir / f"gate-{node}-{len(self.retired)}"
             via = members[0] if i and not mine else None  # its earlier links were removed
-            self._start_device(node, mine, join=via, resume=(ckpt, len(members)),
+            source: Path | str = ckpt if node == store else remote
+            self._start_device(node, mine, join=via, resume=(source, len(members)),
                                gate=gates[node])  # fmt: skip
-        for node in members:  # ... then join in order: a joiner names earlier devices
+        for node in members:  # a joiner names earlier devices
             gates[node].touch()
             self._wait_member(node)
         for node in members:
             self._wait_ready(node)
-        done = self._wait_world(members, len(members))
-        rec.update(neighbors=nbrs, saved_t=saved, done_t=done, scale_out_s=done - rec["t"],
-                   replication_s=saved - rec["t"], idle_s=len(before) * (done - rec["t"]),
-                   state_bytes=ckpt.stat().st_size)  # fmt: skip
-        self.progress(f"stop-resume  join {name}: {rec['scale_out_s']:.2f} s")
-        return rec
+
+    def _start_store(self, store: str, ckpt: Path) -> subprocess.Popen[bytes]:
+        """Starts the checkpoint store in ``store``'s namespace; returns once it listens.
+
+        Raises:
+            EmulationError: it exited or did not listen within ``READY_TIMEOUT_S``.
+        """
+        ready = self.out_dir / f"store-ready-{len(self.retired)}"
+        ready.unlink(missing_ok=True)
+        listen = f"{self._net.address(store)}:{STORE_PORT}"
+        argv = [sys.executable, "-m", "chaos.emulate.ckpt_store", "--file", str(ckpt),
+                "--listen", listen, "--ready", str(ready)]  # fmt: skip
+        with open(self.out_dir / "store.log", "ab") as logf:
+            proc = self._net.popen(store, argv, stdout=logf, stderr=subprocess.STDOUT,
+                                   start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                _stop(proc)
+                log = (self.out_dir / "store.log").read_text()[-2000:]
+                raise EmulationError(f"the checkpoint store on {store} did not start:\n{log}")
+            time.sleep(0.02)  # polling the file the store creates
+        return proc
 
     def _daemon_toml(self) -> Path:
         """The daemons' config file: the bandwidth probe shrinks with the scenario's scale.
@@ -575,6 +617,16 @@ def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """Terminates a helper process group (the checkpoint store) and reaps it."""
+    _signal_group(proc, signal.SIGTERM)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait(timeout=5)
 
 
 def _tail(d: Device) -> str:
