@@ -520,6 +520,21 @@ class PolicyReply(_Base, frozen=True, tag="policy_reply"):
     apply_at: ApplyAt = "after_allreduce"
     restart_allreduce: bool = False
     paused: bool = False
+    notify_address: Endpoint | None = None
+
+
+class PolicyNotice(_Base, frozen=True, tag="policy_notice"):
+    """Daemon -> its trainers, published on ``PolicyReply.notify_address`` (``epoch``: the
+    installed epoch).
+
+    Sent when the epoch or ``paused`` changes, and at least every ``interval_s`` otherwise, so
+    a trainer learns of a newer policy without asking at every step boundary, and can tell a
+    silent notifier (then it asks again at every boundary).
+    """
+
+    KIND: ClassVar[str] = "client"
+    paused: bool = False
+    interval_s: Seconds = 0.0
 
 
 Message = Union[
@@ -550,6 +565,7 @@ Message = Union[
     FaultReply,
     PolicyRequest,
     PolicyReply,
+    PolicyNotice,
     TrainerRegister,
     TrainerInfo,
     TrainerEvent,

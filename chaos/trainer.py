@@ -16,8 +16,10 @@ Usage (paper Listings 1 and 2)::
 The trainer owns the data plane (see ``docs/trainer.md`` and
 ``docs/trainer-daemon-interface.md``): it allreduces gradients over the sync policy's topology,
 serves state shards to joiners, and, when it joins, pulls the state from several neighbours at
-once. The local daemon owns the control plane; the trainer asks it for the current policy at
-every step boundary and, while it waits in an allreduce, every ``poll_interval_s``.
+once. The local daemon owns the control plane: it publishes a notice whenever its epoch changes
+(:mod:`chaos.policy_watch`), and the trainer asks it for the policy at a step boundary only when
+a notice names a newer epoch (or the notices fall silent), and, while it waits in an allreduce,
+every ``poll_interval_s``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from chaos import ops
 from chaos.collectives import Communicator, CommunicatorConfig, Topology
 from chaos.embedded import EmbeddedDaemon, free_tcp_address
 from chaos.errors import ChaosError, ChaosTimeout, ConfigError, PeerFailure, RoundInterrupted
+from chaos.policy_watch import PolicyWatch
 from chaos.replication import (
     PullConfig,
     ReplicationError,
@@ -81,6 +84,9 @@ class TrainerConfig:
         daemon_dir: The embedded daemon's run directory (IPC socket, event log); default: a
             fresh temporary directory.
         pull_window: Outstanding shard requests per donor while joining.
+        policy_notices: Learn of newer policies from the daemon's published notices, asking the
+            daemon only when one names a newer epoch (or the notices fall silent). ``False``:
+            ask at every step boundary (an IPC round trip each), as a comparison baseline.
         restored: The model and optimizer were loaded from a checkpoint that every member
             restores (the stop-resume baseline): the trainer joins with that state instead of
             pulling one; the scheduler admits it only if its state digest equals the first
@@ -102,6 +108,7 @@ class TrainerConfig:
     daemon_args: tuple[str, ...] = ()
     daemon_dir: str | None = None
     pull_window: int = 8
+    policy_notices: bool = True
     restored: bool = False
 
     def __post_init__(self) -> None:
@@ -237,6 +244,7 @@ class Trainer:
         self._policy: _Policy | None = None
         self._published: tuple[int, int] | None = None
         self._last_contact = time.monotonic()  # last answer from the local daemon
+        self._watch: PolicyWatch | None = None
         self._layout: list[int] | None = None
         self.events: list[dict[str, Any]] = []
         self._embedded: EmbeddedDaemon | None = None
@@ -466,6 +474,8 @@ class Trainer:
 
     def _fetch_policy(self, timeout_s: float = 5.0) -> _Policy:
         reply = self._client.policy(timeout_s=timeout_s)
+        if self._watch is None and reply.notify_address and self.config.policy_notices:
+            self._watch = PolicyWatch(reply.notify_address)
         return _Policy(
             epoch=reply.epoch,
             topo_epoch=_topo_epoch(reply),
@@ -540,6 +550,9 @@ class Trainer:
         Raises:
             TrainingStalled: no answer from the daemon for ``policy_timeout_s``.
         """
+        if self._watch is not None and not self._watch.needs_fetch(self._epoch, time.monotonic()):
+            self._last_contact = time.monotonic()  # it heard from the daemon, nothing newer
+            return
         try:
             p = self._fetch_policy()
         except ChaosTimeout as exc:
@@ -750,7 +763,10 @@ class Trainer:
 
     def close(self) -> None:
         """Closes the data plane and the daemon connection; stops an embedded daemon."""
-        for closer in (self._server.close, self._comm.close, self._client.close):
+        closers = [self._server.close, self._comm.close, self._client.close]
+        if self._watch is not None:
+            closers.append(self._watch.close)
+        for closer in closers:
             try:
                 closer()
             except Exception as exc:  # noqa: BLE001 - best effort on shutdown

@@ -25,7 +25,7 @@ from chaos.daemon.election import Election
 from chaos.daemon.events import EventLog
 from chaos.daemon.metrics import Metrics
 from chaos.daemon.negotiator import Negotiator
-from chaos.daemon.replies import policy_reply, status_reply
+from chaos.daemon.replies import policy_notice, policy_reply, status_reply
 from chaos.daemon.states import DAEMON_TRANSITIONS, DaemonState, Role
 from chaos.daemon.trainers import TrainerRelay
 from chaos.daemon.transport import FaultInjector, Inbound, ReplyPath, Transport
@@ -132,6 +132,7 @@ class Daemon:
         self.exit_code = 0
         self.refused = 0
         self._due: dict[str, float] = {}
+        self._notice: tuple[int, bool] | None = None  # the last (epoch, paused) published
         self._handlers: dict[type, Handler] = self._handler_table()
 
     # -- small API used by the agent and the negotiator -------------------------------------
@@ -285,6 +286,11 @@ class Daemon:
             self._on_frame(inbound)
         while self._local and not self._stop:
             self._dispatch(self._local.popleft(), None, time.monotonic())
+        notice = (self.epoch, self._paused)  # trainers hear of a change without asking
+        if notice != self._notice or now >= self._due.get("notice", 0.0):
+            self._notice = notice
+            self._due["notice"] = now + self.cfg.heartbeat_interval_s
+            self.transport.publish(encode(policy_notice(self)))
 
     def _run_timers(self, now: float) -> None:
         due = self._due

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from chaos.protocol import LinkInfo, PolicyReply, StatusReply
+from chaos.protocol import LinkInfo, PolicyNotice, PolicyReply, StatusReply
 
 if TYPE_CHECKING:
     from chaos.daemon.node import Daemon
@@ -72,4 +72,12 @@ def policy_reply(d: Daemon) -> PolicyReply:
         apply_at=u.apply_at if u else "after_allreduce",
         restart_allreduce=u.restart_allreduce if u else False,
         paused=d.paused,
+        notify_address=d.transport.notify_endpoint,
+    )
+
+
+def policy_notice(d: Daemon) -> PolicyNotice:
+    """What the daemon publishes to its trainers: the installed epoch and the pause state."""
+    return PolicyNotice(
+        sender=d.node_id, epoch=d.epoch, paused=d.paused, interval_s=d.cfg.heartbeat_interval_s
     )

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
+from chaos.daemon.config import IPC_PATH_MAX
 
 from chaos.errors import ConfigError
 
@@ -28,6 +29,9 @@ log = logging.getLogger("chaos.daemon.transport")
 
 _DRAIN_PER_SOCKET = 256
 _PEER_HWM = 1000
+_NOTIFY_HWM = 64
+NOTIFY_SUFFIX = ".notify"
+"""The notifier's IPC path is the daemon's IPC path plus this."""
 
 
 class FaultInjector:
@@ -161,6 +165,7 @@ class Transport:
             os.unlink(path)  # the CLI checked that no live daemon owns it
         self.ipc = self._router(ipc_endpoint)
         self.ipc_endpoint = ipc_endpoint
+        self.notify_endpoint, self._notify = self._notifier(path)
         self.dealers: dict[str, tuple[str, zmq.Socket[bytes]]] = {}
         self.contacts: dict[str, zmq.Socket[bytes]] = {}
         self.poller = zmq.Poller()
@@ -174,6 +179,28 @@ class Transport:
     def wakeup_fd(self) -> int:
         """A file descriptor whose writes wake :meth:`poll` (for ``signal.set_wakeup_fd``)."""
         return self._wake_w.fileno()
+
+    def _notifier(self, ipc_path: str) -> tuple[str | None, zmq.Socket[bytes] | None]:
+        """The PUB socket beside the IPC endpoint on which trainers hear of new epochs
+        (``None`` when its path would be over the unix socket limit: trainers then poll)."""
+        path = ipc_path + NOTIFY_SUFFIX
+        if len(path.encode()) > IPC_PATH_MAX:
+            return None, None
+        if os.path.exists(path):
+            os.unlink(path)  # left by a daemon that died; the CLI checked that none is live
+        sock: zmq.Socket[bytes] = self.ctx.socket(zmq.PUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, _NOTIFY_HWM)
+        sock.bind("ipc://" + path)
+        return "ipc://" + path, sock
+
+    def publish(self, frame: bytes) -> None:
+        """Publishes a notice to the local trainers (dropped, never blocking, if none listen)."""
+        if self._notify is not None:
+            try:
+                self._notify.send(frame, flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                log.debug("notice not published: %s", exc)
 
     def _router(self, endpoint: str) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
@@ -318,11 +345,15 @@ class Transport:
         self.close_contacts()
         self.router.close(linger=0)
         self.ipc.close(linger=0)
+        if self._notify is not None:
+            self._notify.close(linger=0)
         self._wake_r.close()
         self._wake_w.close()
         self.ctx.term()  # waits at most linger_s for the DEALERs' queued frames
         path = self.ipc_endpoint.removeprefix("ipc://")
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        for p in (path, (self.notify_endpoint or "").removeprefix("ipc://")):
+            try:
+                if p:
+                    os.unlink(p)
+            except OSError:
+                pass

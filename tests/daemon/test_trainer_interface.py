@@ -7,6 +7,7 @@ not under test, so the data and shard endpoints it registers are addresses nobod
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -471,3 +472,22 @@ def test_failures_are_removed_one_per_commit() -> None:
         neg.on_ack(PolicyAck(sender=m, epoch=epoch, term=1), 10.2)
     neg.check_failures(10.3)
     assert neg.epoch == epoch + 1 and [n.id for n in host.updates[-1].view.nodes] == ["a", "b", "c"]
+
+
+def test_the_daemon_publishes_its_epoch_to_trainers(cluster: Cluster) -> None:
+    """A trainer learns of a new epoch from the daemon's notices, without asking."""
+    from chaos.policy_watch import PolicyWatch
+
+    n1, n2 = cluster.start(2)
+    p = _policy(n2)
+    assert p.notify_address is not None and p.notify_address.startswith("ipc://")
+    watch = PolicyWatch(p.notify_address)
+    try:
+        # notices come at least every heartbeat interval, so the watch hears one soon
+        wait_until(lambda: not watch.needs_fetch(p.epoch, time.monotonic()), "a notice")
+        assert watch.latest_epoch == p.epoch
+        epoch, _, _ = _register(n1, True, SIZES)  # a commit: every member installs it
+        wait_until(lambda: watch.latest_epoch >= epoch, "the notice of the new epoch")
+        assert watch.needs_fetch(p.epoch, time.monotonic())  # n2's trainer would ask now
+    finally:
+        watch.close()

@@ -1,0 +1,98 @@
+"""The trainer's side of the daemon's policy notices: is there a newer policy to fetch?
+
+At every step boundary a trainer must take a newer policy if its daemon has one. Asking the
+daemon each time is an IPC round trip that, on a busy device, waits for the daemon to be
+scheduled, and it wakes the daemon for nothing at almost every step. Instead the daemon
+publishes a :class:`~chaos.protocol.PolicyNotice` (its installed epoch) whenever the epoch or its
+pause state changes, and at least every ``interval_s``; the trainer drains these without
+blocking and asks only when a notice names a newer epoch.
+
+The notices are a hint, never the policy itself. Whenever the watch cannot vouch for them (no
+notice heard yet, the notifier silent for longer than it promised, or a frame it cannot decode),
+:meth:`PolicyWatch.needs_fetch` answers ``True`` and the trainer asks as before.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from chaos.errors import ProtocolError
+from chaos.protocol import PolicyNotice, decode
+
+__all__ = ["PolicyWatch"]
+
+log = logging.getLogger("chaos.policy_watch")
+
+SILENCE_FACTOR = 3.0
+"""The notifier counts as silent after this many of its promised intervals without a notice."""
+_DRAIN_MAX = 256
+
+
+class PolicyWatch:
+    """Subscribes to a daemon's policy notices.
+
+    Args:
+        address: The daemon's ``PolicyReply.notify_address``.
+        max_frame_bytes: Notices longer than this are ignored.
+
+    Raises:
+        zmq.ZMQError: the address cannot be connected to.
+    """
+
+    def __init__(self, address: str, max_frame_bytes: int = 4096) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 1024)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.connect(address)
+        self._max = max_frame_bytes
+        self.latest_epoch = -1
+        self.paused = False
+        self._heard_at: float | None = None
+        self._interval_s = 0.0
+        self.ignored = 0
+
+    def needs_fetch(self, installed_epoch: int, now: float) -> bool:
+        """Drains the notices that arrived; whether the trainer must ask its daemon now.
+
+        Args:
+            installed_epoch: The epoch of the policy the trainer runs.
+            now: ``time.monotonic()``.
+
+        Returns:
+            ``True`` when a notice named a newer epoch or the daemon is paused, or when the
+            notices cannot be relied on (none yet, or silent for over ``SILENCE_FACTOR``
+            promised intervals).
+        """
+        for _ in range(_DRAIN_MAX):
+            try:
+                frame = self._sock.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._take(frame, now)
+        if self._heard_at is None or now - self._heard_at > SILENCE_FACTOR * self._interval_s:
+            return True
+        return self.paused or self.latest_epoch > installed_epoch
+
+    def _take(self, frame: bytes, now: float) -> None:
+        try:
+            msg = decode(frame, self._max)
+        except ProtocolError as exc:
+            self.ignored += 1
+            log.debug("policy notice ignored: %s", exc)
+            return
+        if not isinstance(msg, PolicyNotice):
+            self.ignored += 1
+            return
+        self.latest_epoch = msg.epoch
+        self.paused = msg.paused
+        self._interval_s = msg.interval_s
+        self._heard_at = now
+
+    def close(self) -> None:
+        """Closes the SUB socket and its context."""
+        self._sock.close(linger=0)
+        self._ctx.term()

@@ -1,0 +1,106 @@
+"""PolicyWatch: when the trainer must ask its daemon for the policy (real zmq sockets).
+
+The daemon side (the notices a real ``chaos-daemon`` publishes) is covered at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from chaos.policy_watch import SILENCE_FACTOR, PolicyWatch
+from chaos.protocol import Ping, PolicyNotice, encode
+
+INTERVAL_S = 0.5
+
+
+@pytest.fixture
+def pub(tmp_path: Path) -> Iterator[tuple[zmq.Socket[bytes], str]]:
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.PUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    addr = f"ipc://{tmp_path}/n.notify"
+    sock.bind(addr)
+    try:
+        yield sock, addr
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def _notice(epoch: int, paused: bool = False) -> bytes:
+    return encode(PolicyNotice(sender="n1", epoch=epoch, paused=paused, interval_s=INTERVAL_S))
+
+
+def _deliver(sock: zmq.Socket[bytes], watch: PolicyWatch, frame: bytes, epoch: int) -> float:
+    """Publishes ``frame`` once the subscription is up and waits until the watch took it;
+    returns the watch's clock then.
+
+    A SUB socket misses what is published before its connection is up, so probe notices
+    (epoch 0) go out until one arrives; ``frame`` itself is sent once, and being FIFO, it is
+    the last notice the watch takes.
+    """
+    deadline = time.monotonic() + 10.0
+    while watch.latest_epoch < 0:
+        if time.monotonic() > deadline:
+            raise AssertionError("the subscription never connected")
+        sock.send(_notice(0))
+        watch.needs_fetch(epoch, time.monotonic())
+        time.sleep(0.01)  # waiting for the subscription to connect
+    sock.send(frame)
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        watch.needs_fetch(epoch, now)
+        if watch.latest_epoch == epoch:
+            return now
+        time.sleep(0.001)
+    raise AssertionError("the notice never arrived")
+
+
+def test_asks_until_it_hears_then_only_for_a_newer_epoch(pub: tuple) -> None:
+    sock, addr = pub
+    watch = PolicyWatch(addr)
+    try:
+        assert watch.needs_fetch(3, time.monotonic())  # nothing heard yet: ask
+        now = _deliver(sock, watch, _notice(3), 3)
+        assert not watch.needs_fetch(3, now)  # installed epoch 3 is the newest
+        assert watch.needs_fetch(2, now)  # the trainer is behind
+        now = _deliver(sock, watch, _notice(4), 4)
+        assert watch.needs_fetch(3, now)
+        assert not watch.needs_fetch(4, now)
+    finally:
+        watch.close()
+
+
+def test_a_silent_notifier_or_a_paused_daemon_means_ask(pub: tuple) -> None:
+    sock, addr = pub
+    watch = PolicyWatch(addr)
+    try:
+        now = _deliver(sock, watch, _notice(5), 5)
+        assert not watch.needs_fetch(5, now + SILENCE_FACTOR * INTERVAL_S * 0.9)
+        assert watch.needs_fetch(5, now + SILENCE_FACTOR * INTERVAL_S * 1.1)  # silent: ask
+        now = _deliver(sock, watch, _notice(6, paused=True), 6)
+        assert watch.needs_fetch(6, now)  # paused: the trainer asks, as it did before
+    finally:
+        watch.close()
+
+
+def test_garbage_and_other_messages_are_ignored_and_counted(pub: tuple) -> None:
+    sock, addr = pub
+    watch = PolicyWatch(addr)
+    try:
+        now = _deliver(sock, watch, _notice(7), 7)
+        for frame in (b"\x00garbage", encode(Ping(sender="x", seq=1, t=0.0)), b"x" * 10_000):
+            sock.send(frame)
+        deadline = time.monotonic() + 10.0
+        while watch.ignored < 3 and time.monotonic() < deadline:
+            watch.needs_fetch(7, now)
+            time.sleep(0.01)  # waiting for the three frames to arrive
+        assert watch.ignored == 3
+        assert watch.latest_epoch == 7 and not watch.needs_fetch(7, now)
+    finally:
+        watch.close()
