@@ -485,6 +485,7 @@ def run(
     max_failures: int,
     echo: Callable[[str], None],
     logs: Path | None = None,
+    policy_notices: bool = True,
 ) -> dict[str, Any]:
     """Runs the benchmark and returns its figures (see the module docstring).
 
@@ -503,6 +504,8 @@ def run(
         max_failures: Failed attempts after which the bench stops with what it has.
         echo: Prints a progress line.
         logs: Keep the workers' step logs and outputs here (default: a temporary directory).
+        policy_notices: The trainers' ``TrainerConfig.policy_notices`` (``False``: they ask
+            their daemon at every step boundary).
 
     Raises:
         ValueError: fewer than 3 nodes (the link primitives need two non-founder members).
@@ -513,6 +516,7 @@ def run(
     worker_args = ["--compute-s", str(compute_s), "--width", str(width)]
     worker_args += ["--step-timeout-s", str(WORKER_STEP_TIMEOUT_S)]
     worker_args += ["--policy-timeout-s", str(WORKER_POLICY_TIMEOUT_S)]
+    worker_args += [] if policy_notices else ["--no-policy-notices"]
     tally = _Tally()
     with contextlib.ExitStack() as stack:
         if logs is None:
@@ -531,7 +535,8 @@ def run(
     empty = [k for k in PRIMITIVES if not tally.stalls[k]]
     if empty:
         raise ChaosError(f"no sample of {', '.join(empty)}; failures: {tally.failures}")
-    result: dict[str, Any] = {"nodes": nodes, "repeats": repeats, "compute_s": compute_s}
+    result: dict[str, Any] = {"nodes": nodes, "repeats": repeats, "compute_s": compute_s,
+                              "policy_notices": policy_notices}  # fmt: skip
     for kind in PRIMITIVES:
         result[f"{kind}_ms"] = summary_ms(tally.stalls[kind])
     result["null_ms"] = {kind: summary_ms(tally.nulls[kind]) for kind in PRIMITIVES}
@@ -592,6 +597,12 @@ def run(
     default=None,
     help="Keep the workers' step logs (JSONL) and outputs in this directory.",
 )
+@click.option(
+    "--policy-notices/--no-policy-notices",
+    default=True,
+    show_default=True,
+    help="Trainers learn of new policies from their daemon's notices (off: ask every step).",
+)
 def primitives_command(
     nodes: int,
     json_path: str,
@@ -602,11 +613,13 @@ def primitives_command(
     timeout_s: float,
     max_failures: int,
     logs: Path | None,
+    policy_notices: bool,
 ) -> None:
     """Training-step stall of scale-in, connect-link and disconnect-link (real trainers)."""
     result = run(
-        nodes, repeats, compute_s, width, settle_steps, timeout_s, max_failures, click.echo, logs
-    )
+        nodes, repeats, compute_s, width, settle_steps, timeout_s, max_failures, click.echo,
+        logs, policy_notices,
+    )  # fmt: skip
     Path(json_path).write_text(json.dumps(result, indent=2))
     head = f"{'primitive':<17}{'stall p50 ms':>13}{'stall p99 ms':>13}{'null p50 ms':>12}"
     click.echo(f"{head}{'added p50 ms':>13}{'control p50 ms':>15}{'reruns':>8}{'n':>4}")
