@@ -282,17 +282,7 @@ class Negotiator:
         if self.ops.pop(op.op_id, None) is None:
             return
         elapsed = now - op.started
-        self.host.event(
-            "primitive_done",
-            primitive=op.name,
-            epoch=op.epoch,
-            ok=ok,
-            elapsed_s=elapsed,
-            reason=reason,
-        )
-        if ok:
-            self.host.observe_primitive(op.name, elapsed)
-        if op.reply is not None or op.req_op_id:
+        if op.reply is not None or op.req_op_id:  # the answer first, the bookkeeping after
             self.host.respond(
                 op.reply,
                 OpResult(
@@ -304,6 +294,16 @@ class Negotiator:
                     elapsed_s=elapsed,
                 ),
             )
+        self.host.event(
+            "primitive_done",
+            primitive=op.name,
+            epoch=op.epoch,
+            ok=ok,
+            elapsed_s=elapsed,
+            reason=reason,
+        )
+        if ok:
+            self.host.observe_primitive(op.name, elapsed)
         if op.then is not None:
             op.then()
         if op.after is not None:

@@ -4,7 +4,9 @@ Measured, with the daemon's default heartbeat settings (0.5 s / 1.5 s):
 
 * ``scale_in_ms``, ``connect_link_ms``, ``disconnect_link_ms``: control-path completion of each
   primitive, from the client's request to the new policy being acknowledged by every member (the
-  daemon answers only then), measured by the client. These primitives overlap training, so this
+  daemon answers only then), measured by the client over a connection to its daemon that is
+  already up (a status request goes first, so no TCP handshake is timed). These primitives
+  overlap training, so this
   is not a training stall; the stall is measured with the data plane (a later issue).
   ``scheduler_side_ms`` is the same path seen by the scheduler (request received to the last
   acknowledgement), without the client's hops.
@@ -169,6 +171,7 @@ def _links(
     for r in range(reps):
         a, c = pairs[r % len(pairs)]
         with DaemonClient(b.addr[a], timeout_s=15.0) as cl:
+            cl.status()  # the connection is up before the clock starts (no TCP handshake in it)
             t = time.perf_counter()
             res = cl.link(c, add=True)
             add_ms.append((time.perf_counter() - t) * 1e3)
@@ -210,6 +213,7 @@ def _scale_in(
         cands = [n for n in ids[1:] if n != sched]
         victim = cands[r % len(cands)]
         with DaemonClient(b.addr[victim], timeout_s=15.0) as cl:
+            cl.status()  # the connection is up before the clock starts
             t = time.perf_counter()
             res = cl.leave()
             out.append((time.perf_counter() - t) * 1e3)
