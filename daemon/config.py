@@ -110,6 +110,10 @@ class DaemonConfig:
         probe_timeout_s: Give up a link measurement after this long.
         default_bandwidth_bps: Bandwidth assumed for a link before it is measured.
         sync_message_bytes: Gradient size assumed when comparing tree and ring sync policies.
+        sync_switch_min_gain: The sync policy's structure is replaced (every trainer re-wires)
+            only when the new one is estimated faster by at least this fraction of the current
+            one's time, or the current one no longer applies. Raise it where link measurements
+            are noisy; 0 follows every improvement.
         per_shard_cost_s: Per-shard message cost c (seconds) for the replication planner. Measure
             it on the data-plane transport with ``chaos-bench shard-cost`` and set the measured
             value; a higher c makes the planner choose fewer, larger shards.
@@ -151,6 +155,7 @@ class DaemonConfig:
     probe_timeout_s: float = 5.0
     default_bandwidth_bps: float = 100e6
     sync_message_bytes: int = 100 << 20
+    sync_switch_min_gain: float = 0.2
     per_shard_cost_s: float = 4e-6
     replication_strategy: str = "chaos"
     join_timeout_s: float = 30.0
@@ -208,6 +213,9 @@ class DaemonConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        g = self.sync_switch_min_gain
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 <= g < 1.0:
+            raise ConfigError(f"sync_switch_min_gain must be in [0, 1), got {g!r}")
         self._check_consistency()
 
     def _check_consistency(self) -> None:

@@ -624,7 +624,7 @@ class Negotiator:
 
     def _current_sync(self) -> SyncPolicyWire:
         """The sync policy the monitor gives now, with the members' data endpoints."""
-        policy = sync_policy(self.monitor, self.cfg)
+        policy = sync_policy(self.monitor, self.cfg, self.last_sync)
         return to_wire(policy, data_addresses(self.monitor, policy.nodes))
 
     def _finish_connect(self, lop: LinkOp, msg: LinkReport, now: float) -> None:

@@ -11,7 +11,7 @@ import math
 
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.monitor import ClusterMonitor
-from chaos.scheduling.sync_policy import SyncPolicy, build_sync_policy
+from chaos.scheduling.sync_policy import SyncPolicy, build_sync_policy, retain_structure
 
 from chaos.protocol import DonorLink, ReplicationWire, SyncPolicyWire
 
@@ -26,13 +26,19 @@ _METHODS = {"chaos": "chaos", "even": "even", "single-source": "single-source",
 in its donors: every training member instead of the joiner's neighbours)."""
 
 
-def sync_policy(monitor: ClusterMonitor, cfg: DaemonConfig) -> SyncPolicy:
+def sync_policy(
+    monitor: ClusterMonitor, cfg: DaemonConfig, previous: SyncPolicyWire | None = None
+) -> SyncPolicy:
     """Builds the sync policy over the active members with a trainer (``syncing`` or
     ``training``) and the links that are up between them (multi-hop through other nodes).
 
     Args:
         monitor: The cluster monitor.
-        cfg: Gives the assumed bandwidth of unmeasured links and the gradient size.
+        cfg: Gives the assumed bandwidth of unmeasured links, the gradient size and
+            ``sync_switch_min_gain``.
+        previous: The policy in force: its structure is kept while it still applies and the
+            new one is not faster by ``cfg.sync_switch_min_gain``
+            (:func:`chaos.scheduling.sync_policy.retain_structure`).
 
     Returns:
         The policy (a ``"single"`` policy when at most one member has a trainer, with no node
@@ -41,12 +47,28 @@ def sync_policy(monitor: ClusterMonitor, cfg: DaemonConfig) -> SyncPolicy:
     members = monitor.trainer_members()
     if not members:  # no trainer registered (yet), or the last one left
         return SyncPolicy("single", (), None, (), (), 0.0, 0.0, 0.0, 0.0, True)
-    return build_sync_policy(
-        members,
-        monitor.sync_links(members),
-        message_bytes=float(cfg.sync_message_bytes),
+    links = monitor.sync_links(members)
+    msg = float(cfg.sync_message_bytes)
+    candidate = build_sync_policy(
+        members, links, message_bytes=msg, default_bandwidth_bps=cfg.default_bandwidth_bps
+    )
+    if previous is None or previous.kind == "single":
+        return candidate
+    return retain_structure(
+        _from_wire(previous),
+        candidate,
+        links,
+        min_gain=cfg.sync_switch_min_gain,
+        message_bytes=msg,
         default_bandwidth_bps=cfg.default_bandwidth_bps,
     )
+
+
+def _from_wire(w: SyncPolicyWire) -> SyncPolicy:
+    return SyncPolicy(
+        w.kind, tuple(sorted(w.nodes)), w.root, tuple(sorted(w.parents.items())), tuple(w.ring),
+        w.bottleneck_bps, w.est_time_s, w.est_time_s, math.inf, w.connected,
+    )  # fmt: skip
 
 
 def same_data_plane(a: SyncPolicyWire | None, b: SyncPolicyWire) -> bool:

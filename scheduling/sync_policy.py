@@ -239,3 +239,88 @@ def _ring(g: nx.Graph, max_nodes: int, budget: int) -> list[str] | None:
             continue
         stack.append((bw, nbrs(v)))
     return best
+
+
+def retain_structure(
+    previous: SyncPolicy,
+    candidate: SyncPolicy,
+    links: Sequence[LinkEstimate],
+    *,
+    min_gain: float,
+    message_bytes: float = 100e6,
+    default_bandwidth_bps: float = 100e6,
+    default_latency_s: float = 1e-3,
+    chunk_bytes: float = 1 << 20,
+) -> SyncPolicy:
+    """Keeps the structure in force unless ``candidate`` is clearly faster (hysteresis).
+
+    Changing the reduction structure re-wires every trainer's sockets and can make members that
+    switch at different step boundaries rerun a round; link measurements are noisy (on a busy
+    host, loopback "links" vary by 2x). So ``previous`` is kept, re-estimated under ``links``,
+    while it still applies (same nodes, connected, every edge still up) and ``candidate`` is
+    not faster by more than ``min_gain`` of its time.
+
+    Args:
+        previous: The structure in force.
+        candidate: What :func:`build_sync_policy` builds now.
+        links: The overlay links that are up, as for :func:`build_sync_policy`.
+        min_gain: Fraction of ``previous``'s estimated time that ``candidate`` must save
+            (``0``: switch on any improvement).
+        message_bytes: As for :func:`build_sync_policy`.
+        default_bandwidth_bps: As for :func:`build_sync_policy`.
+        default_latency_s: As for :func:`build_sync_policy`.
+        chunk_bytes: As for :func:`build_sync_policy`.
+
+    Returns:
+        ``previous`` re-estimated, or ``candidate``.
+
+    Raises:
+        ValueError: ``min_gain`` outside ``[0, 1)``.
+    """
+    if not 0.0 <= min_gain < 1.0:
+        raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
+    if (
+        previous.kind not in ("tree", "ring")
+        or previous.kind != candidate.kind
+        or previous.nodes != candidate.nodes
+        or not candidate.connected
+    ):
+        return candidate
+    g = _graph(candidate.nodes, links, default_bandwidth_bps, default_latency_s)
+    if previous.kind == "ring":
+        ring = list(previous.ring)
+        edges = list(zip(ring, ring[1:] + ring[:1], strict=True))
+    else:
+        edges = [(c, p) for c, p in previous.parents if p is not None]
+    if not edges or not all(g.has_edge(a, b) for a, b in edges):
+        return candidate
+    bw = min(g.edges[e]["bw"] for e in edges)
+    lat = max(g.edges[e]["lat"] for e in edges)
+    if previous.kind == "ring":
+        n = len(previous.ring)
+        t = 2 * (n - 1) * (message_bytes * 8 / n / bw + lat)
+    else:
+        depth = _depth(previous.parents)
+        t = 2 * (message_bytes * 8 / bw + depth * (lat + chunk_bytes * 8 / bw))
+    if candidate.est_time_s < t * (1.0 - min_gain):
+        return candidate
+    tree_t = t if previous.kind == "tree" else candidate.tree_time_s
+    ring_t = t if previous.kind == "ring" else candidate.ring_time_s
+    return SyncPolicy(
+        previous.kind, previous.nodes, previous.root, previous.parents, previous.ring, bw, t,
+        tree_t, ring_t, True,
+    )  # fmt: skip
+
+
+def _depth(parents: tuple[tuple[str, str | None], ...]) -> int:
+    """Depth of a tree given as ``(node, parent)`` pairs (the root's parent is ``None``)."""
+    up = dict(parents)
+    depth = 0
+    for node in up:
+        d, cur, seen = 0, node, set()
+        while up.get(cur) is not None and cur not in seen:
+            seen.add(cur)
+            cur = up[cur]  # type: ignore[assignment]
+            d += 1
+        depth = max(depth, d)
+    return depth

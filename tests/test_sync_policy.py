@@ -75,3 +75,39 @@ def test_policies_use_only_overlay_links(n: int, data: st.DataObject) -> None:
                 ).edges(data=True)
             )
             assert p.bottleneck_bps == pytest.approx(best)
+
+
+def _edges(p) -> set[frozenset[str]]:  # type: ignore[no-untyped-def]
+    return {frozenset((c, par)) for c, par in p.parents if par is not None}
+
+
+def test_the_structure_in_force_is_kept_unless_a_new_one_is_clearly_faster() -> None:
+    from chaos.scheduling.sync_policy import retain_structure
+
+    nodes = ["a", "b", "c", "d"]
+    chain = [LinkEstimate("a", "b", 2e9), LinkEstimate("b", "c", 2e9), LinkEstimate("c", "d", 2e9)]
+    kw = {"max_ring_nodes": 0}
+    first = build_sync_policy(nodes, chain, **kw)
+    # a new link a-c measured 10% faster than the chain: the max-bottleneck tree would take it,
+    # but the estimate gains about 5%, below min_gain: the chain stays, re-estimated
+    links = [*chain, LinkEstimate("a", "c", 2.2e9)]
+    cand = build_sync_policy(nodes, links, **kw)
+    assert _edges(cand) != _edges(first)
+    kept = retain_structure(first, cand, links, min_gain=0.2)
+    assert _edges(kept) == _edges(first) and kept.root == first.root
+    assert kept.est_time_s == pytest.approx(first.est_time_s)
+    zero = retain_structure(first, cand, links, min_gain=0.0)  # follows any improvement only
+    assert (zero == cand) == (cand.est_time_s < kept.est_time_s)
+    # the chain's slowest link slows down 4x: a tree avoiding it is clearly faster
+    slow = [LinkEstimate("a", "b", 2e9), LinkEstimate("b", "c", 0.5e9), LinkEstimate("c", "d", 2e9),
+            LinkEstimate("a", "c", 2e9), LinkEstimate("b", "d", 2e9)]  # fmt: skip
+    cand = build_sync_policy(nodes, slow, **kw)
+    assert retain_structure(first, cand, slow, min_gain=0.2) == cand
+    # an edge of the structure in force is gone, or the members changed: never kept
+    gone = [LinkEstimate("a", "b", 2e9), LinkEstimate("c", "d", 2e9), LinkEstimate("a", "c", 2e9)]
+    cand = build_sync_policy(nodes, gone, **kw)
+    assert retain_structure(first, cand, gone, min_gain=0.9) == cand
+    three = build_sync_policy(["a", "b", "c"], chain[:2], **kw)
+    assert retain_structure(first, three, chain[:2], min_gain=0.9) == three
+    with pytest.raises(ValueError, match="min_gain"):
+        retain_structure(first, cand, gone, min_gain=1.0)

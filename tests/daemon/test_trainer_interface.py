@@ -386,6 +386,7 @@ def test_a_link_measurement_commits_an_epoch_only_when_it_changes_the_sync_polic
     neg.trainers.on_info(_info("a", True, SIZES), None, 1.0)
     for t, n in enumerate("bcd"):
         neg.trainers.on_info(_info(n, False), None, 2.0 + t)
+    neg.monitor.set_link("c", "d", latency_s=0.001, bandwidth_bps=1e9)  # b-c is the bottleneck
     neg.monitor.set_link("a", "c", latency_s=0.001, bandwidth_bps=None)  # a new link, unmeasured
     neg.commit("connect_link", 6.0)
     before = host.updates[-1].sync
@@ -403,7 +404,11 @@ def test_a_link_measurement_commits_an_epoch_only_when_it_changes_the_sync_polic
     assert neg.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(1e6)
     refined = [f for name, f in host.events if name == "link_refined"]
     assert refined[-1]["a"] == "a" and refined[-1]["b"] == "c" and refined[-1]["epoch"] == epoch
-    # a fast one changes the tree (a-c replaces the slower b-c): a new epoch is committed
+    # 10% faster than b-c: the max-bottleneck tree would swap b-c for a-c, but that gains less
+    # than sync_switch_min_gain (20%), so the structure in force stays and no epoch is committed
+    measured(2.2e8)
+    assert neg.epoch == epoch and len(host.updates) == commits
+    # a fast one changes the tree (a-c replaces the 5x slower b-c): a new epoch is committed
     measured(1e10)
     assert neg.epoch == epoch + 1 and host.updates[-1].cause == "link_measured"
     after = host.updates[-1].sync
