@@ -7,9 +7,11 @@ publishes a :class:`~chaos.protocol.PolicyNotice` (its installed epoch) whenever
 pause state changes, and at least every ``interval_s``; the trainer drains these without
 blocking and asks only when a notice names a newer epoch.
 
-The notices are a hint, never the policy itself. Whenever the watch cannot vouch for them (no
-notice heard yet, the notifier silent for longer than it promised, or a frame it cannot decode),
-:meth:`PolicyWatch.needs_fetch` answers ``True`` and the trainer asks as before.
+The notice of a change carries the policy itself when it is small, so the trainer installs it
+without a round trip to a daemon that is busy committing (:meth:`PolicyWatch.carried`). Whenever
+the watch cannot vouch for the notices (no notice heard yet, the notifier silent for longer than
+it promised, or a frame it cannot decode), :meth:`PolicyWatch.needs_fetch` answers ``True`` and
+the trainer asks as before.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import logging
 import zmq
 
 from chaos.errors import ProtocolError
-from chaos.protocol import PolicyNotice, decode
+from chaos.protocol import DEFAULT_MAX_FRAME_BYTES, PolicyNotice, PolicyReply, decode
 
 __all__ = ["PolicyWatch"]
 
@@ -41,7 +43,7 @@ class PolicyWatch:
         zmq.ZMQError: the address cannot be connected to.
     """
 
-    def __init__(self, address: str, max_frame_bytes: int = 4096) -> None:
+    def __init__(self, address: str, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -52,6 +54,7 @@ class PolicyWatch:
         self.latest_epoch = -1
         self.paused = False
         self._heard_at: float | None = None
+        self._policy: PolicyReply | None = None
         self._interval_s = 0.0
         self.ignored = 0
 
@@ -88,9 +91,21 @@ class PolicyWatch:
             self.ignored += 1
             return
         self.latest_epoch = msg.epoch
+        if msg.policy is not None and msg.policy.epoch == msg.epoch:
+            self._policy = msg.policy
+        elif self._policy is not None and self._policy.epoch != msg.epoch:
+            self._policy = None  # a newer epoch whose notice carried no policy: ask for it
         self.paused = msg.paused
         self._interval_s = msg.interval_s
         self._heard_at = now
+
+    def carried(self, installed_epoch: int) -> PolicyReply | None:
+        """The policy the latest notice carried, if it is newer than ``installed_epoch`` and the
+        daemon is not paused (call right after :meth:`needs_fetch`); ``None``: ask."""
+        p = self._policy
+        if p is None or self.paused or p.paused or p.epoch <= installed_epoch:
+            return None
+        return p
 
     def close(self) -> None:
         """Closes the SUB socket and its context."""

@@ -535,6 +535,9 @@ class PolicyNotice(_Base, frozen=True, tag="policy_notice"):
     KIND: ClassVar[str] = "client"
     paused: bool = False
     interval_s: Seconds = 0.0
+    policy: PolicyReply | None = None
+    """The policy of ``epoch``, carried by the notice of a change when it is small (a trainer
+    then installs it without asking); ``None`` in the periodic notices."""
 
 
 Message = Union[

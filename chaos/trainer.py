@@ -41,6 +41,7 @@ from chaos.collectives import Communicator, CommunicatorConfig, Topology
 from chaos.embedded import EmbeddedDaemon, free_tcp_address
 from chaos.errors import ChaosError, ChaosTimeout, ConfigError, PeerFailure, RoundInterrupted
 from chaos.policy_watch import PolicyWatch
+from chaos.protocol import PolicyReply
 from chaos.replication import (
     PullConfig,
     ReplicationError,
@@ -476,6 +477,9 @@ class Trainer:
         reply = self._client.policy(timeout_s=timeout_s)
         if self._watch is None and reply.notify_address and self.config.policy_notices:
             self._watch = PolicyWatch(reply.notify_address)
+        return self._policy_of(reply)
+
+    def _policy_of(self, reply: PolicyReply) -> _Policy:
         return _Policy(
             epoch=reply.epoch,
             topo_epoch=_topo_epoch(reply),
@@ -550,9 +554,18 @@ class Trainer:
         Raises:
             TrainingStalled: no answer from the daemon for ``policy_timeout_s``.
         """
-        if self._watch is not None and not self._watch.needs_fetch(self._epoch, time.monotonic()):
-            self._last_contact = time.monotonic()  # it heard from the daemon, nothing newer
-            return
+        if self._watch is not None:
+            now = time.monotonic()
+            if not self._watch.needs_fetch(self._epoch, now):
+                self._last_contact = now  # it heard from the daemon, nothing newer
+                return
+            carried = self._watch.carried(self._epoch)
+            if carried is not None:  # the notice brought the policy: no round trip
+                self._last_contact = now
+                p = self._policy_of(carried)
+                if p.topology is not None:
+                    self._install(p)
+                    return
         try:
             p = self._fetch_policy()
         except ChaosTimeout as exc:

@@ -288,9 +288,9 @@ class Daemon:
             self._dispatch(self._local.popleft(), None, time.monotonic())
         notice = (self.epoch, self._paused)  # trainers hear of a change without asking
         if notice != self._notice or now >= self._due.get("notice", 0.0):
-            self._notice = notice
+            changed, self._notice = notice != self._notice, notice
             self._due["notice"] = now + self.cfg.heartbeat_interval_s
-            self.transport.publish(encode(policy_notice(self)))
+            self.transport.publish(encode(policy_notice(self, with_policy=changed)))
 
     def _run_timers(self, now: float) -> None:
         due = self._due

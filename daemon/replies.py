@@ -6,7 +6,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from chaos.protocol import LinkInfo, PolicyNotice, PolicyReply, StatusReply
+from chaos.protocol import LinkInfo, PolicyNotice, PolicyReply, StatusReply, encode
+
+NOTICE_POLICY_MAX_BYTES = 64 << 10
+"""Largest policy a notice carries; a trainer asks for a bigger one."""
 
 if TYPE_CHECKING:
     from chaos.daemon.node import Daemon
@@ -76,8 +79,19 @@ def policy_reply(d: Daemon) -> PolicyReply:
     )
 
 
-def policy_notice(d: Daemon) -> PolicyNotice:
-    """What the daemon publishes to its trainers: the installed epoch and the pause state."""
+def policy_notice(d: Daemon, with_policy: bool) -> PolicyNotice:
+    """What the daemon publishes to its trainers: the installed epoch and the pause state, and,
+    with ``with_policy``, the policy itself when it encodes to at most
+    ``NOTICE_POLICY_MAX_BYTES`` (a large replication plan is fetched instead)."""
+    policy = None
+    if with_policy:
+        reply = policy_reply(d)
+        if len(encode(reply)) <= NOTICE_POLICY_MAX_BYTES:
+            policy = reply
     return PolicyNotice(
-        sender=d.node_id, epoch=d.epoch, paused=d.paused, interval_s=d.cfg.heartbeat_interval_s
+        sender=d.node_id,
+        epoch=d.epoch,
+        paused=d.paused,
+        interval_s=d.cfg.heartbeat_interval_s,
+        policy=policy,
     )

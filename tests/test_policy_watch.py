@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from chaos.policy_watch import SILENCE_FACTOR, PolicyWatch
-from chaos.protocol import Ping, PolicyNotice, encode
+from chaos.protocol import Ping, PolicyNotice, PolicyReply, encode
 
 INTERVAL_S = 0.5
 
@@ -102,5 +102,22 @@ def test_garbage_and_other_messages_are_ignored_and_counted(pub: tuple) -> None:
             time.sleep(0.01)  # waiting for the three frames to arrive
         assert watch.ignored == 3
         assert watch.latest_epoch == 7 and not watch.needs_fetch(7, now)
+    finally:
+        watch.close()
+
+
+def test_a_notice_of_a_change_can_carry_the_policy(pub: tuple) -> None:
+    sock, addr = pub
+    watch = PolicyWatch(addr)
+    reply = PolicyReply(sender="n1", epoch=8, term=1, members=["n1", "n2"], sync=None)
+    carrying = encode(PolicyNotice(sender="n1", epoch=8, interval_s=INTERVAL_S, policy=reply))
+    try:
+        now = _deliver(sock, watch, carrying, 8)
+        assert watch.needs_fetch(7, now) and watch.carried(7) == reply  # install it, no asking
+        assert watch.carried(8) is None  # not newer than what runs
+        _deliver(sock, watch, _notice(8), 8)  # a periodic notice of the same epoch keeps it
+        assert watch.carried(7) == reply
+        now = _deliver(sock, watch, _notice(9), 9)  # a newer epoch without a policy: ask
+        assert watch.needs_fetch(8, now) and watch.carried(8) is None
     finally:
         watch.close()

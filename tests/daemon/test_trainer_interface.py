@@ -498,5 +498,9 @@ def test_the_daemon_publishes_its_epoch_to_trainers(cluster: Cluster) -> None:
 
         wait_until(heard, "the notice of the new epoch")
         assert not watch.needs_fetch(watch.latest_epoch, time.monotonic())
+        # the notice of the change carried the policy: the trainer needs no round trip
+        carried = watch.carried(p.epoch)
+        assert carried is not None and carried.epoch == watch.latest_epoch
+        assert carried == _policy(n2)  # what asking would have given
     finally:
         watch.close()
