@@ -246,6 +246,7 @@ class Trainer:
         self._published: tuple[int, int] | None = None
         self._last_contact = time.monotonic()  # last answer from the local daemon
         self._watch: PolicyWatch | None = None
+        self._fetched_epoch = -1  # the newest epoch a fetch returned (carried ones never older)
         self._layout: list[int] | None = None
         self.events: list[dict[str, Any]] = []
         self._embedded: EmbeddedDaemon | None = None
@@ -475,6 +476,7 @@ class Trainer:
 
     def _fetch_policy(self, timeout_s: float = 5.0) -> _Policy:
         reply = self._client.policy(timeout_s=timeout_s)
+        self._fetched_epoch = max(self._fetched_epoch, reply.epoch)
         if self._watch is None and reply.notify_address and self.config.policy_notices:
             self._watch = PolicyWatch(reply.notify_address)
         return self._policy_of(reply)
@@ -559,7 +561,7 @@ class Trainer:
             if not self._watch.needs_fetch(self._epoch, now):
                 self._last_contact = now  # it heard from the daemon, nothing newer
                 return
-            carried = self._watch.carried(self._epoch)
+            carried = self._watch.carried(max(self._epoch, self._fetched_epoch - 1))
             if carried is not None:  # the notice brought the policy: no round trip
                 self._last_contact = now
                 p = self._policy_of(carried)
@@ -649,8 +651,10 @@ class Trainer:
                 def reached(p: _Policy, target: int = target) -> bool:
                     return p.topo_epoch >= target and p.topology is not None
 
-                self._wait_policy(
-                    reached, self.config.policy_timeout_s, f"the policy of epoch {target}"
+                self._install_newer(
+                    self._wait_policy(
+                        reached, self.config.policy_timeout_s, f"the policy of epoch {target}"
+                    )
                 )
             except PeerFailure as exc:
                 self._event("allreduce_failed", epoch=self._epoch, step=self._step, peer=exc.peer)
@@ -660,11 +664,19 @@ class Trainer:
                 def renewed(p: _Policy, failed: int = failed) -> bool:
                     return p.topo_epoch > failed and p.topology is not None
 
-                self._wait_policy(
-                    renewed,
-                    self.config.policy_timeout_s,
-                    f"a new policy after {exc}",
+                self._install_newer(
+                    self._wait_policy(
+                        renewed,
+                        self.config.policy_timeout_s,
+                        f"a new policy after {exc}",
+                    )
                 )
+
+    def _install_newer(self, p: _Policy) -> None:
+        """Installs the policy a wait after a failed round returned (the rerun needs exactly
+        that structure or a later one, never an older one a notice may still carry)."""
+        if p.epoch > self._epoch:
+            self._install(p)
 
     def _report_step_failed(self, peer: str) -> None:
         """Tells the scheduler this node's step failed, so that a restart epoch comes even when
