@@ -26,6 +26,13 @@ class ClusterMonitor:
 
     def __init__(self) -> None:
         self.g: nx.Graph = nx.Graph()
+        self._members: dict[tuple[NodeState, ...], list[str]] = {}
+        self.version = 0
+        """Bumped by every change of a node's presence or state (caches key on it)."""
+
+    def _nodes_changed(self) -> None:
+        self._members.clear()
+        self.version += 1
 
     # -- nodes -----------------------------------------------------------------------------
 
@@ -33,6 +40,7 @@ class ClusterMonitor:
         """Adds (or replaces) a node without links."""
         if node_id in self.g:
             self.g.remove_node(node_id)
+        self._nodes_changed()
         self.g.add_node(
             node_id,
             address=address,
@@ -49,6 +57,7 @@ class ClusterMonitor:
         """Removes a node and its links (no-op if absent)."""
         if node_id in self.g:
             self.g.remove_node(node_id)
+            self._nodes_changed()
 
     def set_state(self, node_id: str, state: NodeState) -> None:
         """Moves a node to ``state``.
@@ -59,7 +68,9 @@ class ClusterMonitor:
         cur: NodeState = self.g.nodes[node_id]["state"]
         if state != cur and state not in NODE_TRANSITIONS[cur]:
             raise ChaosError(f"node {node_id}: transition {cur.value} -> {state.value} not allowed")
-        self.g.nodes[node_id]["state"] = state
+        if state != cur:
+            self.g.nodes[node_id]["state"] = state
+            self._nodes_changed()
 
     def set_resources(self, node_id: str, resources: Resources | None) -> None:
         """Records a node's latest resource report."""
@@ -130,7 +141,11 @@ class ClusterMonitor:
 
     def members(self, states: tuple[NodeState, ...] = (NodeState.ACTIVE,)) -> list[str]:
         """Sorted ids of the nodes in ``states``."""
-        return sorted(n for n, d in self.g.nodes(data=True) if d["state"] in states)
+        cached = self._members.get(states)
+        if cached is None:  # the control loop asks for every frame: computed once per change
+            cached = sorted(n for n, d in self.g.nodes(data=True) if d["state"] in states)
+            self._members[states] = cached
+        return list(cached)
 
     def neighbors(self, node_id: str) -> list[str]:
         """Sorted ids of the node's neighbours over links that are up."""
@@ -241,13 +256,18 @@ class ClusterMonitor:
     def to_view(self, epoch: int, term: int, scheduler: str | None) -> ClusterView:
         """The view of the nodes that are joining or active, and their links."""
         keep = set(self.members((NodeState.ACTIVE, NodeState.JOINING)))
+        up: dict[str, list[str]] = {n: [] for n in self.g}  # one pass over the links
+        for a, b, d in self.g.edges(data=True):
+            if d["up"]:
+                up[a].append(b)
+                up[b].append(a)
         nodes = [
             NodeInfo(
                 id=n,
                 address=d["address"],
                 state=d["state"].value,
                 joined_at=d["joined_at"],
-                neighbors=self.neighbors(n),
+                neighbors=sorted(up[n]),
                 resources=d["resources"],
                 data_address=d["data_address"],
                 shard_address=d["shard_address"],

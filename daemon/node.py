@@ -118,6 +118,7 @@ class Daemon:
         self.state = DaemonState.STARTING
         self.view: ClusterView | None = None
         self.update: ClusterUpdate | None = None
+        self._ctx: tuple[tuple[object, ...], ValidationContext] | None = None
         self._local: deque[Message] = deque()
         self._clients: dict[str, _ClientOp] = {}
         self._leave_op = ""
@@ -383,6 +384,25 @@ class Daemon:
     # -- frames ----------------------------------------------------------------------------
 
     def _context(self) -> ValidationContext:
+        """The validation context, rebuilt only when something it holds may have changed."""
+        neg = self.negotiator
+        key = (
+            self.epoch,
+            self.term,
+            self.election.role,
+            self.state,
+            self._paused,
+            neg,
+            neg.monitor.version if neg is not None else -1,
+            self.view,  # compared by identity first: a new view is a new object
+        )
+        if self._ctx is not None and self._ctx[0] == key:
+            return self._ctx[1]
+        ctx = self._build_context()
+        self._ctx = (key, ctx)
+        return ctx
+
+    def _build_context(self) -> ValidationContext:
         return ValidationContext(
             max_frame_bytes=self.cfg.max_frame_bytes,
             epoch=self.epoch,

@@ -28,6 +28,7 @@ from chaos.errors import ConfigError
 log = logging.getLogger("chaos.daemon.transport")
 
 _DRAIN_PER_SOCKET = 256
+_ZERO_COPY_MIN_BYTES = 64 * 1024
 _PEER_HWM = 1000
 _NOTIFY_HWM = 64
 NOTIFY_SUFFIX = ".notify"
@@ -280,7 +281,9 @@ class Transport:
 
     def _send(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> bool:
         try:
-            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            # zero-copy pays only for bulk frames; a small one is cheaper copied
+            copy = len(frames[-1]) < _ZERO_COPY_MIN_BYTES
+            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=copy)
         except zmq.Again:
             self.send_failures += 1
             return False

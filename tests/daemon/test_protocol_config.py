@@ -58,6 +58,11 @@ def test_round_trip_and_refusals() -> None:
     assert _reason(encode(Ping(sender="x", seq=1, t=0.5))) is None
     assert _reason(b"\x93\x01\x02") == "malformed"
     assert _reason(msgspec.msgpack.encode({"v": 7, "type": "ping"})) == "bad_version"
+    # a frame of another version is refused as such whether or not it fits this version's schema
+    assert _reason(msgspec.msgpack.encode({"v": 2, "type": "ping", "sender": "x"})) == "bad_version"
+    assert _reason(msgspec.msgpack.encode({"v": 2, "type": "ping", "seq": "?"})) == "bad_version"
+    assert _reason(msgspec.msgpack.encode({"v": 1, "type": "ping", "seq": "?"})) == "malformed"
+    assert _reason(msgspec.msgpack.encode({"v": 1, "type": "no_such"})) == "malformed"
     assert _reason(b"x" * (1 << 17)) == "too_large"
     assert _reason(encode(MemberHeartbeat(sender="zz", term=3))) == "unknown_peer"
     view = ClusterView(epoch=4, term=3, scheduler="b", nodes=[], links=[])
