@@ -64,3 +64,37 @@ def test_shard_cost_fits_a_finite_cost(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert math.isfinite(data["per_shard_cost_s"])
     assert set(data["median_s_by_messages"]) == {"1", "16", "64", "256", "1024", "4096"}
+
+
+def test_control_writes_schema(tmp_path: Path) -> None:
+    """``chaos-bench control`` with real daemons, tiny settings: the JSON keys the issue names,
+    plus the client round trip and the scheduler-side figures. No timing is asserted."""
+    import os
+    import signal
+
+    out = tmp_path / "control.json"
+    args = ["control", "--nodes", "3", "--repeats", "2", "--scale-ins", "1", "--kills", "1"]
+    args += ["--reelections", "1", "--idle-s", "1", "--json", str(out)]
+    # its own process group, so a hung run's daemons are reaped with it
+    proc = subprocess.Popen(
+        BENCH + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, stdout
+    data = json.loads(out.read_text())
+    for key, n in (("scale_in_ms", 1), ("connect_link_ms", 2), ("disconnect_link_ms", 2)):
+        assert data[key]["n"] == n and 0 < data[key]["p50"] <= data[key]["p99"]
+        prim = key.removesuffix("_ms")
+        rtt, sched = data["client_round_trip_ms"][prim], data["scheduler_side_ms"][prim]
+        # completion ends at the scheduler's log line, which the answer's way back follows
+        assert sched["n"] == rtt["n"] == n and sched["p50"] > 0
+    for key in ("failure_detection_s", "reelection_s"):
+        assert data[key]["n"] == 1 and data[key]["p50"] > 0
+    assert 0 <= data["idle_cpu_percent"] <= data["idle_cpu_percent_max"]
+    assert "completion / client round trip / scheduler side" in stdout

@@ -3,13 +3,17 @@
 Measured, with the daemon's default heartbeat settings (0.5 s / 1.5 s):
 
 * ``scale_in_ms``, ``connect_link_ms``, ``disconnect_link_ms``: control-path completion of each
-  primitive, from the client's request to the new policy being acknowledged by every member (the
-  daemon answers only then), measured by the client over a connection to its daemon that is
-  already up (a status request goes first, so no TCP handshake is timed). These primitives
-  overlap training, so this
-  is not a training stall; the stall is measured with the data plane (a later issue).
-  ``scheduler_side_ms`` is the same path seen by the scheduler (request received to the last
-  acknowledgement), without the client's hops.
+  primitive, from the client's request to the new policy being acknowledged by every member: from
+  the wall-clock time just before the client sends the request to the ``primitive_done`` event
+  the scheduler logs once the last member's acknowledgement is in (same host, same clock; the
+  event is written after the answer is sent, so it errs late). The client talks to its own
+  daemon over a connection that is already up (a status request goes first, so no TCP handshake
+  is timed). These primitives overlap training, so this is not a training stall; the stall is
+  measured with the data plane (``chaos-bench primitives``).
+* ``client_round_trip_ms``: the same requests timed by the client until the answer is back, i.e.
+  plus the answer's way from the scheduler through the client's daemon.
+* ``scheduler_side_ms``: the scheduler's own figure, from receiving the request to the last
+  acknowledgement, without the client's hops.
 * ``failure_detection_s``: from ``kill -9`` of a member to the last survivor installing the view
   without it (from the survivors' JSONL event logs; same host, same clock).
 * ``reelection_s``: from ``kill -9`` of the scheduler to the last survivor following the new one.
@@ -39,7 +43,7 @@ import psutil
 from chaos.daemon.client import DaemonClient
 from chaos.daemon.events import read_events
 from chaos.errors import ChaosError, ChaosTimeout
-from chaos.protocol import StatusReply
+from chaos.protocol import OpResult, StatusReply
 
 _POLL_S = 0.02
 
@@ -135,6 +139,31 @@ class _Bench:
             p.wait(timeout=10)
 
 
+def _done_at(b: _Bench, sched: str, primitive: str, since: float) -> float:
+    """When the scheduler logged ``primitive`` as acknowledged by every member (wall clock)."""
+    for e in b.events(sched):
+        if e["event"] == "primitive_done" and e["primitive"] == primitive and e["ts"] >= since:
+            return float(e["ts"])
+    raise ChaosError(f"the scheduler {sched} logged no {primitive} after the request")
+
+
+def _timed(
+    b: _Bench, sched: str, primitive: str, request: Callable[[], OpResult], rec: _Samples
+) -> OpResult:
+    """Runs one request; records its completion, the client's round trip and the scheduler's
+    own figure."""
+    t_wall = time.time()
+    t = time.perf_counter()
+    res = request()
+    rtt = time.perf_counter() - t
+    if not res.ok:
+        raise ChaosError(f"{primitive} failed: {res.reason} {res.detail}")
+    rec.done_ms[primitive].append((_done_at(b, sched, primitive, t_wall) - t_wall) * 1e3)
+    rec.rtt_ms[primitive].append(rtt * 1e3)
+    rec.sched_ms[primitive].append(res.elapsed_s * 1e3)
+    return res
+
+
 def _is_active(b: _Bench, nid: str) -> bool:
     return b.status(nid).state == "active"
 
@@ -161,23 +190,32 @@ def _idle_cpu(b: _Bench, ids: list[str], idle_s: float) -> tuple[float, float]:
     return statistics.mean(pct), max(pct)
 
 
-def _links(
-    b: _Bench, ids: list[str], reps: int, sched_ms: dict[str, list[float]]
-) -> tuple[list[float], list[float]]:
+class _Samples:
+    """Per primitive: completion, client round trip and scheduler-side times (ms)."""
+
+    def __init__(self) -> None:
+        keys = ("scale_in_leave", "connect_link", "disconnect_link")
+        self.done_ms: dict[str, list[float]] = {k: [] for k in keys}
+        self.rtt_ms: dict[str, list[float]] = {k: [] for k in keys}
+        self.sched_ms: dict[str, list[float]] = {k: [] for k in keys}
+
+
+def _links(b: _Bench, ids: list[str], reps: int, rec: _Samples) -> None:
     linked = {frozenset((x.a, x.b)) for x in b.status(ids[0]).links}
     pairs = [(a, c) for a in ids for c in ids if a < c and frozenset((a, c)) not in linked]
-    add_ms: list[float] = []
-    rm_ms: list[float] = []
+    if not pairs:  # a full mesh (3 nodes): free one link first, untimed
+        with DaemonClient(b.addr[ids[0]], timeout_s=15.0) as cl:
+            res = cl.link(ids[-1], add=False)
+        if not res.ok:
+            raise ChaosError(f"link remove {ids[0]}-{ids[-1]} failed: {res.reason} {res.detail}")
+        _wait(lambda: len({b.status(n).epoch for n in ids}) == 1, "link removed")
+        pairs = [(ids[0], ids[-1])]
     for r in range(reps):
         a, c = pairs[r % len(pairs)]
+        sched = b.status(a).scheduler or ""
         with DaemonClient(b.addr[a], timeout_s=15.0) as cl:
             cl.status()  # the connection is up before the clock starts (no TCP handshake in it)
-            t = time.perf_counter()
-            res = cl.link(c, add=True)
-            add_ms.append((time.perf_counter() - t) * 1e3)
-            sched_ms["connect_link"].append(res.elapsed_s * 1e3)
-            if not res.ok:
-                raise ChaosError(f"link add {a}-{c} failed: {res.reason} {res.detail}")
+            _timed(b, sched, "connect_link", functools.partial(cl.link, c, add=True), rec)
 
             def measured(a: str = a, c: str = c) -> bool:
                 return any({x.a, x.b} == {a, c} and x.bandwidth_bps for x in b.status(a).links)
@@ -195,34 +233,19 @@ def _links(
 
             _wait(measured, "link measured")
             _wait(settled, "measurement settled")
-            t = time.perf_counter()
-            res = cl.link(c, add=False)
-            rm_ms.append((time.perf_counter() - t) * 1e3)
-            sched_ms["disconnect_link"].append(res.elapsed_s * 1e3)
-            if not res.ok:
-                raise ChaosError(f"link remove {a}-{c} failed: {res.reason} {res.detail}")
-    return add_ms, rm_ms
+            _timed(b, sched, "disconnect_link", functools.partial(cl.link, c, add=False), rec)
 
 
-def _scale_in(
-    b: _Bench, ids: list[str], reps: int, sched_ms: dict[str, list[float]]
-) -> list[float]:
-    out: list[float] = []
+def _scale_in(b: _Bench, ids: list[str], reps: int, rec: _Samples) -> None:
     for r in range(reps):
-        sched = b.status(ids[0]).scheduler
+        sched = b.status(ids[0]).scheduler or ""
         cands = [n for n in ids[1:] if n != sched]
         victim = cands[r % len(cands)]
         with DaemonClient(b.addr[victim], timeout_s=15.0) as cl:
             cl.status()  # the connection is up before the clock starts
-            t = time.perf_counter()
-            res = cl.leave()
-            out.append((time.perf_counter() - t) * 1e3)
-            sched_ms["scale_in"].append(res.elapsed_s * 1e3)
-        if not res.ok:
-            raise ChaosError(f"leave of {victim} failed: {res.reason}")
+            _timed(b, sched, "scale_in_leave", cl.leave, rec)
         b.procs[victim].wait(timeout=15)
         _rejoin(b, ids, victim)
-    return out
 
 
 def _rejoin(b: _Bench, ids: list[str], nid: str) -> None:
@@ -320,28 +343,25 @@ def control_command(
             time.sleep(2.0)  # let the joins' follow-up measurements settle
             idle_mean, idle_max = _idle_cpu(b, ids, idle_s)
             click.echo("link primitives ...")
-            sched_ms: dict[str, list[float]] = {
-                "scale_in": [],
-                "connect_link": [],
-                "disconnect_link": [],
-            }
-            add_ms, rm_ms = _links(b, ids, repeats, sched_ms)
+            rec = _Samples()
+            _links(b, ids, repeats, rec)
             click.echo("scale-in ...")
-            leave_ms = _scale_in(b, ids, scale_ins, sched_ms)
+            _scale_in(b, ids, scale_ins, rec)
             click.echo("kill -9 of members ...")
             detect_s = _failures(b, ids, kills)
             click.echo("kill -9 of the scheduler ...")
             reelect_s = _reelections(b, ids, reelections)
         finally:
             b.close()
+    names = {"scale_in": "scale_in_leave", "connect_link": "connect_link",
+             "disconnect_link": "disconnect_link"}  # fmt: skip
     result = {
         "nodes": nodes,
-        "scale_in_ms": _summary(leave_ms),
-        "connect_link_ms": _summary(add_ms),
-        "disconnect_link_ms": _summary(rm_ms),
+        **{f"{k}_ms": _summary(rec.done_ms[v]) for k, v in names.items()},
         "failure_detection_s": _summary(detect_s),
         "reelection_s": _summary(reelect_s),
-        "scheduler_side_ms": {k: _summary(v) for k, v in sched_ms.items()},
+        "client_round_trip_ms": {k: _summary(rec.rtt_ms[v]) for k, v in names.items()},
+        "scheduler_side_ms": {k: _summary(rec.sched_ms[v]) for k, v in names.items()},
         "idle_cpu_percent": idle_mean,
         "idle_cpu_percent_max": idle_max,
         "heartbeat_interval_s": 0.5,
@@ -358,5 +378,9 @@ def control_command(
     ):
         s = result[key]
         click.echo(f"{key:<24}{s['p50']:>10.3f}{s['p99']:>10.3f}{s['n']:>5}")  # type: ignore[index]
+    click.echo("control-path p50 (ms): completion / client round trip / scheduler side")
+    for k in names:
+        rt, sd = result["client_round_trip_ms"][k], result["scheduler_side_ms"][k]  # type: ignore[index]
+        click.echo(f"  {k:<18}{result[f'{k}_ms']['p50']:>8.3f}{rt['p50']:>8.3f}{sd['p50']:>8.3f}")  # type: ignore[index]
     click.echo(f"idle daemon CPU: {idle_mean:.2f}% of one core (max {idle_max:.2f}%)")
     click.echo(f"wrote {json_path}")
