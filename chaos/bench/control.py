@@ -140,11 +140,18 @@ class _Bench:
 
 
 def _done_at(b: _Bench, sched: str, primitive: str, since: float) -> float:
-    """When the scheduler logged ``primitive`` as acknowledged by every member (wall clock)."""
-    for e in b.events(sched):
-        if e["event"] == "primitive_done" and e["primitive"] == primitive and e["ts"] >= since:
-            return float(e["ts"])
-    raise ChaosError(f"the scheduler {sched} logged no {primitive} after the request")
+    """When the scheduler logged ``primitive`` as acknowledged by every member (wall clock).
+
+    The scheduler answers before it logs, so the line may follow the answer by a moment.
+    """
+
+    def logged() -> float | None:
+        for e in b.events(sched):
+            if e["event"] == "primitive_done" and e["primitive"] == primitive and e["ts"] >= since:
+                return float(e["ts"])
+        return None
+
+    return float(_wait(logged, f"the scheduler {sched} to log {primitive}", timeout_s=10.0))
 
 
 def _timed(
