@@ -626,19 +626,16 @@ def decode(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Mess
 def _decode_checked(frame: bytes, max_frame_bytes: int) -> Message | tuple[Reason, str]:
     if len(frame) > max_frame_bytes:
         return Reason.TOO_LARGE, f"{len(frame)} bytes > {max_frame_bytes}"
-    try:  # one decode for a good frame; the loose envelope only tells why a bad one is bad
-        msg: Message = _DECODER.decode(frame)
+    try:
+        env = _ENVELOPE_DECODER.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        try:
-            env = _ENVELOPE_DECODER.decode(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return Reason.MALFORMED, str(exc)[:200]
-        if env.v != PROTOCOL_VERSION:
-            return Reason.BAD_VERSION, f"version {env.v}, expected {PROTOCOL_VERSION}"
         return Reason.MALFORMED, str(exc)[:200]
-    if msg.v != PROTOCOL_VERSION:
-        return Reason.BAD_VERSION, f"version {msg.v}, expected {PROTOCOL_VERSION}"
-    return msg
+    if env.v != PROTOCOL_VERSION:  # also a frame without a version (the full decode's default)
+        return Reason.BAD_VERSION, f"version {env.v}, expected {PROTOCOL_VERSION}"
+    try:
+        return _DECODER.decode(frame)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return Reason.MALFORMED, str(exc)[:200]
 
 
 @dataclass(frozen=True)

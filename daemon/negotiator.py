@@ -306,10 +306,14 @@ class Negotiator:
             self.host.observe_primitive(op.name, elapsed)
         if op.then is not None:
             op.then()
-        if op.after is not None:
+        if op.after is not None:  # the scheduler itself has left
+            # answer the other leavers whose views it committed: it will not be there to see
+            # those views acknowledged, and their leaves are done once committed
+            for other in [o for o in self.ops.values() if o.name == "scale_in_leave"]:
+                self._complete(other, now, ok=True)
             target = min(self.monitor.members(), default=None)
-            if target is not None:
-                self.host.send(target, op.after)
+            if target is not None:  # stamped now: a later commit made its epoch stale
+                self.host.send(target, msgspec.structs.replace(op.after, epoch=self.epoch))
 
     def _fail(self, reply: ReplyPath | None, req_op_id: str, reason: Reason, detail: str) -> None:
         self.host.event("primitive_refused", reason=reason, detail=detail)

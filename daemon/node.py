@@ -124,6 +124,7 @@ class Daemon:
         self._leave_op = ""
         self._leave_reply: ReplyPath | None = None
         self._leave_deadline = float("inf")
+        self._leave_started = 0.0
         self._join_contact = cfg.join
         self._join_deadline = float("inf")
         self._next_join = float("inf")
@@ -284,6 +285,8 @@ class Daemon:
         self._run_timers(now)
         timeout = 0.0 if self._local else max(0.0, min(self._due.values()) - time.monotonic())
         for inbound in self.transport.poll(min(timeout, _MAX_POLL_S)):
+            if self._stop:  # left: commit nothing more that it could not see through
+                break
             self._on_frame(inbound)
         while self._local and not self._stop:
             self._dispatch(self._local.popleft(), None, time.monotonic())
@@ -506,8 +509,8 @@ class Daemon:
             self.to_scheduler(report)
 
     def _on_request_vote(self, msg: RequestVote, reply: ReplyPath | None, now: float) -> None:
-        if self.state != DaemonState.ACTIVE:
-            return
+        if self.state not in (DaemonState.ACTIVE, DaemonState.LEAVING):
+            return  # a leaving member still votes: its own leave may need the new scheduler
         was_scheduler = self.is_scheduler
         answer = self.election.on_request_vote(msg, now, self.epoch)
         if was_scheduler and self.election.role != Role.SCHEDULER:
@@ -524,7 +527,9 @@ class Daemon:
             self.event("stepped_down", term=self.term)
 
     def _on_timeout_now(self, msg: TimeoutNow, reply: ReplyPath | None, now: float) -> None:
-        if self.state == DaemonState.ACTIVE and not self.is_scheduler:
+        # a leaving member takes the handover too: the scheduler that sent it is gone, and its
+        # own leave (and anyone else's) needs a scheduler (see _become_scheduler)
+        if self.state in (DaemonState.ACTIVE, DaemonState.LEAVING) and not self.is_scheduler:
             self._start_election(now, transfer=True)
 
     def _start_election(self, now: float, transfer: bool = False) -> None:
@@ -558,6 +563,8 @@ class Daemon:
         self.event("elected", term=self.term, epoch=self.epoch)
         self._due["heartbeat"] = now  # announce at once
         self._due["failures"] = now
+        if self.state == DaemonState.LEAVING:  # its request went to the old scheduler: ask anew
+            self.send(self.node_id, self._leave_request())
 
     # -- membership ------------------------------------------------------------------------
 
@@ -621,6 +628,8 @@ class Daemon:
                 self.negotiator = None
             self.election.on_leader(msg.term, msg.sender, now)
             self.event("leader_changed", scheduler=msg.sender, term=msg.term)
+            if self.state == DaemonState.LEAVING:  # the old scheduler may have lost the request
+                self.to_scheduler(self._leave_request())
         self._install(msg, now)
         # acknowledge as soon as the view and policy are in place; the event log and metrics
         # come after, off the scheduler's critical path
@@ -662,6 +671,12 @@ class Daemon:
     ) -> None:
         if self.state == DaemonState.LEAVING:
             self.respond(reply, PolicyAck(sender=self.node_id, epoch=msg.epoch, term=self.term))
+            if msg.sender != self.node_id:
+                # the scheduler committed a view without this node: the leave is done, whether
+                # or not its answer still comes (a leaving scheduler may exit before sending it)
+                elapsed = now - self._leave_started
+                self.event("left", ok=True, reason=None, elapsed_s=elapsed, epoch=msg.epoch)
+                self._finish_leave(True, None, elapsed, msg.epoch)
         elif self.state == DaemonState.ACTIVE and msg.sender != self.node_id:
             self._rejoin(msg.view, msg.sender, now)
 
@@ -804,14 +819,16 @@ class Daemon:
         self._leave_op = uuid.uuid4().hex[:12]
         self._leave_reply = reply
         self._leave_deadline = now + self.cfg.leave_timeout_s
+        self._leave_started = now
         self.event("leave_requested", op_id=self._leave_op)
-        if not self.to_scheduler(
-            LeaveRequest(
-                sender=self.node_id, epoch=self.epoch, node_id=self.node_id, op_id=self._leave_op
-            )
-        ):
+        if not self.to_scheduler(self._leave_request()):
             self.event("left", ok=False, reason="no scheduler")
             self._finish_leave(ok=False, reason=Reason.PAUSED)
+
+    def _leave_request(self) -> LeaveRequest:
+        return LeaveRequest(
+            sender=self.node_id, epoch=self.epoch, node_id=self.node_id, op_id=self._leave_op
+        )
 
     def _finish_leave(
         self, ok: bool, reason: Reason | None, elapsed_s: float = 0.0, epoch: int | None = None

@@ -63,6 +63,8 @@ def test_round_trip_and_refusals() -> None:
     assert _reason(msgspec.msgpack.encode({"v": 2, "type": "ping", "seq": "?"})) == "bad_version"
     assert _reason(msgspec.msgpack.encode({"v": 1, "type": "ping", "seq": "?"})) == "malformed"
     assert _reason(msgspec.msgpack.encode({"v": 1, "type": "no_such"})) == "malformed"
+    # no version field at all: refused, although every field of a ping has a default
+    assert _reason(msgspec.msgpack.encode({"type": "ping", "sender": "x"})) == "bad_version"
     assert _reason(b"x" * (1 << 17)) == "too_large"
     assert _reason(encode(MemberHeartbeat(sender="zz", term=3))) == "unknown_peer"
     view = ClusterView(epoch=4, term=3, scheduler="b", nodes=[], links=[])

@@ -272,8 +272,10 @@ class _Host:
         self.answers: list[Any] = []
         self.events: list[tuple[str, dict[str, Any]]] = []
         self.updates: list[Any] = []
+        self.sent: list[tuple[str, Any]] = []
 
     def send(self, peer: str, msg: Any) -> bool:
+        self.sent.append((peer, msg))
         return True
 
     def respond(self, reply: Any, msg: Any) -> None:
@@ -504,3 +506,22 @@ def test_the_daemon_publishes_its_epoch_to_trainers(cluster: Cluster) -> None:
         assert carried == _policy(n2)  # what asking would have given
     finally:
         watch.close()
+
+
+def test_a_leaving_scheduler_answers_the_leavers_it_committed_and_hands_over_fresh() -> None:
+    """The end of a run: the scheduler's own leave completes while another member's leave is
+    committed but not yet acknowledged by everyone. The scheduler exits right after, so it
+    answers that leaver at once, and its handover carries the epoch of its last commit (an
+    older one would be refused as stale)."""
+    from chaos.protocol import LeaveRequest, PolicyAck, TimeoutNow
+
+    neg, host = _negotiator()
+    neg.on_leave(LeaveRequest(sender="a", node_id="a", op_id="own"), None, 1.0)
+    neg.on_leave(LeaveRequest(sender="c", node_id="c", op_id="op-c"), object(), 1.0)
+    assert neg.epoch == 2 and not host.answers  # nobody has acknowledged anything yet
+    for m in ("b", "d"):  # the first view (without a) is acknowledged, the second is not
+        neg.on_ack(PolicyAck(sender=m, epoch=1, term=1), 1.1)
+    results = {r.op_id: r for r in host.answers}
+    assert results["own"].ok and results["op-c"].ok
+    handovers = [(p, m) for p, m in host.sent if isinstance(m, TimeoutNow)]
+    assert handovers == [("b", TimeoutNow(sender="a", epoch=2, term=1))]
