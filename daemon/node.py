@@ -564,7 +564,7 @@ class Daemon:
         self._due["heartbeat"] = now  # announce at once
         self._due["failures"] = now
         if self.state == DaemonState.LEAVING:  # its request went to the old scheduler: ask anew
-            self.send(self.node_id, self._leave_request())
+            self.to_scheduler(self._leave_request())
 
     # -- membership ------------------------------------------------------------------------
 

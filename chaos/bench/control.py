@@ -197,11 +197,16 @@ def _idle_cpu(b: _Bench, ids: list[str], idle_s: float) -> tuple[float, float]:
     return statistics.mean(pct), max(pct)
 
 
+_PRIMITIVES = {"scale_in": "scale_in_leave", "connect_link": "connect_link",
+               "disconnect_link": "disconnect_link"}  # fmt: skip
+"""JSON key -> the primitive's name in the scheduler's event log."""
+
+
 class _Samples:
-    """Per primitive: completion, client round trip and scheduler-side times (ms)."""
+    """Per primitive (event-log name): completion, client round trip and scheduler-side (ms)."""
 
     def __init__(self) -> None:
-        keys = ("scale_in_leave", "connect_link", "disconnect_link")
+        keys = _PRIMITIVES.values()
         self.done_ms: dict[str, list[float]] = {k: [] for k in keys}
         self.rtt_ms: dict[str, list[float]] = {k: [] for k in keys}
         self.sched_ms: dict[str, list[float]] = {k: [] for k in keys}
@@ -360,15 +365,13 @@ def control_command(
             reelect_s = _reelections(b, ids, reelections)
         finally:
             b.close()
-    names = {"scale_in": "scale_in_leave", "connect_link": "connect_link",
-             "disconnect_link": "disconnect_link"}  # fmt: skip
     result = {
         "nodes": nodes,
-        **{f"{k}_ms": _summary(rec.done_ms[v]) for k, v in names.items()},
+        **{f"{k}_ms": _summary(rec.done_ms[v]) for k, v in _PRIMITIVES.items()},
         "failure_detection_s": _summary(detect_s),
         "reelection_s": _summary(reelect_s),
-        "client_round_trip_ms": {k: _summary(rec.rtt_ms[v]) for k, v in names.items()},
-        "scheduler_side_ms": {k: _summary(rec.sched_ms[v]) for k, v in names.items()},
+        "client_round_trip_ms": {k: _summary(rec.rtt_ms[v]) for k, v in _PRIMITIVES.items()},
+        "scheduler_side_ms": {k: _summary(rec.sched_ms[v]) for k, v in _PRIMITIVES.items()},
         "idle_cpu_percent": idle_mean,
         "idle_cpu_percent_max": idle_max,
         "heartbeat_interval_s": 0.5,
@@ -386,7 +389,7 @@ def control_command(
         s = result[key]
         click.echo(f"{key:<24}{s['p50']:>10.3f}{s['p99']:>10.3f}{s['n']:>5}")  # type: ignore[index]
     click.echo("control-path p50 (ms): completion / client round trip / scheduler side")
-    for k in names:
+    for k in _PRIMITIVES:
         rt, sd = result["client_round_trip_ms"][k], result["scheduler_side_ms"][k]  # type: ignore[index]
         click.echo(f"  {k:<18}{result[f'{k}_ms']['p50']:>8.3f}{rt['p50']:>8.3f}{sd['p50']:>8.3f}")  # type: ignore[index]
     click.echo(f"idle daemon CPU: {idle_mean:.2f}% of one core (max {idle_max:.2f}%)")
