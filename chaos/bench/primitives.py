@@ -29,9 +29,9 @@ measured, and ``baseline_step_p10_ms`` / ``baseline_step_p90_ms`` show how noisy
 
 **Null (placebo).** The worst of several members' noisy step durations exceeds the median even
 when nothing happens. For each sample, the same estimator (same members, same number of steps
-each) is also applied at a step number where every one of those members ran quiet steps; its
-distribution is ``null_ms``, and ``added_p50_ms`` = stall p50 - null p50 is the part of the
-stall the primitive adds beyond that bias.
+each) is also applied at ``NULL_DRAWS`` step numbers where every one of those members ran quiet
+steps; their distribution is ``null_ms``, and ``added_p50_ms`` = stall p50 - null p50 is the
+part of the stall the primitive adds beyond that bias.
 
 **Control path** (``control_ms``): for the link primitives, the client's request to the daemon's
 answer (sent once the new policy is acknowledged by every member); for scale-in, the leaver's
@@ -79,6 +79,10 @@ WORKER_STEP_TIMEOUT_S = 10.0
 """The workers' allreduce frame timeout: far above a step here, short enough that a stuck
 cluster is given up on quickly."""
 WORKER_POLICY_TIMEOUT_S = 5.0
+NULL_DRAWS = 8
+"""Placebo samples drawn per primitive sample, from different quiet steps: the null's p50 is
+then estimated from 8x as many samples as the stall's, so that most of the noise left in
+``added_p50_ms`` is the stall's own."""
 _POLL_S = 0.05
 
 
@@ -468,9 +472,10 @@ def _attempt(
     for i, p in enumerate(prims):
         stall, spans = _stall_s(cl, p, baseline_s)
         tally.stalls[p.kind].append(stall)
-        null = _null_stall_s(quiet, spans, baseline_s, pick=7919 * i)
-        if null is not None:
-            tally.nulls[p.kind].append(null)
+        for j in range(NULL_DRAWS):
+            null = _null_stall_s(quiet, spans, baseline_s, pick=7919 * i + 104729 * j)
+            if null is not None:
+                tally.nulls[p.kind].append(null)
         tally.control[p.kind].append(p.control_s)
         tally.reruns[p.kind] += _reruns(cl, p)
 
