@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from chaos.bench.primitives import _null_stall_s
+from chaos.bench.primitives import NULL_DRAWS, _null_stall_s
 
 TIMEOUT_S = 300.0
 
@@ -57,6 +57,8 @@ def test_primitives_bench_writes_its_json(tmp_path: Path) -> None:
     assert set(data["null_ms"]) == set(data["added_p50_ms"]) == set(data["control_ms"])
     for kind, null in data["null_ms"].items():
         assert null["n"] == len(null["samples"]) and all(math.isfinite(x) for x in null["samples"])
+        # each sample draws NULL_DRAWS placebos, or none when no quiet stretch qualifies
+        assert null["n"] % NULL_DRAWS == 0 and null["n"] <= NULL_DRAWS * data[f"{kind}_ms"]["n"]
         if null["n"]:
             want = data[f"{kind}_ms"]["p50"] - null["p50"]
             assert math.isclose(data["added_p50_ms"][kind], want, rel_tol=1e-9, abs_tol=1e-12)
