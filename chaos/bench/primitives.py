@@ -81,8 +81,8 @@ cluster is given up on quickly."""
 WORKER_POLICY_TIMEOUT_S = 5.0
 NULL_DRAWS = 8
 """Placebo samples drawn per primitive sample, from different quiet steps: the null's p50 is
-then estimated from 8x as many samples as the stall's, so that most of the noise left in
-``added_p50_ms`` is the stall's own."""
+then estimated from ``NULL_DRAWS`` times as many samples as the stall's, so that most of the
+noise left in ``added_p50_ms`` is the stall's own."""
 _POLL_S = 0.05
 
 
@@ -344,18 +344,32 @@ def _null_stall_s(
     Returns:
         The placebo stall, or ``None`` when no step number qualifies.
     """
+    nulls = _null_stalls_s(quiet, spans, baseline_s, [pick])
+    return nulls[0] if nulls else None
+
+
+def _null_stalls_s(
+    quiet: dict[str, dict[int, float]], spans: dict[str, int], baseline_s: float, picks: list[int]
+) -> list[float]:
+    """:func:`_null_stall_s` for each of ``picks``, finding the eligible start steps once.
+
+    Returns:
+        One placebo stall per pick, or none when no step number qualifies.
+    """
     if not spans or any(n not in quiet for n in spans):
-        return None
+        return []
     common = set.intersection(*(set(quiet[n]) for n in spans))
     starts = sorted(
         s for s in common if all(s + i in quiet[n] for n, k in spans.items() for i in range(k))
     )
     if not starts:
-        return None
-    s0 = starts[pick % len(starts)]
-    return max(
-        sum(quiet[n][s0 + i] for i in range(k)) - k * baseline_s for n, k in spans.items()
-    )
+        return []
+    return [
+        max(
+            sum(quiet[n][s0 + i] for i in range(k)) - k * baseline_s for n, k in spans.items()
+        )
+        for s0 in (starts[pick % len(starts)] for pick in picks)
+    ]
 
 
 def _reruns(cl: _Cluster, p: _Primitive) -> int:
@@ -472,10 +486,8 @@ def _attempt(
     for i, p in enumerate(prims):
         stall, spans = _stall_s(cl, p, baseline_s)
         tally.stalls[p.kind].append(stall)
-        for j in range(NULL_DRAWS):
-            null = _null_stall_s(quiet, spans, baseline_s, pick=7919 * i + 104729 * j)
-            if null is not None:
-                tally.nulls[p.kind].append(null)
+        picks = [7919 * i + 104729 * j for j in range(NULL_DRAWS)]
+        tally.nulls[p.kind] += _null_stalls_s(quiet, spans, baseline_s, picks)
         tally.control[p.kind].append(p.control_s)
         tally.reruns[p.kind] += _reruns(cl, p)
 
