@@ -39,7 +39,7 @@ import msgspec
 
 from chaos.errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bumped on every incompatible change of any schema below."""
 
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
@@ -380,12 +380,18 @@ class Pong(_Base, frozen=True, tag="pong"):
 
 
 class BulkData(_Base, frozen=True, tag="bulk_data"):
-    """One chunk of a timed bulk bandwidth probe."""
+    """One chunk of a timed bulk bandwidth probe.
+
+    The chunk's bytes are not a field: they follow this frame as one raw *attachment* frame of
+    exactly ``size`` bytes, sent without copying and never decoded (only counted). This is the
+    one message that carries an attachment; :func:`validate` checks that it has one of the
+    declared size, and that no other message has one.
+    """
 
     probe_id: OpId
     index: NonNeg
     count: Annotated[int, msgspec.Meta(ge=1)]
-    payload: bytes
+    size: Annotated[int, msgspec.Meta(ge=1)]
 
 
 class BulkAck(_Base, frozen=True, tag="bulk_ack"):
@@ -704,7 +710,9 @@ class Rejected:
     refusal: Refusal
 
 
-def validate(frame: bytes, ctx: ValidationContext) -> Message | Rejected:
+def validate(
+    frame: bytes, ctx: ValidationContext, attachment: bytes | memoryview | None = None
+) -> Message | Rejected:
     """The single validation point: decodes ``frame`` and applies the semantic checks.
 
     Never raises on bad input.
@@ -712,6 +720,7 @@ def validate(frame: bytes, ctx: ValidationContext) -> Message | Rejected:
     Args:
         frame: The raw frame.
         ctx: The receiver's context.
+        attachment: The raw frame that followed it, if any (only a :class:`BulkData` has one).
 
     Returns:
         The decoded message, or :class:`Rejected` with a refusal that says why.
@@ -720,8 +729,11 @@ def validate(frame: bytes, ctx: ValidationContext) -> Message | Rejected:
     if isinstance(result, tuple):
         return Rejected(refusal(result[0], ctx, result[1]))
     msg = result
-    kind, to_scheduler = kind_of(msg)
     tag = tag_of(msg)
+    wrong = _attachment_problem(msg, attachment, ctx.max_frame_bytes)
+    if wrong is not None:
+        return Rejected(refusal(wrong[0], ctx, wrong[1], tag))
+    kind, to_scheduler = kind_of(msg)
     term = getattr(msg, "term", None)
     if kind in ("command", "leader") and not msg.sender:
         return Rejected(refusal(Reason.MALFORMED, ctx, "a scheduler message without sender", tag))
@@ -753,6 +765,23 @@ def kind_of(msg: Message) -> tuple[str, bool]:
     if isinstance(msg, TrainerEvent) and msg.node_id is not None:
         return "peer", True
     return type(msg).KIND, type(msg).TO_SCHEDULER
+
+
+def _attachment_problem(
+    msg: Message, attachment: bytes | memoryview | None, max_frame_bytes: int
+) -> tuple[Reason, str] | None:
+    """A :class:`BulkData` must come with an attachment of its declared size; nothing else may."""
+    if not isinstance(msg, BulkData):
+        if attachment is not None:
+            return Reason.MALFORMED, f"unexpected attachment of {len(attachment)} bytes"
+        return None
+    if msg.size > max_frame_bytes:
+        return Reason.TOO_LARGE, f"attachment of {msg.size} bytes > {max_frame_bytes}"
+    if attachment is None:
+        return Reason.MALFORMED, "bulk data without its attachment"
+    if len(attachment) != msg.size:
+        return Reason.MALFORMED, f"attachment of {len(attachment)} bytes, declared {msg.size}"
+    return None
 
 
 def _trainer_problem(msg: Message) -> str:

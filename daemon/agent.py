@@ -56,7 +56,7 @@ class AgentHost(Protocol):
     @property
     def term(self) -> int: ...  # noqa: D102
 
-    def send(self, peer: str, msg: Message) -> bool: ...  # noqa: D102
+    def send(self, peer: str, msg: Message, attachment: bytes | None = None) -> bool: ...  # noqa: D102
 
     def to_scheduler(self, msg: Message) -> bool: ...  # noqa: D102
 
@@ -316,8 +316,9 @@ class Agent:
                     probe_id=m.probe_id,
                     index=i,
                     count=count,
-                    payload=self._chunk,
+                    size=chunk,
                 ),
+                self._chunk,  # the same immutable bytes every time: sent without a copy
             )
             if not ok:
                 log.debug("bulk probe to %s: chunk %d not sent", m.cmd.peer, i)
@@ -330,7 +331,7 @@ class Agent:
             if len(self.incoming) >= 64:
                 return None  # bounded: never let probes eat memory
             inc = self.incoming[msg.probe_id] = _Incoming(first=now)
-        inc.received += len(msg.payload)
+        inc.received += msg.size  # validate() checked the attachment against it
         if msg.index + 1 < msg.count:
             return None
         del self.incoming[msg.probe_id]

@@ -177,6 +177,11 @@ class ClusterMonitor:
             tau_sync_s=old.get("tau_sync_s"),
         )
 
+    def set_bandwidth(self, a: str, b: str, bandwidth_bps: float | None) -> None:
+        """Sets a link's bandwidth, ``None`` meaning not measured (no-op without the link)."""
+        if self.g.has_edge(a, b):
+            self.g.edges[a, b]["bandwidth_bps"] = bandwidth_bps
+
     def remove_link(self, a: str, b: str) -> bool:
         """Removes a link; returns whether it existed."""
         if self.g.has_edge(a, b):

@@ -160,12 +160,12 @@ class Daemon:
             return self.negotiator.monitor.members()
         return [n.id for n in self.view.nodes] if self.view is not None else []
 
-    def send(self, peer: str, msg: Message) -> bool:
-        """Sends to a peer (to itself through the local queue)."""
+    def send(self, peer: str, msg: Message, attachment: bytes | None = None) -> bool:
+        """Sends to a peer (to itself through the local queue), with ``attachment`` if given."""
         if peer == self.node_id:
             self._local.append(msg)
             return True
-        return self.transport.send_peer(peer, encode(msg))
+        return self.transport.send_peer(peer, encode(msg), attachment)
 
     def broadcast(self, peers: dict[str, str], msg: Message) -> None:
         """Sends one message to several peers (id -> address), encoding it once."""
@@ -422,10 +422,10 @@ class Daemon:
         ctx = self._context()
         if inbound.frame is None:
             result: Message | Rejected = Rejected(
-                refusal(Reason.MALFORMED, ctx, "expected one payload frame")
+                refusal(Reason.MALFORMED, ctx, "expected one payload frame (and an attachment)")
             )
         else:
-            result = validate(inbound.frame, ctx)
+            result = validate(inbound.frame, ctx, inbound.attachment)
         if isinstance(result, Rejected):
             self.refused += 1
             self.metrics.refused(result.refusal.reason)

@@ -3,7 +3,9 @@ and one DEALER per known peer; plus the named :class:`FaultInjector`.
 
 Replies go back on the socket a message came in on (to its routing envelope); messages a node
 starts go out on its DEALER to that peer. Both ROUTERs accept plain DEALER clients
-(``[id, payload]``) and REQ clients (``[id, b"", payload]``).
+(``[id, payload]``) and REQ clients (``[id, b"", payload]``). A peer may send one raw
+*attachment* frame after the payload (``[id, payload, attachment]``): a bandwidth probe's chunk,
+sent without copying and only counted by the receiver.
 
 Sends never block (``NOBLOCK``). A DEALER queues at most ``_PEER_HWM`` frames for a peer that is
 not connected yet (so the first frames to a new peer are not lost); beyond that a send is dropped
@@ -133,10 +135,14 @@ class ReplyPath:
 
 @dataclass
 class Inbound:
-    """One inbound frame and how to answer it (``frame`` is ``None`` for a bad multipart)."""
+    """One inbound frame and how to answer it (``frame`` is ``None`` for a bad multipart).
+
+    ``attachment`` is the raw frame that followed it, if any (a bulk probe's chunk).
+    """
 
     frame: bytes | None
     reply: ReplyPath
+    attachment: bytes | memoryview | None = None
 
 
 class Transport:
@@ -245,8 +251,14 @@ class Transport:
             self.poller.unregister(cur[1])
             cur[1].close(linger=0)
 
-    def send_peer(self, peer: str, frame: bytes) -> bool:
+    def send_peer(self, peer: str, frame: bytes, attachment: bytes | None = None) -> bool:
         """Sends a frame to ``peer`` on its DEALER.
+
+        Args:
+            peer: The peer's id.
+            frame: The encoded message.
+            attachment: A raw frame sent after it, without copying (it must not change until
+                ZeroMQ has sent it; pass immutable ``bytes``).
 
         Returns:
             ``False`` when dropped: no DEALER, a fault, or the peer is not connected.
@@ -258,7 +270,7 @@ class Transport:
         if self.faults.blocks_out(peer):
             self.faults.dropped += 1
             return False
-        return self._send(cur[1], [frame])
+        return self._send(cur[1], [frame] if attachment is None else [frame, attachment])
 
     def send_contact(self, address: str, frame: bytes) -> bool:
         """Sends to an address whose node id is not known yet (a join contact)."""
@@ -316,23 +328,27 @@ class Transport:
             is_router = sock is self.router or sock is self.ipc
             for _ in range(_DRAIN_PER_SOCKET):
                 try:
-                    parts = sock.recv_multipart(flags=zmq.NOBLOCK)
+                    frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                out.append(self._split(sock, parts, is_router))
+                out.append(self._split(sock, frames, is_router))
         return out
 
     @staticmethod
-    def _split(sock: zmq.Socket[bytes], parts: list[bytes], is_router: bool) -> Inbound:
+    def _split(sock: zmq.Socket[bytes], frames: list[zmq.Frame], is_router: bool) -> Inbound:
         envelope: list[bytes] = []
         if is_router:
-            envelope, parts = parts[:1], parts[1:]
-        if len(parts) == 2 and parts[0] == b"":
-            envelope, parts = [*envelope, b""], parts[1:]
+            envelope, frames = [frames[0].bytes], frames[1:]
+        if len(frames) == 2 and len(frames[0]) == 0:  # a REQ client's delimiter
+            envelope, frames = [*envelope, b""], frames[1:]
         path = ReplyPath(sock, envelope)
-        if len(parts) != 1:
+        if len(frames) == 2 and len(frames[0]) > 0:
+            # a payload and its attachment (a probe chunk): the attachment is only counted, so
+            # it stays in ZeroMQ's buffer instead of being copied out on arrival
+            return Inbound(frames[0].bytes, path, frames[1].buffer)
+        if len(frames) != 1:
             return Inbound(None, path)
-        return Inbound(parts[0], path)
+        return Inbound(frames[0].bytes, path)
 
     def close(self, linger_s: float = 0.0) -> None:
         """Closes every socket and removes the IPC socket file.

@@ -97,4 +97,11 @@ def test_control_writes_schema(tmp_path: Path) -> None:
     for key in ("failure_detection_s", "reelection_s"):
         assert data[key]["n"] == 1 and data[key]["p50"] > 0
     assert 0 <= data["idle_cpu_percent"] <= data["idle_cpu_percent_max"]
+    # one CPU figure per link primitive run (a window's CPU less idle use may be slightly < 0)
+    assert {k: v["n"] for k, v in data["cpu_ms"].items()} == {
+        "connect_link": 2,
+        "disconnect_link": 2,
+    }
+    assert data["cpu_window_s"] > 0
     assert "completion / client round trip / scheduler side" in stdout
+    assert "control-plane CPU per connect_link" in stdout

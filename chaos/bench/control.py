@@ -19,10 +19,17 @@ Measured, with the daemon's default heartbeat settings (0.5 s / 1.5 s):
 * ``reelection_s``: from ``kill -9`` of the scheduler to the last survivor following the new one.
 * ``idle_cpu_percent``: CPU of an idle daemon in percent of one core (mean over the daemons;
   ``idle_cpu_percent_max`` is the busiest one, the scheduler).
+* ``cpu_ms``: the CPU that one connect-link or disconnect-link costs the whole control plane:
+  every daemon's CPU time (all its threads, from ``/proc/PID/task/*/schedstat``, in
+  nanoseconds) over a fixed ``CPU_WINDOW_S`` from the request, minus what the same daemons
+  use idle over as long. A connect-link's window holds its measurement: the pings, the commit,
+  and the link's bandwidth probe. Nothing polls the daemons inside the window. On a device that
+  trains, this is CPU taken from the trainer while the primitive runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -46,6 +53,9 @@ from chaos.errors import ChaosError, ChaosTimeout
 from chaos.protocol import OpResult, StatusReply
 
 _POLL_S = 0.02
+CPU_WINDOW_S = 0.5
+"""The window over which a link primitive's control-plane CPU is summed (far longer than a
+connect-link's measurement on loopback, tens of milliseconds)."""
 
 
 def _free_port() -> int:
@@ -187,14 +197,48 @@ def _start_cluster(b: _Bench, n: int) -> list[str]:
     return ids
 
 
-def _idle_cpu(b: _Bench, ids: list[str], idle_s: float) -> tuple[float, float]:
-    procs = [psutil.Process(b.procs[n].pid) for n in ids]
-    before = [sum(p.cpu_times()[:2]) for p in procs]
+def _cpu_s(pid: int) -> float:
+    """CPU time of a process, all threads, in seconds (ns resolution where Linux gives it)."""
+    total_ns = 0
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                total_ns += int((task / "schedstat").read_text().split()[0])
+    except OSError:  # no /proc (not Linux): clock-tick resolution
+        return float(sum(psutil.Process(pid).cpu_times()[:2]))
+    return total_ns / 1e9
+
+
+def _idle_cpu(b: _Bench, ids: list[str], idle_s: float) -> tuple[float, float, float]:
+    """Idle CPU: the mean and max per daemon in percent of one core, and the sum (cores)."""
+    pids = [b.procs[n].pid for n in ids]
+    before = [_cpu_s(p) for p in pids]
     t0 = time.monotonic()
     time.sleep(idle_s)
     wall = time.monotonic() - t0
-    pct = [100 * (sum(p.cpu_times()[:2]) - c) / wall for p, c in zip(procs, before, strict=True)]
-    return statistics.mean(pct), max(pct)
+    rate = [(_cpu_s(p) - c) / wall for p, c in zip(pids, before, strict=True)]
+    return 100 * statistics.mean(rate), 100 * max(rate), sum(rate)
+
+
+class _CpuMeter:
+    """Sums the daemons' CPU over a fixed window, minus their idle use."""
+
+    def __init__(self, b: _Bench, ids: list[str], idle_cores: float) -> None:
+        self.pids = [b.procs[n].pid for n in ids]
+        self.idle_cores = idle_cores
+        self.samples_ms: dict[str, list[float]] = {"connect_link": [], "disconnect_link": []}
+        self._t0 = 0.0
+        self._c0 = 0.0
+
+    def start(self) -> None:
+        self._t0, self._c0 = time.monotonic(), sum(_cpu_s(p) for p in self.pids)
+
+    def stop(self, key: str) -> None:
+        """Waits out the window and records its CPU under ``key``."""
+        time.sleep(max(0.0, self._t0 + CPU_WINDOW_S - time.monotonic()))
+        used = sum(_cpu_s(p) for p in self.pids) - self._c0
+        wall = time.monotonic() - self._t0
+        self.samples_ms[key].append((used - self.idle_cores * wall) * 1e3)
 
 
 _PRIMITIVES = {"scale_in": "scale_in_leave", "connect_link": "connect_link",
@@ -212,7 +256,7 @@ class _Samples:
         self.sched_ms: dict[str, list[float]] = {k: [] for k in keys}
 
 
-def _links(b: _Bench, ids: list[str], reps: int, rec: _Samples) -> None:
+def _links(b: _Bench, ids: list[str], reps: int, rec: _Samples, cpu: _CpuMeter) -> None:
     linked = {frozenset((x.a, x.b)) for x in b.status(ids[0]).links}
     pairs = [(a, c) for a in ids for c in ids if a < c and frozenset((a, c)) not in linked]
     if not pairs:  # a full mesh (3 nodes): free one link first, untimed
@@ -227,7 +271,9 @@ def _links(b: _Bench, ids: list[str], reps: int, rec: _Samples) -> None:
         sched = b.status(a).scheduler or ""
         with DaemonClient(b.addr[a], timeout_s=15.0) as cl:
             cl.status()  # the connection is up before the clock starts (no TCP handshake in it)
+            cpu.start()
             _timed(b, sched, "connect_link", functools.partial(cl.link, c, add=True), rec)
+            cpu.stop("connect_link")
 
             def measured(a: str = a, c: str = c) -> bool:
                 return any({x.a, x.b} == {a, c} and x.bandwidth_bps for x in b.status(a).links)
@@ -245,7 +291,9 @@ def _links(b: _Bench, ids: list[str], reps: int, rec: _Samples) -> None:
 
             _wait(measured, "link measured")
             _wait(settled, "measurement settled")
+            cpu.start()
             _timed(b, sched, "disconnect_link", functools.partial(cl.link, c, add=False), rec)
+            cpu.stop("disconnect_link")
 
 
 def _scale_in(b: _Bench, ids: list[str], reps: int, rec: _Samples) -> None:
@@ -353,10 +401,11 @@ def control_command(
             ids = _start_cluster(b, nodes)
             click.echo(f"{nodes} daemons up; idle for {idle_s:.0f} s ...")
             time.sleep(2.0)  # let the joins' follow-up measurements settle
-            idle_mean, idle_max = _idle_cpu(b, ids, idle_s)
+            idle_mean, idle_max, idle_cores = _idle_cpu(b, ids, idle_s)
             click.echo("link primitives ...")
             rec = _Samples()
-            _links(b, ids, repeats, rec)
+            cpu = _CpuMeter(b, ids, idle_cores)
+            _links(b, ids, repeats, rec, cpu)
             click.echo("scale-in ...")
             _scale_in(b, ids, scale_ins, rec)
             click.echo("kill -9 of members ...")
@@ -374,6 +423,8 @@ def control_command(
         "scheduler_side_ms": {k: _summary(rec.sched_ms[v]) for k, v in _PRIMITIVES.items()},
         "idle_cpu_percent": idle_mean,
         "idle_cpu_percent_max": idle_max,
+        "cpu_ms": {k: _summary(v) for k, v in cpu.samples_ms.items()},
+        "cpu_window_s": CPU_WINDOW_S,
         "heartbeat_interval_s": 0.5,
         "failure_timeout_s": 1.5,
     }
@@ -393,4 +444,6 @@ def control_command(
         rt, sd = result["client_round_trip_ms"][k], result["scheduler_side_ms"][k]  # type: ignore[index]
         click.echo(f"  {k:<18}{result[f'{k}_ms']['p50']:>8.3f}{rt['p50']:>8.3f}{sd['p50']:>8.3f}")  # type: ignore[index]
     click.echo(f"idle daemon CPU: {idle_mean:.2f}% of one core (max {idle_max:.2f}%)")
+    for k, v in result["cpu_ms"].items():  # type: ignore[attr-defined]
+        click.echo(f"control-plane CPU per {k}: p50 {v['p50']:.2f} ms (all daemons, idle use off)")
     click.echo(f"wrote {json_path}")

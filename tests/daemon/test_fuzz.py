@@ -14,10 +14,12 @@ from hypothesis import strategies as st
 
 from chaos.protocol import (
     PROTOCOL_VERSION,
+    BulkData,
     ClusterUpdate,
     ClusterView,
     LinkRequest,
     MemberHeartbeat,
+    Ping,
     Refusal,
     StatusReply,
     StatusRequest,
@@ -198,5 +200,12 @@ def test_reason_codes(sockets: dict[str, zmq.Socket[bytes]], live: tuple[Cluster
     assert _refusals(_ask(tcp, [encode(old_term)])) == ["stale_term"]
     lr = LinkRequest(sender="n1", a="n1", b="zz", op="connect")  # n1 is a member: goes through
     assert _refusals(_ask(tcp, [encode(lr)])) == []
+    # a probe chunk's bytes are a raw attachment frame, checked against its declared size
+    chunk = BulkData(sender="zz", probe_id="zz-1", index=0, count=1, size=8)
+    assert _refusals(_ask(tcp, [encode(chunk), b"12345678"])) == []
+    assert _refusals(_ask(tcp, [encode(chunk), b"1234"])) == ["malformed"]
+    assert _refusals(_ask(tcp, [encode(chunk)])) == ["malformed"]
+    assert _refusals(_ask(tcp, [encode(Ping(sender="zz", seq=1, t=0.0)), b"x"])) == ["malformed"]
+    assert _refusals(_ask(tcp, [encode(chunk), b"12345678", b"extra"])) == ["malformed"]
     assert live[1].alive()
     assert live[1].status().state == "active"

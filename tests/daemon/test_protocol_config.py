@@ -17,6 +17,8 @@ from click.testing import CliRunner
 from chaos.embedded import EmbeddedDaemon, free_tcp_address
 from chaos.errors import ConfigError, ProtocolError
 from chaos.protocol import (
+    PROTOCOL_VERSION,
+    BulkData,
     ClusterUpdate,
     ClusterView,
     JoinRequest,
@@ -59,10 +61,15 @@ def test_round_trip_and_refusals() -> None:
     assert _reason(b"\x93\x01\x02") == "malformed"
     assert _reason(msgspec.msgpack.encode({"v": 7, "type": "ping"})) == "bad_version"
     # a frame of another version is refused as such whether or not it fits this version's schema
-    assert _reason(msgspec.msgpack.encode({"v": 2, "type": "ping", "sender": "x"})) == "bad_version"
-    assert _reason(msgspec.msgpack.encode({"v": 2, "type": "ping", "seq": "?"})) == "bad_version"
-    assert _reason(msgspec.msgpack.encode({"v": 1, "type": "ping", "seq": "?"})) == "malformed"
-    assert _reason(msgspec.msgpack.encode({"v": 1, "type": "no_such"})) == "malformed"
+    other, v = PROTOCOL_VERSION - 1, PROTOCOL_VERSION
+    assert _reason(msgspec.msgpack.encode({"v": other, "type": "ping", "sender": "x"})) == (
+        "bad_version"
+    )
+    assert _reason(msgspec.msgpack.encode({"v": other, "type": "ping", "seq": "?"})) == (
+        "bad_version"
+    )
+    assert _reason(msgspec.msgpack.encode({"v": v, "type": "ping", "seq": "?"})) == "malformed"
+    assert _reason(msgspec.msgpack.encode({"v": v, "type": "no_such"})) == "malformed"
     # no version field at all: refused, although every field of a ping has a default
     assert _reason(msgspec.msgpack.encode({"type": "ping", "sender": "x"})) == "bad_version"
     assert _reason(b"x" * (1 << 17)) == "too_large"
@@ -80,13 +87,38 @@ def test_round_trip_and_refusals() -> None:
     assert _reason(encode(lr), follower) == "not_scheduler"
     paused = ValidationContext(**{**CTX.__dict__, "paused": True})
     assert _reason(encode(LeaveCommand()), paused) == "paused"
-    bad_id = msgspec.msgpack.encode({"v": 1, "type": "ping", "sender": "x", "seq": -1, "t": 0.0})
+    bad_id = msgspec.msgpack.encode({"v": v, "type": "ping", "sender": "x", "seq": -1, "t": 0.0})
     assert _reason(bad_id) == "malformed"
     with pytest.raises(ProtocolError):
         decode(b"\xc1")
     with pytest.raises(ProtocolError):
         encode("not a message")  # type: ignore[arg-type]
     assert f"{Reason.TOO_LARGE}" == "too_large"
+
+
+def test_bulk_data_comes_with_exactly_its_attachment() -> None:
+    """A probe chunk's bytes travel as a raw attachment frame; validate() checks it, and refuses
+    an attachment on any other message."""
+    chunk = BulkData(sender="b", probe_id="b-1", index=0, count=2, size=4)
+    frame = encode(chunk)
+    assert validate(frame, CTX, b"abcd") == chunk
+
+    def reason(f: bytes, attachment: bytes | None, ctx: ValidationContext = CTX) -> str | None:
+        r = validate(f, ctx, attachment)
+        return r.refusal.reason.value if isinstance(r, Rejected) else None
+
+    assert reason(frame, None) == "malformed"  # the bytes are missing
+    assert reason(frame, b"abc") == "malformed"  # shorter than declared
+    assert reason(frame, b"abcde") == "malformed"
+    assert reason(encode(Ping(sender="b", seq=1, t=0.0)), b"x") == "malformed"
+    big = encode(msgspec.structs.replace(chunk, size=CTX.max_frame_bytes + 1))
+    assert reason(big, b"") == "too_large"  # checked before the attachment is looked at
+    # the old schema, with the bytes inside the message, is another protocol version
+    old = msgspec.msgpack.encode(
+        {"v": PROTOCOL_VERSION - 1, "type": "bulk_data", "sender": "b", "probe_id": "b-1",
+         "index": 0, "count": 1, "payload": b"abcd"}
+    )  # fmt: skip
+    assert reason(old, None) == "bad_version"
 
 
 def _cfg(**kw: object) -> DaemonConfig:

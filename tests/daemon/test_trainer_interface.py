@@ -394,10 +394,17 @@ def test_a_link_measurement_commits_an_epoch_only_when_it_changes_the_sync_polic
     before = host.updates[-1].sync
     epoch, commits = neg.epoch, len(host.updates)
 
-    def measured(bw: float) -> None:
+    def measured(bw: float, op_id: str = "refine-1") -> None:
         report = LinkReport(sender="a", epoch=neg.epoch, term=1, peer="c", up=True,
-                            latency_s=0.001, bandwidth_bps=bw, op_id="refine-1")  # fmt: skip
+                            latency_s=0.001, bandwidth_bps=bw, op_id=op_id)  # fmt: skip
         neg.on_link_report(report, 7.0)
+
+    def confirm_probe() -> str:
+        """The confirming probe the scheduler ordered last (a's measurement of a-c)."""
+        peer, cmd = host.sent[-1]
+        assert peer == "a" and cmd.peer == "c" and cmd.measure_bandwidth
+        assert cmd.op_id.startswith("confirm-")
+        return str(cmd.op_id)
 
     # a slow measurement: the max-bottleneck tree keeps b-c, so the trainers' policy is the same
     # and no epoch is committed; the monitor has the figure and the event log says so
@@ -410,11 +417,28 @@ def test_a_link_measurement_commits_an_epoch_only_when_it_changes_the_sync_polic
     # than sync_switch_min_gain (20%), so the structure in force stays and no epoch is committed
     measured(2.2e8)
     assert neg.epoch == epoch and len(host.updates) == commits
-    # a fast one changes the tree (a-c replaces the 5x slower b-c): a new epoch is committed
+    # a fast one would change the tree (a-c replacing the 5x slower b-c), but one probe is not
+    # trusted with that: the figure is held back and a second probe is ordered
+    sent = len(host.sent)
     measured(1e10)
+    assert neg.epoch == epoch and len(host.updates) == commits and len(host.sent) == sent + 1
+    assert neg.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(2.2e8)
+    assert [f for name, f in host.events if name == "link_confirming"][-1]["bandwidth_bps"] == 1e10
+    # the second probe measures it slow (the first was noise): the lower figure is kept, and
+    # nothing is committed
+    measured(1e6, confirm_probe())
+    assert neg.epoch == epoch and len(host.updates) == commits and not neg.confirming
+    assert neg.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(1e6)
+    # fast twice: a new epoch is committed with the lower of the two figures
+    measured(1e10)
+    measured(5e9, confirm_probe())
     assert neg.epoch == epoch + 1 and host.updates[-1].cause == "link_measured"
+    assert neg.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(5e9)
     after = host.updates[-1].sync
     assert (after.parents, after.ring) != (before.parents, before.ring)
+    # a late answer to a confirming probe that was forgotten is an ordinary measurement
+    measured(1e6, "confirm-unknown")
+    assert neg.epoch == epoch + 1
 
 
 def test_a_commit_that_keeps_the_structure_keeps_the_topology_epoch() -> None:
