@@ -264,7 +264,8 @@ class Agent:
         if m.pongs < _MEASURE_PINGS:
             return
         if m.cmd.measure_bandwidth:
-            self._start_bulk(m, self.cfg.bandwidth_probe_first_bytes)
+            first = min(self.cfg.bandwidth_probe_first_bytes, self.cfg.bandwidth_probe_bytes)
+            self._start_bulk(m, first)
         else:
             self._finish(m, up=True)
 
