@@ -264,8 +264,7 @@ class Agent:
         if m.pongs < _MEASURE_PINGS:
             return
         if m.cmd.measure_bandwidth:
-            first = min(self.cfg.bandwidth_probe_first_bytes, self.cfg.bandwidth_probe_bytes)
-            self._start_bulk(m, first)
+            self._start_bulk(m, self.cfg.bandwidth_probe_first_bytes)
         else:
             self._finish(m, up=True)
 

@@ -111,8 +111,8 @@ class DaemonConfig:
             that carries them at ``bandwidth_probe_fast_bps`` or more is measured by that stage
             alone; a slower one gets the rest of ``bandwidth_probe_bytes`` as a second stage,
             timed on its own over the warmed-up connection. On a fast link a long probe only
-            costs CPU (on loopback it is the CPU that is measured). At or above
-            ``bandwidth_probe_bytes`` the probe has one stage of ``bandwidth_probe_bytes``.
+            costs CPU (on loopback it is the CPU that is measured). Set it equal to
+            ``bandwidth_probe_bytes`` for one stage.
         bandwidth_probe_fast_bps: See ``bandwidth_probe_first_bytes``. Keep it above the fastest
             link whose exact rate matters: a tbf-shaped link's burst lets a short stage
             overshoot the rate (by up to 30% for 512 KiB at 1 Gbit/s with a 1 ms burst).
@@ -244,6 +244,8 @@ class DaemonConfig:
             )
         if self.link_failure_timeout_s <= self.failure_timeout_s:
             raise ConfigError("link_failure_timeout_s must exceed failure_timeout_s")
+        if self.bandwidth_probe_first_bytes > self.bandwidth_probe_bytes:
+            raise ConfigError("bandwidth_probe_first_bytes must not exceed bandwidth_probe_bytes")
         if self.bandwidth_probe_chunk_bytes + 4096 > self.max_frame_bytes:
             raise ConfigError("bandwidth_probe_chunk_bytes must fit max_frame_bytes - 4096")
         if self.max_frame_bytes < 16 << 10:
