@@ -6,10 +6,8 @@
   no answer for ``link_failure_timeout_s`` is reported down as *disconnect-link* (reason
   ``probe_failed``), never as a node failure; an answer on a down link reports it back up.
 * **Measurements** (on a :class:`~chaos.protocol.ConnectCommand`: scale-out and connect-link):
-  latency by ping-pong, then, if asked, bandwidth by a timed in-process bulk transfer
-  (iperf-like): ``bandwidth_probe_first_bytes``, and unless that stage alone ran at
-  ``bandwidth_probe_fast_bps`` or more, the rest of ``bandwidth_probe_bytes`` timed on its own.
-  Only then is the link reported to the scheduler.
+  latency by ping-pong, then, if asked, bandwidth by a timed in-process bulk transfer of
+  ``bandwidth_probe_bytes`` (iperf-like). Only then is the link reported to the scheduler.
 * **Resources** via psutil: CPU, memory and battery where present.
 """
 
@@ -92,7 +90,6 @@ class Measurement:
     probe_id: str = ""
     bulk_started: float = 0.0
     bulk_bytes: int = 0
-    bulk_stage: int = 0
     last_ping: float = float("-inf")
     burst_sent: bool = False
 
@@ -264,7 +261,7 @@ class Agent:
         if m.pongs < _MEASURE_PINGS:
             return
         if m.cmd.measure_bandwidth:
-            self._start_bulk(m, self.cfg.bandwidth_probe_first_bytes)
+            self._start_bulk(m, now)
         else:
             self._finish(m, up=True)
 
@@ -304,14 +301,12 @@ class Agent:
         """Whether a measurement is in progress (the loop then ticks often)."""
         return bool(self.measurements)
 
-    def _start_bulk(self, m: Measurement, nbytes: int) -> None:
-        """Sends one stage of the bulk probe: ``nbytes`` rounded up to whole chunks."""
+    def _start_bulk(self, m: Measurement, now: float) -> None:
         chunk = self.cfg.bandwidth_probe_chunk_bytes
-        count = max(1, math.ceil(nbytes / chunk))
-        m.bulk_stage += 1
-        m.probe_id = f"{self.host.node_id}-{m.seq}-{m.bulk_stage}"
+        count = max(1, math.ceil(self.cfg.bandwidth_probe_bytes / chunk))
+        m.probe_id = f"{self.host.node_id}-{m.seq}"
         m.bulk_started = time.monotonic()
-        m.bulk_bytes += count * chunk
+        m.bulk_bytes = count * chunk
         for i in range(count):
             ok = self.host.send(
                 m.cmd.peer,
@@ -348,16 +343,11 @@ class Agent:
         )
 
     def on_bulk_ack(self, msg: BulkAck, now: float) -> None:
-        """Completes a stage of a bandwidth measurement: the measurement, or the next stage."""
+        """Completes a bandwidth measurement."""
         for m in self.measurements.values():
             if m.probe_id == msg.probe_id and msg.sender == m.cmd.peer:
                 elapsed = max(1e-6, time.monotonic() - m.bulk_started - (m.rtt_s or 0.0) / 2)
                 bw = msg.received_bytes * 8 / elapsed if msg.received_bytes > 0 else None
-                rest = self.cfg.bandwidth_probe_bytes - m.bulk_bytes
-                fast = (bw or 0.0) >= self.cfg.bandwidth_probe_fast_bps
-                if m.bulk_stage == 1 and rest > 0 and not fast:
-                    self._start_bulk(m, rest)  # not fast: time the rest on its own
-                    return
                 self._finish(m, up=True, bandwidth_bps=bw)
                 return
 

@@ -107,15 +107,6 @@ class DaemonConfig:
         bandwidth_probe_bytes: Size of the timed bulk transfer that measures a new link. Larger is
             more accurate on fast links and slower on slow ones.
         bandwidth_probe_chunk_bytes: Chunk size of that transfer (must fit ``max_frame_bytes``).
-        bandwidth_probe_first_bytes: The probe runs in two stages: first this many bytes. A link
-            that carries them at ``bandwidth_probe_fast_bps`` or more is measured by that stage
-            alone; a slower one gets the rest of ``bandwidth_probe_bytes`` as a second stage,
-            timed on its own over the warmed-up connection. On a fast link a long probe only
-            costs CPU (on loopback it is the CPU that is measured). Set it equal to
-            ``bandwidth_probe_bytes`` for one stage.
-        bandwidth_probe_fast_bps: See ``bandwidth_probe_first_bytes``. Keep it above the fastest
-            link whose exact rate matters: a tbf-shaped link's burst lets a short stage
-            overshoot the rate (by up to 30% for 512 KiB at 1 Gbit/s with a 1 ms burst).
         probe_timeout_s: Give up a link measurement after this long.
         default_bandwidth_bps: Bandwidth assumed for a link before it is measured.
         sync_message_bytes: Gradient size assumed when comparing tree and ring sync policies.
@@ -161,8 +152,6 @@ class DaemonConfig:
     link_failure_timeout_s: float = 3.0
     bandwidth_probe_bytes: int = 4 << 20
     bandwidth_probe_chunk_bytes: int = 256 << 10
-    bandwidth_probe_first_bytes: int = 512 << 10
-    bandwidth_probe_fast_bps: float = 2e9
     probe_timeout_s: float = 5.0
     default_bandwidth_bps: float = 100e6
     sync_message_bytes: int = 100 << 20
@@ -205,7 +194,6 @@ class DaemonConfig:
             "link_failure_timeout_s",
             "probe_timeout_s",
             "default_bandwidth_bps",
-            "bandwidth_probe_fast_bps",
             "per_shard_cost_s",
             "join_timeout_s",
             "op_timeout_s",
@@ -219,7 +207,6 @@ class DaemonConfig:
         for name in (
             "bandwidth_probe_bytes",
             "bandwidth_probe_chunk_bytes",
-            "bandwidth_probe_first_bytes",
             "sync_message_bytes",
             "max_frame_bytes",
         ):
@@ -244,8 +231,6 @@ class DaemonConfig:
             )
         if self.link_failure_timeout_s <= self.failure_timeout_s:
             raise ConfigError("link_failure_timeout_s must exceed failure_timeout_s")
-        if self.bandwidth_probe_first_bytes > self.bandwidth_probe_bytes:
-            raise ConfigError("bandwidth_probe_first_bytes must not exceed bandwidth_probe_bytes")
         if self.bandwidth_probe_chunk_bytes + 4096 > self.max_frame_bytes:
             raise ConfigError("bandwidth_probe_chunk_bytes must fit max_frame_bytes - 4096")
         if self.max_frame_bytes < 16 << 10:
