@@ -113,7 +113,7 @@ class PendingOp:
     req_op_id: str = ""
     deadline: float = 0.0
     after: TimeoutNow | None = None
-    then: Callable[[], None] | None = None
+    then: Callable[[], object] | None = None
     """Run once the primitive completes (or fails): follow-up work, such as ordering a link's
     bandwidth probe, kept off the primitive's critical path."""
 
@@ -677,10 +677,7 @@ class Negotiator:
             "connect_link", now, reply=lop.reply, req_op_id=lop.req.op_id, started=lop.started
         )
         # the bandwidth probe (a bulk transfer) starts once every member has the new policy
-        op.then = functools.partial(self._probe_new_link, a, b)
-
-    def _probe_new_link(self, a: str, b: str) -> None:
-        self._order_bandwidth_probe(a, b)
+        op.then = functools.partial(self._order_bandwidth_probe, a, b)
 
     def _order_bandwidth_probe(self, a: str, b: str, prefix: str = "refine-") -> str | None:
         """Asks ``a`` to measure its link to ``b``; returns the operation id (``None``: either

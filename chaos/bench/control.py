@@ -225,7 +225,7 @@ class _CpuMeter:
 
     def __init__(self, b: _Bench, ids: list[str], idle_cores: float) -> None:
         self.pids = [b.procs[n].pid for n in ids]
-        self.idle_cores = idle_cores
+        self.idle_cores = idle_cores  # the daemons' idle use, from _idle_cpu
         self.samples_ms: dict[str, list[float]] = {"connect_link": [], "disconnect_link": []}
         self._t0 = 0.0
         self._c0 = 0.0
