@@ -702,7 +702,7 @@ class Negotiator:
     # -- timers ----------------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
-        """Times out primitives, joins and link operations."""
+        """Times out primitives, joins and link operations; commits held allreduce restarts."""
         for op in list(self.ops.values()):
             if now > op.deadline:
                 self._complete(op, now, ok=False, reason=Reason.TIMEOUT)
@@ -712,6 +712,7 @@ class Negotiator:
                 self._fail(lop.reply, lop.req.op_id, Reason.TIMEOUT, "link measurement timed out")
         for j in [j for j, so in self.scaleouts.items() if now > so.deadline]:
             self._finish_scaleout(j, now)
+        self.trainers.tick(now)
 
 
 def _majority_acked(members: frozenset[str], acked: dict[str, int], epoch: int) -> bool:

@@ -54,6 +54,10 @@ class TrainerRegistry:
         self.state_digest = ""  # the first trainer's restored-state digest (stop-resume)
         self.registered_at: dict[str, float] = {}
         self.pending: dict[str, ReplicationWire] = {}
+        # per blamed peer: the structure epoch of the last restart it caused, and when
+        self.restarted: dict[str, tuple[int, float]] = {}
+        # per blamed peer: a restart held back (when it is due, the failed epoch it answers)
+        self.held: dict[str, tuple[float, int]] = {}
 
     # -- registration ----------------------------------------------------------------------
 
@@ -195,21 +199,53 @@ class TrainerRegistry:
         bring one (no newer epoch yet, and the blamed peer is still heard, so the failure
         detector will not remove it), the scheduler commits a restart: the same membership
         under a new epoch, applied before the next allreduce.
+
+        A step that fails again, blaming the same peer, in the epoch that peer's last restart
+        made, gets its restart held back until ``failure_timeout_s`` after that restart: a
+        peer killed a moment ago is still heard, and every rerun fails at once on it, so
+        restarting at once would commit an epoch per failed rerun until the failure detector
+        acts. A held restart is committed by :meth:`tick` if the peer is then still a member
+        and no newer structure came.
         """
-        neg = self.neg
-        suspect = msg.detail
-        silent_s = now - neg.last_heard.get(suspect, now)
-        issued = neg.last_sync.topology_epoch if neg.last_sync is not None else 0
-        if issued > msg.epoch:
-            # a newer data-plane structure is already on its way (a commit that kept the
-            # structure, e.g. a link no tree uses, would not rerun the step: it does not count)
-            self._answer(reply, msg.op_id)
-            return
-        if neg.monitor.has(suspect) and silent_s > neg.cfg.heartbeat_interval_s * 1.5:
-            self._answer(reply, msg.op_id)  # the failure detector decides about this one
-            return
-        neg.commit("allreduce_restart", now, apply_at="before_next_allreduce", restart=True)
         self._answer(reply, msg.op_id)
+        suspect = msg.detail
+        if not self._restart_needed(suspect, msg.epoch, now):
+            return
+        last = self.restarted.get(suspect)
+        hold_s = self.neg.cfg.failure_timeout_s
+        if last is not None and msg.epoch >= last[0] and now < last[1] + hold_s:
+            if suspect not in self.held:
+                self.held[suspect] = (last[1] + hold_s, msg.epoch)
+                self.neg.host.event("restart_held", peer=suspect, epoch=msg.epoch,
+                                    due_in_s=last[1] + hold_s - now)  # fmt: skip
+            return
+        self._restart(suspect, now)
+
+    def _restart_needed(self, suspect: str, failed_epoch: int, now: float) -> bool:
+        """Whether a step that failed in ``failed_epoch`` blaming ``suspect`` needs a restart:
+        no newer data-plane structure was issued (a commit that kept the structure, e.g. a
+        link no tree uses, would not rerun the step: it does not count), and the failure
+        detector will not remove the peer (it is still heard)."""
+        neg = self.neg
+        issued = neg.last_sync.topology_epoch if neg.last_sync is not None else 0
+        if issued > failed_epoch:
+            return False
+        silent_s = now - neg.last_heard.get(suspect, now)
+        return not (neg.monitor.has(suspect) and silent_s > neg.cfg.heartbeat_interval_s * 1.5)
+
+    def _restart(self, suspect: str, now: float) -> None:
+        self.held.pop(suspect, None)
+        self.neg.commit("allreduce_restart", now, apply_at="before_next_allreduce", restart=True)
+        self.restarted[suspect] = (self.neg.epoch, now)
+
+    def tick(self, now: float) -> None:
+        """Commits the held restarts that are due and still needed."""
+        for suspect, (due, failed_epoch) in list(self.held.items()):
+            if now < due:
+                continue
+            self.held.pop(suspect)
+            if self._restart_needed(suspect, failed_epoch, now):
+                self._restart(suspect, now)
 
     # -- bookkeeping -----------------------------------------------------------------------
 
@@ -223,6 +259,8 @@ class TrainerRegistry:
         """Drops what is known about a node that left or failed."""
         self.registered_at.pop(node, None)
         self.pending.pop(node, None)
+        self.restarted.pop(node, None)
+        self.held.pop(node, None)
 
     def absorb(self, node: str, fields: dict[str, Any]) -> None:
         """Takes a member's trainer fields (those of its :class:`AgentReport`) after an election.

@@ -381,6 +381,57 @@ def test_multi_hop_donors_carried_plans_and_restarts() -> None:
     assert host.updates[-1].replication.donor_addresses == {"a": "ipc:///tmp/a-2"}
 
 
+def test_a_step_that_fails_again_on_the_same_peer_waits_for_the_failure_detector() -> None:
+    """A peer killed a moment ago is still heard, and every rerun fails at once on it. The first
+    failure gets a restart epoch; a failure in that epoch blaming the same peer holds the next
+    restart back until ``failure_timeout_s`` after the first (not one epoch per failed rerun).
+    A held restart is committed when due if the peer is still a member and heard, and not at all
+    once it went silent."""
+    from chaos.protocol import TrainerEvent
+
+    neg, host = _negotiator()
+    neg.trainers.on_info(_info("a", True, SIZES), None, 1.0)
+    for t, n in enumerate("bcd"):
+        neg.trainers.on_info(_info(n, False), None, 2.0 + t)
+    hold_s = neg.cfg.failure_timeout_s
+
+    def failed(node: str, peer: str, epoch: int, now: float) -> None:
+        msg = TrainerEvent(sender=node, epoch=epoch, kind="step_failed", detail=peer,
+                           op_id=f"op-{node}-{now}")  # fmt: skip
+        neg.trainers.on_event(msg, None, now)
+        assert host.answers[-1].ok
+
+    def restarts() -> int:
+        return sum(1 for u in host.updates if u.cause == "allreduce_restart")
+
+    t0 = 10.0
+    failed("b", "c", neg.epoch, t0)
+    first = neg.epoch
+    assert restarts() == 1 and host.updates[-1].restart_allreduce
+    # every member's rerun in the restart epoch fails at once on c again: no epoch is committed
+    for i, n in enumerate("abd" * 5):
+        failed(n, "c", first, t0 + 0.01 * (i + 1))
+    assert restarts() == 1 and neg.epoch == first
+    held = [f for name, f in host.events if name == "restart_held"]
+    assert len(held) == 1 and held[0]["peer"] == "c" and held[0]["epoch"] == first
+    neg.tick(t0 + hold_s * 0.5)
+    assert restarts() == 1
+    # c is still heard when the hold ends (the failure was not c's death): one restart
+    neg.last_heard["c"] = t0 + hold_s
+    neg.tick(t0 + hold_s + 0.01)
+    assert restarts() == 2 and neg.epoch == first + 1 and not neg.trainers.held
+    # it fails again in that epoch, and c falls silent before the hold ends: no restart (the
+    # failure detector removes c, which commits the next epoch)
+    second = neg.epoch
+    failed("b", "c", second, t0 + hold_s + 0.1)
+    assert restarts() == 2 and neg.trainers.held
+    neg.tick(t0 + 3 * hold_s)
+    assert restarts() == 2 and neg.epoch == second and not neg.trainers.held
+    # a failure blaming another peer is not held back by c's restarts
+    failed("b", "d", second, t0 + 3 * hold_s + 0.01)
+    assert restarts() == 3
+
+
 def test_a_link_measurement_commits_an_epoch_only_when_it_changes_the_sync_policy() -> None:
     from chaos.protocol import LinkReport
 
