@@ -643,7 +643,13 @@ class Trainer:
             if self.world_size == 1:
                 return None
             try:
-                return self._comm.allreduce(flat, "mean", step=self._step)
+                # keep_result: a member that never got this step's result (a member died while
+                # it was going out) completes the step with it, so the survivors stay equal
+                caught_up = self._comm.stats.caught_up
+                out = self._comm.allreduce(flat, "mean", step=self._step, keep_result=True)
+                if self._comm.stats.caught_up > caught_up:
+                    self._event("caught_up", epoch=self._epoch, step=self._step)
+                return out
             except RoundInterrupted as exc:
                 self._event("restart", epoch=self._epoch, step=self._step, reason=str(exc))
                 target = self._comm.newer_round_seen() or self._topo_epoch() + 1

@@ -12,6 +12,7 @@ import multiprocessing as mp
 import queue
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -59,6 +60,9 @@ def _worker(name: str, commands: Any, replies: Any) -> None:
             comm.update_topology(Topology(**arg))
             replies.put(("ok", name, None))
         elif cmd == "fail_at":
+            linger_s = arg.pop("linger_s", None)
+            if linger_s is not None:  # let the frames sent so far leave before the exit
+                arg["before_exit"] = lambda s=linger_s: time.sleep(s)
             comm.fail_at(**arg)
             replies.put(("ok", name, None))
         elif cmd == "interrupt_on_newer_round":  # what the Trainer does while it waits
@@ -74,7 +78,8 @@ def _allreduce(comm: Communicator, name: str, spec: dict[str, Any]) -> tuple[str
     before = x.clone()
     try:
         out = comm.allreduce(x, spec["op"], wire_dtype=spec.get("wire"),
-                             timeout_s=spec.get("timeout_s"))  # fmt: skip
+                             timeout_s=spec.get("timeout_s"),
+                             keep_result=spec.get("keep", False))  # fmt: skip
     except RoundInterrupted:
         return ("interrupted", name, {"newer": comm.newer_round_seen(),
                                       "input_intact": torch.equal(x, before)})  # fmt: skip
@@ -83,7 +88,8 @@ def _allreduce(comm: Communicator, name: str, spec: dict[str, Any]) -> tuple[str
                 "input_intact": torch.equal(x, before), "stale": comm.stats.dropped_stale}
         return ("failure", name, info)
     info = {"result": out.float().numpy().copy(), "dtype": str(out.dtype),
-            "input_intact": torch.equal(x, before), "stale": comm.stats.dropped_stale}
+            "input_intact": torch.equal(x, before), "stale": comm.stats.dropped_stale,
+            "caught_up": comm.stats.caught_up, "results_sent": comm.stats.results_sent}
     return ("result", name, info)
 
 
@@ -256,6 +262,48 @@ def test_member_killed_mid_allreduce(kind: str, shape: dict[str, Any], victim: s
         c.topology(survivors, "ring", ring_order=tuple(survivors))
         _check(c.allreduce(survivors, numel=20_000, seed=2, op="mean"),
                _reference(survivors, 20_000, 2, "mean", "float32"), 1e-5, 1e-5)  # fmt: skip
+
+
+def test_a_member_that_missed_the_result_catches_up_from_one_that_got_it() -> None:
+    """The root dies while broadcasting the result: n1 (and its child n3) got all of it and
+    completed the step, n2 did not. Under the next epoch n1 and n3 run the next step while n2
+    reruns the missed one: n2 asks its neighbour a step ahead, completes the step with that
+    neighbour's kept result (bitwise the same), and then all three run the next step together.
+    Without this they waited on each other's different steps until the timeout."""
+    members, survivors = ["n0", "n1", "n2", "n3"], ["n1", "n2", "n3"]
+    numel = 20_000  # 20 chunks of CHUNK_BYTES; the root sends chunk j to n1, then to n2
+    with cluster(4) as c:
+        c.topology(members, "tree", **TREE)
+        spec = {"numel": numel, "op": "mean", "timeout_s": 10.0, "keep": True}
+        _check(c.allreduce(members, seed=1, **spec),
+               _reference(members, numel, 1, "mean", "float32"), 1e-5, 1e-5)  # fmt: skip
+        # the root's 39th send of step 1 is the last chunk to n1; it dies before the 40th (n2's)
+        c.send(["n0"], "fail_at", {"step": 1, "after_frames": 38, "linger_s": 0.5})
+        for m in members:
+            c.commands[m].put(("allreduce", {**spec, "seed": 2}))
+        step1 = {m: c._reply(m) for m in survivors}
+        c.procs["n0"].join(timeout=REPLY_TIMEOUT_S)
+        assert c.procs["n0"].exitcode == FAILED_EXIT
+        assert {m: k for m, (k, _, _) in step1.items()} == {
+            "n1": "result", "n2": "failure", "n3": "result"}, step1  # fmt: skip
+        got = step1["n1"][2]["result"]
+        assert got.tobytes() == step1["n3"][2]["result"].tobytes()
+        np.testing.assert_allclose(got, _reference(members, numel, 2, "mean", "float32"),
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+        # epoch 3: n2 is n1's child; n1 and n3 run step 2, n2 reruns step 1
+        c.topology(survivors, "tree", parent={"n1": None, "n2": "n1", "n3": "n1"})
+        for m in ("n1", "n3"):
+            c.commands[m].put(("allreduce", {**spec, "seed": 3}))
+        kind, info = c.send(["n2"], "allreduce", {**spec, "seed": 2})["n2"]
+        assert kind == "result", info
+        assert info["result"].tobytes() == got.tobytes()  # the step n1 and n3 applied
+        assert info["caught_up"] == 1 and info["input_intact"]
+        # then n2 runs step 2 with the others
+        c.commands["n2"].put(("allreduce", {**spec, "seed": 3}))
+        step2 = {m: c._reply(m) for m in survivors}
+        _check({m: (k, i) for m, (k, _, i) in step2.items()},
+               _reference(survivors, numel, 3, "mean", "float32"), 1e-5, 1e-5)  # fmt: skip
+        assert step2["n1"][2]["results_sent"] == 1
 
 
 # ---------------------------------------------------------------------------- in-process

@@ -115,6 +115,10 @@ class CollectiveStats:
     dropped_unknown_peer: int = 0
     dropped_early_overflow: int = 0
     early_buffered: int = 0
+    results_sent: int = 0
+    """Kept round results sent to a neighbour that was a step behind (:attr:`Op.RESULT`)."""
+    caught_up: int = 0
+    """Rounds this node completed with a neighbour's kept result instead of running them."""
 
 
 @dataclass
@@ -133,6 +137,14 @@ class _Frame:
     header: Header
     raw_header: zmq.Frame
     payload: zmq.Frame
+
+
+class _CaughtUp(Exception):
+    """Internal: a neighbour sent the running step's result (see :attr:`Op.RESULT`)."""
+
+    def __init__(self, result: torch.Tensor) -> None:
+        super().__init__("caught up")
+        self.result = result
 
 
 @dataclass
@@ -189,6 +201,11 @@ class Communicator:
         self._told_newer: set[tuple[str, tuple[int, int]]] = set()
         self._notices: dict[str, zmq.Socket] = {}  # address -> notice-only DEALER
         self._failed_step: int | None = None
+        # the last completed round's step and result, for a neighbour a step behind
+        self._kept: tuple[int, torch.Tensor] | None = None
+        self._round_spec: tuple[torch.dtype, int] | None = None
+        self._offered: set[tuple[str, int]] = set()  # (peer, step): results sent this round
+        self._asked: set[str] = set()  # neighbours asked for this round's result
         self._early: deque[_Frame] = deque()
         self._ready: deque[_Frame] = deque()
         # the previous epoch's neighbours, told of this node's first round in a new epoch
@@ -358,6 +375,7 @@ class Communicator:
         out: torch.Tensor | None = None,
         wire_dtype: str | None = None,
         step: int | None = None,
+        keep_result: bool = False,
     ) -> torch.Tensor:
         """Allreduces ``tensor`` over the current topology's members.
 
@@ -376,9 +394,15 @@ class Communicator:
             step: The training step; ``(epoch, step)`` must increase from call to call. Default:
                 the last step + 1, or the failed step again after a failure (which needs a new
                 epoch from :meth:`update_topology`).
+            keep_result: Keep a reference to the result until the next call, so that a
+                neighbour still running this step (a member died while the result was going
+                out, so it never got it) can complete it with this result and stay bitwise
+                equal. The caller must not modify the result in place. Pass it on every member,
+                or none: a member a step behind can only catch up from one that kept it.
 
         Returns:
-            The reduced tensor (``out`` when given).
+            The reduced tensor (``out`` when given), or, when this node turns out to be a step
+            behind a neighbour that kept that step's result, that result.
 
         Raises:
             PeerFailure: a neighbour died, was reported dead or sent an abort notice.
@@ -394,6 +418,7 @@ class Communicator:
         acc_dtype, wire = self._check_tensors(tensor, op, out, wire_dtype)
         key = self._next_key(topo, step)
         self._last_key = key
+        self._round_spec = (tensor.dtype, tensor.numel())
         self.stats.allreduces += 1
         src = tensor.detach().reshape(-1)
         acc = self._result_buffer(tensor, out, acc_dtype)
@@ -405,6 +430,10 @@ class Communicator:
             self._tell_newer(peer, key)
         try:
             run.execute()
+        except _CaughtUp as done:
+            self.stats.caught_up += 1
+            self._failed_step = None
+            return self._finish(tensor, out, done.result, keep_result, key[1])
         except (PeerFailure, ProtocolError) as exc:
             self.stats.failures += 1
             self._failed_step = key[1]
@@ -416,12 +445,26 @@ class Communicator:
                 self._send_abort(key, exc)
             raise
         self._failed_step = None
+        return self._finish(tensor, out, acc, keep_result, key[1])
+
+    def _finish(
+        self,
+        tensor: torch.Tensor,
+        out: torch.Tensor | None,
+        acc: torch.Tensor,
+        keep: bool,
+        step: int,
+    ) -> torch.Tensor:
+        """The call's return value from the round's result; kept for a neighbour if asked."""
         result = acc.view(tensor.shape)
         if out is None:
-            return result if result.dtype == tensor.dtype else result.to(tensor.dtype)
-        if result.data_ptr() != out.data_ptr():
-            out.copy_(result)
-        return out
+            result = result if result.dtype == tensor.dtype else result.to(tensor.dtype)
+        else:
+            if result.data_ptr() != out.data_ptr():
+                out.copy_(result)
+            result = out
+        self._kept = (step, result) if keep else None
+        return result
 
     def _result_buffer(
         self, tensor: torch.Tensor, out: torch.Tensor | None, acc_dtype: torch.dtype
@@ -486,6 +529,8 @@ class Communicator:
         self._ready.clear()
         self._newer_round = None
         self._told_newer.clear()
+        self._offered.clear()
+        self._asked.clear()
         later: deque[_Frame] = deque()
         for f in self._early:
             k = f.header.key
@@ -675,6 +720,14 @@ class Communicator:
             elif k[1] > key[1] and len(self._early) < self.config.max_early_frames:
                 self._early.append(_Frame(peer, header, parts[1], parts[2]))  # a later step's
             return None
+        if k[1] == key[1] - 1:
+            # the peer still runs the step this node completed: it never got that round's
+            # result (a member died while it was going out); send it the kept result
+            self.stats.dropped_stale += 1
+            self._offer_result(peer, k)
+            return None
+        if header.op == Op.BEHIND:
+            return None  # about a step this node did not just complete
         if k < key:
             self.stats.dropped_stale += 1
             if k[1] == key[1]:
@@ -686,6 +739,8 @@ class Communicator:
                 # A peer runs this same step under a newer epoch: it never completes (and
                 # never will complete) the round we are in, so nobody can; see newer_round_seen.
                 self._newer_round = max(self._newer_round or 0, k[0])
+            elif k[1] == key[1] + 1:
+                self._ask_result(peer, key)  # the peer completed our step: this node missed it
             if len(self._early) >= self.config.max_early_frames:
                 self.stats.dropped_early_overflow += 1
             else:
@@ -706,7 +761,55 @@ class Communicator:
         if frame.header.op == Op.ABORT:
             failed = frame.payload.bytes.decode(errors="replace")[:64] or frame.peer
             raise PeerFailure(failed, "aborted by a neighbour", reported_by=frame.peer)
+        if frame.header.op == Op.RESULT:
+            raise _CaughtUp(self._result_of(frame))
         return frame
+
+    # ------------------------------------------------------------------ catching up
+
+    def _ask_result(self, peer: str, key: tuple[int, int]) -> None:
+        """Asks a neighbour a step ahead for the result of ``key``'s step (once per round)."""
+        link = self._links.get(peer)
+        if link is None or peer in self._asked:
+            return
+        self._asked.add(peer)
+        header = encode_header(Op.BEHIND, torch.float32, 0, key[0], key[1], 0, 0)
+        try:
+            link.socket.send(header, zmq.SNDMORE | zmq.NOBLOCK)
+            link.socket.send(b"", zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # best effort: the round then times out as before
+
+    def _offer_result(self, peer: str, key: tuple[int, int]) -> None:
+        """Sends a neighbour still running ``key`` this node's kept result of that step."""
+        kept = self._kept
+        link = self._links.get(peer)
+        if kept is None or kept[0] != key[1] or link is None or (peer, key[1]) in self._offered:
+            return
+        self._offered.add((peer, key[1]))
+        flat = kept[1].contiguous().reshape(-1)
+        header = encode_header(Op.RESULT, flat.dtype, 0, key[0], key[1], 0, flat.numel())
+        try:
+            link.socket.send(header, zmq.SNDMORE | zmq.NOBLOCK)
+            link.socket.send(flat.view(torch.uint8).numpy().tobytes(), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return
+        self.stats.results_sent += 1
+
+    def _result_of(self, frame: _Frame) -> torch.Tensor:
+        """The tensor a RESULT frame carries, checked against the running round.
+
+        Raises:
+            ProtocolError: its dtype, size or byte count does not match this round's.
+        """
+        spec = self._round_spec
+        h = frame.header
+        if spec is None or h.dtype != spec[0] or h.nelem != spec[1]:
+            raise ProtocolError(f"result frame from {frame.peer} does not match this round")
+        raw = frame.payload.buffer
+        if len(raw) != h.nelem * spec[0].itemsize:
+            raise ProtocolError(f"result frame from {frame.peer} has {len(raw)} bytes")
+        return torch.frombuffer(bytearray(raw), dtype=h.dtype)
 
     # ------------------------------------------------------------------ lifecycle
 

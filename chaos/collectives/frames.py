@@ -49,6 +49,12 @@ class Op(enum.IntEnum):
     NEWER = 6
     """The sender runs this step under the header's newer epoch (it got an older-epoch frame
     from the receiver): the receiver's round cannot complete. Empty payload."""
+    BEHIND = 7
+    """The sender still runs the header's step, which the receiver (a step ahead) completed:
+    it asks for that round's result. Empty payload."""
+    RESULT = 8
+    """The result of the header's step, which the sender completed and the receiver did not
+    (a member died while the result was going out): ``nelem`` elements of the header's dtype."""
 
 
 WIRE_DTYPES: dict[torch.dtype, int] = {

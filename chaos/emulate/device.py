@@ -160,6 +160,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Runs the device until it is asked to leave or checkpoint, or is killed."""
     args = _parse(argv)
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from chaos.trainer import Trainer, capture_exit_event
 
     torch.set_num_threads(1)
