@@ -139,12 +139,23 @@ class _Frame:
     payload: zmq.Frame
 
 
+def _send_notice(sock: zmq.Socket, op: Op, key: tuple[int, int]) -> None:
+    """Sends a header-only frame (``NEWER``, ``BEHIND``); best effort: without it the peer
+    times out as it would have anyway."""
+    header = encode_header(op, torch.float32, 0, key[0], key[1], 0, 0)
+    try:
+        sock.send(header, zmq.SNDMORE | zmq.NOBLOCK)
+        sock.send(b"", zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass
+
+
 class _CaughtUp(Exception):
     """Internal: a neighbour sent the running step's result (see :attr:`Op.RESULT`)."""
 
-    def __init__(self, result: torch.Tensor) -> None:
+    def __init__(self, frame: _Frame) -> None:
         super().__init__("caught up")
-        self.result = result
+        self.frame = frame
 
 
 @dataclass
@@ -203,8 +214,7 @@ class Communicator:
         self._failed_step: int | None = None
         # the last completed round's step and result, for a neighbour a step behind
         self._kept: tuple[int, torch.Tensor] | None = None
-        self._round_spec: tuple[torch.dtype, int] | None = None
-        self._offered: set[tuple[str, int]] = set()  # (peer, step): results sent this round
+        self._offered: set[str] = set()  # neighbours sent the kept result this round
         self._asked: set[str] = set()  # neighbours asked for this round's result
         self._early: deque[_Frame] = deque()
         self._ready: deque[_Frame] = deque()
@@ -418,7 +428,6 @@ class Communicator:
         acc_dtype, wire = self._check_tensors(tensor, op, out, wire_dtype)
         key = self._next_key(topo, step)
         self._last_key = key
-        self._round_spec = (tensor.dtype, tensor.numel())
         self.stats.allreduces += 1
         src = tensor.detach().reshape(-1)
         acc = self._result_buffer(tensor, out, acc_dtype)
@@ -428,12 +437,12 @@ class Communicator:
         announce, self._announce = self._announce, []
         for peer in announce:
             self._tell_newer(peer, key)
+        caught: torch.Tensor | None = None
         try:
-            run.execute()
-        except _CaughtUp as done:
-            self.stats.caught_up += 1
-            self._failed_step = None
-            return self._finish(tensor, out, done.result, keep_result, key[1])
+            try:
+                run.execute()
+            except _CaughtUp as done:
+                caught = _result_of(done.frame, tensor)  # a bad result fails the round
         except (PeerFailure, ProtocolError) as exc:
             self.stats.failures += 1
             self._failed_step = key[1]
@@ -445,6 +454,9 @@ class Communicator:
                 self._send_abort(key, exc)
             raise
         self._failed_step = None
+        if caught is not None:
+            self.stats.caught_up += 1
+            acc = caught
         return self._finish(tensor, out, acc, keep_result, key[1])
 
     def _finish(
@@ -604,12 +616,7 @@ class Communicator:
         if sock is None:
             return
         self._told_newer.add((peer, key))
-        header = encode_header(Op.NEWER, torch.float32, 0, key[0], key[1], 0, 0)
-        try:
-            sock.send(header, zmq.SNDMORE | zmq.NOBLOCK)
-            sock.send(b"", zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # best effort: the peer then times out instead
+        _send_notice(sock, Op.NEWER, key)
 
     def _notice_socket(self, peer: str) -> zmq.Socket | None:
         """A socket to a member that is not a neighbour in this epoch (for NEWER notices: in
@@ -762,7 +769,7 @@ class Communicator:
             failed = frame.payload.bytes.decode(errors="replace")[:64] or frame.peer
             raise PeerFailure(failed, "aborted by a neighbour", reported_by=frame.peer)
         if frame.header.op == Op.RESULT:
-            raise _CaughtUp(self._result_of(frame))
+            raise _CaughtUp(frame)
         return frame
 
     # ------------------------------------------------------------------ catching up
@@ -773,20 +780,15 @@ class Communicator:
         if link is None or peer in self._asked:
             return
         self._asked.add(peer)
-        header = encode_header(Op.BEHIND, torch.float32, 0, key[0], key[1], 0, 0)
-        try:
-            link.socket.send(header, zmq.SNDMORE | zmq.NOBLOCK)
-            link.socket.send(b"", zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # best effort: the round then times out as before
+        _send_notice(link.socket, Op.BEHIND, key)
 
     def _offer_result(self, peer: str, key: tuple[int, int]) -> None:
         """Sends a neighbour still running ``key`` this node's kept result of that step."""
         kept = self._kept
         link = self._links.get(peer)
-        if kept is None or kept[0] != key[1] or link is None or (peer, key[1]) in self._offered:
+        if kept is None or kept[0] != key[1] or link is None or peer in self._offered:
             return
-        self._offered.add((peer, key[1]))
+        self._offered.add(peer)
         flat = kept[1].contiguous().reshape(-1)
         header = encode_header(Op.RESULT, flat.dtype, 0, key[0], key[1], 0, flat.numel())
         try:
@@ -795,21 +797,6 @@ class Communicator:
         except zmq.ZMQError:
             return
         self.stats.results_sent += 1
-
-    def _result_of(self, frame: _Frame) -> torch.Tensor:
-        """The tensor a RESULT frame carries, checked against the running round.
-
-        Raises:
-            ProtocolError: its dtype, size or byte count does not match this round's.
-        """
-        spec = self._round_spec
-        h = frame.header
-        if spec is None or h.dtype != spec[0] or h.nelem != spec[1]:
-            raise ProtocolError(f"result frame from {frame.peer} does not match this round")
-        raw = frame.payload.buffer
-        if len(raw) != h.nelem * spec[0].itemsize:
-            raise ProtocolError(f"result frame from {frame.peer} has {len(raw)} bytes")
-        return torch.frombuffer(bytearray(raw), dtype=h.dtype)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -836,3 +823,18 @@ class Communicator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _result_of(frame: _Frame, tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor a RESULT frame carries, checked against the call's input.
+
+    Raises:
+        ProtocolError: its dtype, size or byte count does not match the input's.
+    """
+    h = frame.header
+    if h.dtype != tensor.dtype or h.nelem != tensor.numel():
+        raise ProtocolError(f"result frame from {frame.peer} does not match this round")
+    raw = frame.payload.buffer
+    if len(raw) != h.nelem * tensor.element_size():
+        raise ProtocolError(f"result frame from {frame.peer} has {len(raw)} bytes")
+    return torch.frombuffer(bytearray(raw), dtype=h.dtype)

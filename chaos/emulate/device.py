@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -160,7 +161,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Runs the device until it is asked to leave or checkpoint, or is killed."""
     args = _parse(argv)
-    import logging
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from chaos.trainer import Trainer, capture_exit_event
 
