@@ -20,8 +20,11 @@ spanning the primitive minus as many times the median undisturbed step duration
 (``baseline_step_ms``, measured in the same run: steps outside every primitive and join window,
 under an unchanged epoch). The spanning steps are those, ending after the request, in which the
 member installed a newer epoch (a new policy is installed, and an aborted round rerun, inside
-that step's ``update()``), up to its first step under the settled epoch; a connect-link usually
-commits two epochs (the link, then its measurement), so it spans two. The primitive's stall is
+that step's ``update()``), up to its first step under the settled epoch. A connect-link's span
+also takes every later step that began before the new link's bandwidth probe ended (the probe
+runs in the background once the link is committed; its end is read from the embedded daemons'
+event logs, ``link_measured``), and it commits a second epoch when the measurement changes
+the data plane. The primitive's stall is
 the largest over the members (the cluster waits for its slowest). A step's duration runs from
 the start of its gradient computation to the return of ``update()`` and
 ``check_state_replication()``. Noise can make a stall slightly negative; it is reported as
@@ -163,6 +166,10 @@ class _Primitive:
     survivors: list[str]
     epoch_after: int
     t_settled: float = 0.0
+    link: tuple[str, str] | None = None
+    """The link a connect-link added (its bandwidth probe runs after the new epoch)."""
+    t_probed: float = 0.0
+    """When that link's last bandwidth measurement ended (0: none seen)."""
 
 
 @dataclass
@@ -223,6 +230,12 @@ class _Cluster:
                 return None
         return int(epoch)
 
+    def probed(self, a: str, b: str, since: float) -> bool:
+        """Whether a bandwidth measurement of link ``a``-``b`` ended after ``since`` (the
+        daemons' event logs, ``link_measured``)."""
+        pair = frozenset((a, b))
+        return any(t >= since and ab == pair for t, ab in _probe_events(self.root, (a, b))[0])
+
     def epoch(self) -> int:
         return max(int(self.members[n].last().get("epoch", -1)) for n in self.live())
 
@@ -269,8 +282,11 @@ def _link(cl: _Cluster, a: str, b: str, add: bool, settle_steps: int) -> _Primit
         return epoch >= 0
 
     cl.wait(done, f"the policy after link {'add' if add else 'remove'} {a}-{b}")
-    kind = "connect_link" if add else "disconnect_link"
-    return _Primitive(kind, t_req, control_s, ids, epoch)
+    if not add:
+        return _Primitive("disconnect_link", t_req, control_s, ids, epoch)
+    # the next primitive waits for the new link's bandwidth probe, which runs in the background
+    cl.wait(lambda: cl.probed(a, b, t_req), f"the bandwidth probe of link {a}-{b}")
+    return _Primitive("connect_link", t_req, control_s, ids, epoch, link=(a, b))
 
 
 def _scale_in(cl: _Cluster, leaver: str, settle_steps: int) -> _Primitive:
@@ -301,7 +317,9 @@ def _stall_s(cl: _Cluster, p: _Primitive, baseline_s: float) -> tuple[float, dic
 
     A member's spanning steps are the steps, ending after the request, in which it installed a
     newer epoch (a policy change is installed, and any aborted round rerun, inside the
-    ``update()`` of that step), up to its first step under the settled epoch.
+    ``update()`` of that step), up to its first step under the settled epoch, and every later
+    step that began before the new link's bandwidth probe ended (a connect-link's probe runs
+    in the background after the new epoch, and may slow those steps too).
 
     Returns:
         ``(stall_s, spans)``: the stall and how many steps each member's span has.
@@ -309,20 +327,27 @@ def _stall_s(cl: _Cluster, p: _Primitive, baseline_s: float) -> tuple[float, dic
     worst = float("-inf")
     spans: dict[str, int] = {}
     for n in p.survivors:
-        span: list[dict[str, Any]] = []
-        prev: int | None = None
-        for r in cl.members[n].log.steps:
-            if r["t1"] > p.t_req and prev is not None and r["epoch"] != prev:
-                span.append(r)
-                if r["epoch"] >= p.epoch_after:
-                    break
-            prev = r["epoch"]
-        else:
-            raise ChaosError(f"{n} logged no step under epoch {p.epoch_after}")
+        span = _span(cl.members[n].log.steps, p, n)
         extra = sum(r["t1"] - r["t0"] for r in span) - len(span) * baseline_s
         worst = max(worst, extra)
         spans[n] = len(span)
     return worst, spans
+
+
+def _span(steps: list[dict[str, Any]], p: _Primitive, n: str) -> list[dict[str, Any]]:
+    """Member ``n``'s spanning steps of ``p`` (see :func:`_stall_s`), in step order."""
+    span: list[dict[str, Any]] = []
+    prev: int | None = None
+    for r in steps:
+        if r["t1"] > p.t_req and prev is not None and r["epoch"] != prev:
+            span.append(r)
+            if r["epoch"] >= p.epoch_after:
+                break
+        prev = r["epoch"]
+    else:
+        raise ChaosError(f"{n} logged no step under epoch {p.epoch_after}")
+    chosen = {id(r) for r in span}
+    return [r for r in steps if id(r) in chosen or span[0]["t0"] < r["t0"] < p.t_probed]
 
 
 def _null_stall_s(
@@ -365,9 +390,7 @@ def _null_stalls_s(
     if not starts:
         return []
     return [
-        max(
-            sum(quiet[n][s0 + i] for i in range(k)) - k * baseline_s for n, k in spans.items()
-        )
+        max(sum(quiet[n][s0 + i] for i in range(k)) - k * baseline_s for n, k in spans.items())
         for s0 in (starts[pick % len(starts)] for pick in picks)
     ]
 
@@ -383,12 +406,48 @@ def _reruns(cl: _Cluster, p: _Primitive) -> int:
     )
 
 
-def _mark_windows(cl: _Cluster, prims: list[_Primitive]) -> None:
-    for p in prims:
+def _probe_events(
+    root: Path, nodes: tuple[str, ...] = ()
+) -> tuple[list[tuple[float, frozenset[str]]], dict[str, int]]:
+    """The bandwidth refinements of committed links, from the embedded daemons' event logs
+    under ``root`` (of ``nodes`` only, if given).
+
+    Returns:
+        ``(ends, starts)``: when each one ended (``link_measured``, wall-clock) with the link's
+        two ends; and how many started for each cause (``bulk_probe_started``: ``round_done``,
+        ``wait_expired``, ``at_once``).
+    """
+    ends: list[tuple[float, frozenset[str]]] = []
+    starts: dict[str, int] = {}
+    paths = [p for n in nodes for p in root.glob(f"*/events-{n}.jsonl")] if nodes else None
+    for path in paths if paths is not None else root.glob("*/events-*.jsonl"):
+        for line in path.read_text(errors="replace").splitlines():
+            if '"op_id"' not in line or not line.endswith("}"):
+                continue
+            e = json.loads(line)
+            if not str(e.get("op_id", "")).startswith(("refine-", "confirm-")):
+                continue
+            if e["event"] == "link_measured":
+                ends.append((float(e["ts"]), frozenset((e["node"], e["peer"]))))
+            elif e["event"] == "bulk_probe_started":
+                starts[e["cause"]] = starts.get(e["cause"], 0) + 1
+    return ends, starts
+
+
+def _mark_windows(
+    cl: _Cluster, prims: list[_Primitive], probes: list[tuple[float, frozenset[str]]]
+) -> None:
+    for i, p in enumerate(prims):
         ends = []
         for n in p.survivors:
             first = next(r for r in cl.members[n].log.steps if r["epoch"] >= p.epoch_after)
             ends.append(first["t1"])
+        if p.link is not None:
+            until = prims[i + 1].t_req if i + 1 < len(prims) else float("inf")
+            pair = frozenset(p.link)
+            p.t_probed = max((t for t, ab in probes if ab == pair and p.t_req <= t < until),
+                             default=0.0)  # fmt: skip
+            ends.append(p.t_probed)
         p.t_settled = max(ends)
         cl.windows.append((p.t_req, p.t_settled))
 
@@ -420,6 +479,9 @@ class _Tally:
     baseline: list[float] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)
     reruns: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PRIMITIVES, 0))
+    probed: int = 0
+    """Connect-links whose bandwidth probe's end was found in the daemons' event logs."""
+    probe_starts: dict[str, int] = field(default_factory=dict)
 
 
 def _attempt(
@@ -476,7 +538,11 @@ def _attempt(
         cl.close()
     for m in cl.members.values():
         m.log.poll()
-    _mark_windows(cl, prims)
+    probe_ends, starts = _probe_events(cl.root)
+    _mark_windows(cl, prims, probe_ends)
+    tally.probed += sum(1 for p in prims if p.t_probed > 0)
+    for cause, k in starts.items():
+        tally.probe_starts[cause] = tally.probe_starts.get(cause, 0) + k
     quiet = _quiet_steps(cl)
     durations = [d for steps in quiet.values() for d in steps.values()]
     tally.baseline += durations
@@ -503,6 +569,7 @@ def run(
     echo: Callable[[str], None],
     logs: Path | None = None,
     policy_notices: bool = True,
+    daemon_config: Path | None = None,
 ) -> dict[str, Any]:
     """Runs the benchmark and returns its figures (see the module docstring).
 
@@ -523,6 +590,8 @@ def run(
         logs: Keep the workers' step logs and outputs here (default: a temporary directory).
         policy_notices: The trainers' ``TrainerConfig.policy_notices`` (``False``: they ask
             their daemon at every step boundary).
+        daemon_config: A TOML file of ``DaemonConfig`` fields for every embedded daemon
+            (e.g. ``probe_round_wait_s = 0``, to compare settings side by side).
 
     Raises:
         ValueError: fewer than 3 nodes (the link primitives need two non-founder members).
@@ -534,6 +603,8 @@ def run(
     worker_args += ["--step-timeout-s", str(WORKER_STEP_TIMEOUT_S)]
     worker_args += ["--policy-timeout-s", str(WORKER_POLICY_TIMEOUT_S)]
     worker_args += [] if policy_notices else ["--no-policy-notices"]
+    if daemon_config is not None:
+        worker_args.append(f"--daemon-arg=--config={daemon_config.resolve()}")
     tally = _Tally()
     with contextlib.ExitStack() as stack:
         if logs is None:
@@ -554,6 +625,8 @@ def run(
         raise ChaosError(f"no sample of {', '.join(empty)}; failures: {tally.failures}")
     result: dict[str, Any] = {"nodes": nodes, "repeats": repeats, "compute_s": compute_s,
                               "policy_notices": policy_notices}  # fmt: skip
+    if daemon_config is not None:
+        result["daemon_config"] = daemon_config.read_text()
     for kind in PRIMITIVES:
         result[f"{kind}_ms"] = summary_ms(tally.stalls[kind])
     result["null_ms"] = {kind: summary_ms(tally.nulls[kind]) for kind in PRIMITIVES}
@@ -566,6 +639,7 @@ def run(
     result["baseline_steps"] = len(tally.baseline)
     result["control_ms"] = {kind: summary_ms(tally.control[kind]) for kind in PRIMITIVES}
     result["reruns"] = tally.reruns
+    result["probes"] = {"measured": tally.probed, "started": tally.probe_starts}
     result["attempts"] = attempt
     result["failures"] = tally.failures
     return result
@@ -620,6 +694,12 @@ def run(
     show_default=True,
     help="Trainers learn of new policies from their daemon's notices (off: ask every step).",
 )
+@click.option(
+    "--daemon-config",
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    default=None,
+    help="TOML file of DaemonConfig fields for every embedded daemon (copied into the JSON).",
+)
 def primitives_command(
     nodes: int,
     json_path: str,
@@ -631,11 +711,12 @@ def primitives_command(
     max_failures: int,
     logs: Path | None,
     policy_notices: bool,
+    daemon_config: Path | None,
 ) -> None:
     """Training-step stall of scale-in, connect-link and disconnect-link (real trainers)."""
     result = run(
         nodes, repeats, compute_s, width, settle_steps, timeout_s, max_failures, click.echo,
-        logs, policy_notices,
+        logs, policy_notices, daemon_config,
     )  # fmt: skip
     Path(json_path).write_text(json.dumps(result, indent=2))
     head = f"{'primitive':<17}{'stall p50 ms':>13}{'stall p99 ms':>13}{'null p50 ms':>12}"

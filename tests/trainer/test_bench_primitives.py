@@ -17,7 +17,7 @@ from pathlib import Path
 
 import psutil
 
-from chaos.bench.primitives import NULL_DRAWS, _null_stall_s
+from chaos.bench.primitives import NULL_DRAWS, _null_stall_s, _Primitive, _span
 
 TIMEOUT_S = 300.0
 
@@ -63,6 +63,12 @@ def test_primitives_bench_writes_its_json(tmp_path: Path) -> None:
             want = data[f"{kind}_ms"]["p50"] - null["p50"]
             assert math.isclose(data["added_p50_ms"][kind], want, rel_tol=1e-9, abs_tol=1e-12)
     assert "stall p50" in stdout and "baseline step" in stdout and "null p50" in stdout
+    # every connect-link's bandwidth probe was found in the daemons' event logs (the span of
+    # its stall covers the steps the probe ran beside), and each one started for a reason
+    probes = data["probes"]
+    assert probes["measured"] == data["connect_link_ms"]["n"]
+    assert set(probes["started"]) <= {"round_done", "wait_expired", "at_once"}
+    assert sum(probes["started"].values()) >= probes["measured"]
 
 
 def test_null_estimator_takes_the_worst_member_over_quiet_runs() -> None:
@@ -78,3 +84,18 @@ def test_null_estimator_takes_the_worst_member_over_quiet_runs() -> None:
     assert second is not None and math.isclose(second, 0.005)  # b: 0.025 - 0.020
     assert _null_stall_s(quiet, {"a": 4, "b": 1}, baseline_s=0.020, pick=0) is None
     assert _null_stall_s(quiet, {"c": 1}, baseline_s=0.020, pick=0) is None
+
+
+def test_a_connect_links_span_covers_the_steps_its_probe_ran_beside() -> None:
+    """The install step, and every later step that began before the new link's probe ended."""
+
+    def step(k: int, epoch: int) -> dict[str, float]:
+        return {"step": k, "epoch": epoch, "t0": 10.0 + k, "t1": 10.9 + k}
+
+    steps = [step(0, 5), step(1, 5), step(2, 6), step(3, 6), step(4, 6), step(5, 6)]
+    p = _Primitive("connect_link", t_req=11.5, control_s=0.1, survivors=["a"], epoch_after=6)
+    assert [r["step"] for r in _span(steps, p, "a")] == [2]  # no probe seen: the install only
+    p.t_probed = 13.5  # the probe ended during step 3
+    assert [r["step"] for r in _span(steps, p, "a")] == [2, 3]
+    p.t_probed = 12.5  # within the install step itself
+    assert [r["step"] for r in _span(steps, p, "a")] == [2]
