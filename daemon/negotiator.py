@@ -38,6 +38,7 @@ from chaos.daemon.config import DaemonConfig
 from chaos.daemon.monitor import ClusterMonitor
 from chaos.daemon.planner import (
     data_addresses,
+    policy_edges,
     replication_policy,
     same_data_plane,
     sync_policy,
@@ -72,6 +73,20 @@ log = logging.getLogger("chaos.daemon.negotiator")
 _MAX_CONFIRMING = 64
 """Confirming bandwidth probes remembered at most; the oldest (never answered: its node left or
 failed) is forgotten first."""
+
+
+@dataclass
+class LinkCheck:
+    """A measurement that would re-wire the data plane, being checked: a second probe of the new
+    link, and fresh probes of the links the new structure would drop, all ordered at once so
+    that they measure under the same conditions."""
+
+    link: frozenset[str]
+    first: float
+    """The first measurement of ``link`` (bit/s); it counts at the lower of its two figures."""
+    pending: set[str]
+    """Op ids of the probes not answered yet."""
+    reports: list[LinkReport] = field(default_factory=list)
 
 
 class SchedulerHost(Protocol):
@@ -184,9 +199,8 @@ class Negotiator:
         self.ops: dict[str, PendingOp] = {}
         self.scaleouts: dict[str, ScaleOut] = {}
         self.linkops: dict[str, LinkOp] = {}
-        # bandwidth probes ordered to confirm a measurement that would re-wire the data plane:
-        # op id -> the first measurement (bit/s)
-        self.confirming: dict[str, float] = {}
+        # bandwidth probes ordered to check a measurement that would re-wire the data plane
+        self.confirming: dict[str, LinkCheck] = {}
         self.last_sync: SyncPolicyWire | None = None
         self.last_update: ClusterUpdate | None = None
         self.trainers = TrainerRegistry(self)
@@ -618,45 +632,73 @@ class Negotiator:
             return
         if msg.op_id.startswith("pre-"):
             return  # the measurement of a connect-link that was refused or timed out
-        first = self.confirming.pop(msg.op_id, None)
-        if msg.up and self.monitor.link(msg.sender, j) is not None:  # bandwidth refinement
-            self._refine(msg, first, now)
+        check = self.confirming.pop(msg.op_id, None)
+        if check is not None:
+            check.pending.discard(msg.op_id)
+            check.reports.append(msg)
+            if not check.pending:
+                self._settle_check(check, now)
+        elif msg.up and self.monitor.link(msg.sender, j) is not None:  # bandwidth refinement
+            self._refine(msg, now)
 
-    def _refine(self, msg: LinkReport, first: float | None, now: float) -> None:
+    def _refine(self, msg: LinkReport, now: float) -> None:
         """Takes a link's bandwidth measurement; commits only if the data plane changes.
 
-        A measurement that would change the data plane (every trainer re-wires) is taken only
-        once a second probe confirms it: the link then counts at the lower of the two rates.
-        One probe on a busy host can measure the CPU more than the link (loopback "links" vary
-        from 1 to 12 Gbit/s with the load), and a switch that noise caused costs every member
-        a re-wired step.
+        A measurement that would change the data plane (every trainer re-wires) is not taken
+        at once: a second probe of the link and fresh probes of the links the new structure
+        would drop are ordered together (event ``link_confirming``), and the change is decided
+        on those (:meth:`_settle_check`). One probe on a busy host measures the CPU more than
+        the link (loopback "links" vary from 1 to 14 Gbit/s with the load), so a new link
+        measured while the host was quiet would otherwise look faster than old links measured
+        while it was busy; and a switch that noise caused costs every member a re-wired step.
 
         Args:
             msg: The measurement (of the link ``msg.sender``-``msg.peer``).
-            first: The first measurement, when ``msg`` answers a confirming probe.
             now: The current time.
         """
         a, b = msg.sender, msg.peer
         bw = msg.bandwidth_bps
-        if first is not None and bw is not None:
-            bw = min(bw, first)
         before = self.monitor.link(a, b) or {}
         self.monitor.set_link(a, b, up=True, latency_s=msg.latency_s, bandwidth_bps=bw)
-        changes = self._data_plane_changes()
-        if changes and first is None and bw is not None:
-            self.monitor.set_bandwidth(a, b, before.get("bandwidth_bps"))
-            op_id = self._order_bandwidth_probe(a, b, prefix="confirm-")
-            if op_id is not None:
-                if len(self.confirming) >= _MAX_CONFIRMING:  # forget the oldest, never answered
-                    self.confirming.pop(next(iter(self.confirming)))
-                self.confirming[op_id] = bw
-                self.host.event("link_confirming", a=a, b=b, bandwidth_bps=bw)
-                return
-        if changes:
-            self.commit("link_measured", now)
-        else:  # same trees and rings: no epoch, so no trainer installs (or reruns) anything
+        current = self._current_sync()
+        if same_data_plane(self.last_sync, current):
+            # same trees and rings: no epoch, so no trainer installs (or reruns) anything
             self.host.event("link_refined", a=a, b=b, bandwidth_bps=bw,
                             latency_s=msg.latency_s, epoch=self.epoch)  # fmt: skip
+            return
+        if bw is not None:
+            self.monitor.set_bandwidth(a, b, before.get("bandwidth_bps"))
+            dropped = policy_edges(self.last_sync) - policy_edges(current) - {frozenset((a, b))}
+            pairs = [(a, b)] + [tuple(sorted(e)) for e in dropped if self.monitor.link(*e)]
+            ops = [self._order_bandwidth_probe(x, y, prefix="confirm-") for x, y in pairs]
+            if ops[0] is not None:
+                check = LinkCheck(frozenset((a, b)), bw, {o for o in ops if o is not None})
+                for op_id in check.pending:
+                    if len(self.confirming) >= _MAX_CONFIRMING:  # forget the oldest
+                        self.confirming.pop(next(iter(self.confirming)))
+                    self.confirming[op_id] = check
+                self.host.event("link_confirming", a=a, b=b, bandwidth_bps=bw,
+                                rechecked=[list(p) for p in pairs[1:]])  # fmt: skip
+                return
+        self.commit("link_measured", now)
+
+    def _settle_check(self, check: LinkCheck, now: float) -> None:
+        """Every probe of a check answered: the links take their fresh figures (the new link
+        the lower of its two), and an epoch is committed if the data plane still changes."""
+        for r in check.reports:
+            pair = frozenset((r.sender, r.peer))
+            if not r.up or r.bandwidth_bps is None or self.monitor.link(r.sender, r.peer) is None:
+                continue  # a link that went down is reported (and handled) on its own
+            bw = min(r.bandwidth_bps, check.first) if pair == check.link else r.bandwidth_bps
+            self.monitor.set_link(r.sender, r.peer, up=True, latency_s=r.latency_s,
+                                  bandwidth_bps=bw)  # fmt: skip
+        if self._data_plane_changes():
+            self.commit("link_measured", now)
+        else:
+            a, b = sorted(check.link)
+            link = self.monitor.link(a, b) or {}
+            self.host.event("link_refined", a=a, b=b, bandwidth_bps=link.get("bandwidth_bps"),
+                            latency_s=link.get("latency_s"), epoch=self.epoch)  # fmt: skip
 
     def _data_plane_changes(self) -> bool:
         """Whether the sync policy built from the monitor now differs from the last one issued."""

@@ -91,6 +91,15 @@ def same_data_plane(a: SyncPolicyWire | None, b: SyncPolicyWire) -> bool:
     )
 
 
+def policy_edges(p: SyncPolicyWire | None) -> set[frozenset[str]]:
+    """The node pairs a sync policy sends gradients between (tree edges, or ring neighbours)."""
+    if p is None:
+        return set()
+    if p.kind == "ring" and len(p.ring) > 1:
+        return {frozenset((x, p.ring[(i + 1) % len(p.ring)])) for i, x in enumerate(p.ring)}
+    return {frozenset((c, up)) for c, up in p.parents.items() if up is not None}
+
+
 def data_addresses(monitor: ClusterMonitor, nodes: tuple[str, ...] | list[str]) -> dict[str, str]:
     """The data-plane endpoints of ``nodes`` (those that registered one)."""
     out: dict[str, str] = {}

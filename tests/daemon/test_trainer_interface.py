@@ -445,17 +445,18 @@ def test_a_link_measurement_commits_an_epoch_only_when_it_changes_the_sync_polic
     before = host.updates[-1].sync
     epoch, commits = neg.epoch, len(host.updates)
 
-    def measured(bw: float, op_id: str = "refine-1") -> None:
-        report = LinkReport(sender="a", epoch=neg.epoch, term=1, peer="c", up=True,
+    def measured(bw: float, op_id: str = "refine-1", sender: str = "a", peer: str = "c") -> None:
+        report = LinkReport(sender=sender, epoch=neg.epoch, term=1, peer=peer, up=True,
                             latency_s=0.001, bandwidth_bps=bw, op_id=op_id)  # fmt: skip
         neg.on_link_report(report, 7.0)
 
-    def confirm_probe() -> str:
-        """The confirming probe the scheduler ordered last (a's measurement of a-c)."""
-        peer, cmd = host.sent[-1]
-        assert peer == "a" and cmd.peer == "c" and cmd.measure_bandwidth
-        assert cmd.op_id.startswith("confirm-")
-        return str(cmd.op_id)
+    def check_probes(since: int) -> dict[tuple[str, str], str]:
+        """The probes the scheduler ordered after ``since`` sends: (node, peer) -> op id."""
+        out = {}
+        for node, cmd in host.sent[since:]:
+            assert cmd.measure_bandwidth and cmd.after_round and cmd.op_id.startswith("confirm-")
+            out[(node, cmd.peer)] = str(cmd.op_id)
+        return out
 
     # a slow measurement: the max-bottleneck tree keeps b-c, so the trainers' policy is the same
     # and no epoch is committed; the monitor has the figure and the event log says so
@@ -469,22 +470,42 @@ def test_a_link_measurement_commits_an_epoch_only_when_it_changes_the_sync_polic
     measured(2.2e8)
     assert neg.epoch == epoch and len(host.updates) == commits
     # a fast one would change the tree (a-c replacing the 5x slower b-c), but one probe is not
-    # trusted with that: the figure is held back and a second probe is ordered
+    # trusted with that: the figure is held back, and a second probe of a-c and a fresh one of
+    # b-c (the link the new tree drops) are ordered together
     sent = len(host.sent)
     measured(1e10)
-    assert neg.epoch == epoch and len(host.updates) == commits and len(host.sent) == sent + 1
+    probes = check_probes(sent)
+    assert set(probes) == {("a", "c"), ("b", "c")}
+    assert neg.epoch == epoch and len(host.updates) == commits
     assert neg.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(2.2e8)
-    assert [f for name, f in host.events if name == "link_confirming"][-1]["bandwidth_bps"] == 1e10
-    # the second probe measures it slow (the first was noise): the lower figure is kept, and
-    # nothing is committed
-    measured(1e6, confirm_probe())
+    confirming = [f for name, f in host.events if name == "link_confirming"][-1]
+    assert confirming["bandwidth_bps"] == 1e10 and confirming["rechecked"] == [["b", "c"]]
+    # the second probe measures a-c slow (the first was noise): nothing is decided until b-c's
+    # probe is in too; then the lower figure is kept, and nothing is committed
+    measured(1e6, probes[("a", "c")])
+    assert neg.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(2.2e8) and neg.confirming
+    measured(2e8, probes[("b", "c")], sender="b")
     assert neg.epoch == epoch and len(host.updates) == commits and not neg.confirming
     assert neg.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(1e6)
-    # fast twice: a new epoch is committed with the lower of the two figures
+    # fast twice, but b-c, measured beside it, is as fast: the first figure of b-c was taken
+    # on a busier host, not a slower link; both take their fresh figures, and the tree stays
+    sent = len(host.sent)
     measured(1e10)
-    measured(5e9, confirm_probe())
+    probes = check_probes(sent)
+    measured(5e9, probes[("b", "c")], sender="b")
+    measured(6e9, probes[("a", "c")])
+    assert neg.epoch == epoch and len(host.updates) == commits
+    assert neg.monitor.link("b", "c")["bandwidth_bps"] == pytest.approx(5e9)
+    assert neg.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(6e9)
+    # a-c fast twice and b-c still slow: a new epoch is committed with a-c's lower figure
+    neg.monitor.set_bandwidth("b", "c", 2e8)
+    sent = len(host.sent)
+    measured(2e10)
+    probes = check_probes(sent)
+    measured(1e10, probes[("a", "c")])
+    measured(2e8, probes[("b", "c")], sender="b")
     assert neg.epoch == epoch + 1 and host.updates[-1].cause == "link_measured"
-    assert neg.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(5e9)
+    assert neg.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(1e10)
     after = host.updates[-1].sync
     assert (after.parents, after.ring) != (before.parents, before.ring)
     # a late answer to a confirming probe that was forgotten is an ordinary measurement
