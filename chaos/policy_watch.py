@@ -57,7 +57,6 @@ class PolicyWatch:
         self._policy: PolicyReply | None = None
         self._interval_s = 0.0
         self.ignored = 0
-        self._round_requested = False
 
     def needs_fetch(self, installed_epoch: int, now: float) -> bool:
         """Drains the notices that arrived; whether the trainer must ask its daemon now.
@@ -99,15 +98,6 @@ class PolicyWatch:
         self.paused = msg.paused
         self._interval_s = msg.interval_s
         self._heard_at = now
-        if msg.report_round:
-            self._round_requested = True
-
-    def take_round_request(self) -> bool:
-        """Whether a notice taken so far asked for the end of the next allreduce round
-        (``PolicyNotice.report_round``); the request is consumed. Call after a round that
-        began after the last :meth:`needs_fetch`."""
-        requested, self._round_requested = self._round_requested, False
-        return requested
 
     def carried(self, installed_epoch: int) -> PolicyReply | None:
         """The policy the latest notice carried, if it is newer than ``installed_epoch`` and the

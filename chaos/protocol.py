@@ -298,11 +298,6 @@ class ConnectCommand(_Base, frozen=True, tag="connect_command"):
     address: Address
     measure_bandwidth: bool = True
     op_id: OpId = ""
-    after_round: bool = False
-    """Start the bulk transfer only once the local trainer has finished its next allreduce
-    round (or after ``DaemonConfig.probe_round_wait_s``): the probe then overlaps gradient
-    computation, not an allreduce. Set for the refinement of a committed link, which is off
-    every primitive's critical path."""
 
 
 class LinkReport(_Base, frozen=True, tag="link_report"):
@@ -549,19 +544,6 @@ class PolicyNotice(_Base, frozen=True, tag="policy_notice"):
     policy: PolicyReply | None = None
     """The policy of ``epoch``, carried by the notice of a change when it is small (a trainer
     then installs it without asking); ``None`` in the periodic notices."""
-    report_round: bool = False
-    """The daemon waits for the end of its trainer's next allreduce round (a link's bandwidth
-    probe waits to overlap gradient computation): the trainer answers with
-    :class:`RoundDone` after its next round."""
-
-
-class RoundDone(_Base, frozen=True, tag="round_done"):
-    """Trainer -> local daemon, one way (no answer): its allreduce round of ``step`` under
-    ``epoch`` is done, so its gradient computation runs now. Sent after a notice asked for it
-    (``PolicyNotice.report_round``)."""
-
-    KIND: ClassVar[str] = "client"
-    step: NonNeg = 0
 
 
 Message = Union[
@@ -593,7 +575,6 @@ Message = Union[
     PolicyRequest,
     PolicyReply,
     PolicyNotice,
-    RoundDone,
     TrainerRegister,
     TrainerInfo,
     TrainerEvent,

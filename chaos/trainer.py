@@ -634,10 +634,6 @@ class Trainer:
             self._server.retire()  # the state is about to change
             self._published = None
         self.optimizer.step()
-        if self._watch is not None and self._watch.take_round_request():
-            # the daemon waits for this moment to start a link's bandwidth probe, so that the
-            # probe overlaps the next gradient computation, not an allreduce
-            self._client.round_done(self._epoch, self._step)
         self._step += 1
         self._maybe_reregister()
 

@@ -8,10 +8,6 @@
 * **Measurements** (on a :class:`~chaos.protocol.ConnectCommand`: scale-out and connect-link):
   latency by ping-pong, then, if asked, bandwidth by a timed in-process bulk transfer of
   ``bandwidth_probe_bytes`` (iperf-like). Only then is the link reported to the scheduler.
-  The refinement of a committed link (``ConnectCommand.after_round``) on a training node waits
-  for the end of the local trainer's next allreduce round (:class:`~chaos.protocol.RoundDone`,
-  asked for by ``PolicyNotice.report_round``), at most ``probe_round_wait_s``: the transfer
-  then overlaps gradient computation instead of slowing an allreduce.
 * **Resources** via psutil: CPU, memory and battery where present.
 """
 
@@ -68,11 +64,6 @@ class AgentHost(Protocol):
 
     def event(self, name: str, **fields: object) -> None: ...  # noqa: D102
 
-    @property
-    def trains(self) -> bool:
-        """Whether a local trainer takes part in training (it then reports its rounds)."""
-        ...
-
 
 @dataclass
 class LinkProbe:
@@ -101,8 +92,6 @@ class Measurement:
     bulk_bytes: int = 0
     last_ping: float = float("-inf")
     burst_sent: bool = False
-    round_wait_since: float | None = None
-    """While the bulk transfer waits for the local trainer's round: since when."""
 
 
 @dataclass
@@ -271,23 +260,10 @@ class Agent:
                 self._ping(m, now)
         if m.pongs < _MEASURE_PINGS:
             return
-        if not m.cmd.measure_bandwidth:
-            self._finish(m, up=True)
-        elif m.cmd.after_round and self.cfg.probe_round_wait_s > 0 and self.host.trains:
-            m.round_wait_since = now
+        if m.cmd.measure_bandwidth:
+            self._start_bulk(m, now)
         else:
-            self._start_bulk(m, now, "at_once")
-
-    @property
-    def wants_round(self) -> bool:
-        """Whether a bulk transfer waits for the end of the local trainer's next round."""
-        return any(m.round_wait_since is not None for m in self.measurements.values())
-
-    def on_round_done(self, now: float) -> None:
-        """The local trainer finished an allreduce round: the waiting bulk transfers start."""
-        for m in list(self.measurements.values()):
-            if m.round_wait_since is not None:
-                self._start_bulk(m, now, "round_done")
+            self._finish(m, up=True)
 
     # -- measurements ----------------------------------------------------------------------
 
@@ -312,11 +288,7 @@ class Agent:
     def tick_measurements(self, now: float) -> None:
         """Retries pings of fresh connections and times measurements out."""
         for m in list(self.measurements.values()):
-            since = m.round_wait_since
-            if since is not None:  # waiting for the trainer's round, not timing out
-                if now >= since + self.cfg.probe_round_wait_s:
-                    self._start_bulk(m, now, "wait_expired")
-            elif now >= m.deadline:
+            if now >= m.deadline:
                 self._finish(m, up=m.rtt_s is not None)
             elif m.pongs == 0 and now - m.last_ping >= _MEASURE_RETRY_S:
                 self._ping(m, now)
@@ -329,16 +301,7 @@ class Agent:
         """Whether a measurement is in progress (the loop then ticks often)."""
         return bool(self.measurements)
 
-    def _start_bulk(self, m: Measurement, now: float, cause: str) -> None:
-        """Sends the bulk transfer; ``cause``: ``at_once``, or why a wait for the trainer's
-        round ended (``round_done``, ``wait_expired``)."""
-        waited = 0.0
-        if m.round_wait_since is not None:  # the wait does not count against the measurement
-            waited = now - m.round_wait_since
-            m.deadline += waited
-            m.round_wait_since = None
-        self.host.event("bulk_probe_started", peer=m.cmd.peer, op_id=m.cmd.op_id, cause=cause,
-                        waited_s=waited)  # fmt: skip
+    def _start_bulk(self, m: Measurement, now: float) -> None:
         chunk = self.cfg.bandwidth_probe_chunk_bytes
         count = max(1, math.ceil(self.cfg.bandwidth_probe_bytes / chunk))
         m.probe_id = f"{self.host.node_id}-{m.seq}"

@@ -25,7 +25,6 @@ from chaos.protocol import (
     PolicyReply,
     PolicyRequest,
     Refusal,
-    RoundDone,
     StatusReply,
     StatusRequest,
     TrainerEvent,
@@ -211,23 +210,6 @@ class DaemonClient:
         """
         msg = TrainerEvent(kind=kind, elapsed_s=elapsed_s, detail=detail, epoch=epoch)
         return _checked(self.op(msg, timeout_s))
-
-    def round_done(self, epoch: int, step: int) -> bool:
-        """Tells the daemon, one way, that an allreduce round just finished (it asked for that
-        in a notice). Never blocks; an answer (a refusal) is dropped before the next request.
-
-        Args:
-            epoch: The epoch the round ran under.
-            step: The round's step.
-
-        Returns:
-            Whether the message was queued (``False``: the socket's queue is full).
-        """
-        try:
-            self._sock.send(encode(RoundDone(epoch=epoch, step=step)), flags=zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        return True
 
     def link(self, peer: str, add: bool, timeout_s: float | None = None) -> OpResult:
         """Adds or removes this daemon's link to ``peer``."""

@@ -108,11 +108,6 @@ class DaemonConfig:
             more accurate on fast links and slower on slow ones.
         bandwidth_probe_chunk_bytes: Chunk size of that transfer (must fit ``max_frame_bytes``).
         probe_timeout_s: Give up a link measurement after this long.
-        probe_round_wait_s: When a committed link's bandwidth is measured (after connect-link)
-            on a node whose trainer is training, the bulk transfer waits for the end of the
-            trainer's next allreduce round, at most this long, so that it overlaps gradient
-            computation instead of slowing an allreduce. ``0`` starts it at once. Raise it
-            above the step time where steps are longer.
         default_bandwidth_bps: Bandwidth assumed for a link before it is measured.
         sync_message_bytes: Gradient size assumed when comparing tree and ring sync policies.
         sync_switch_min_gain: The sync policy's structure is replaced (every trainer re-wires)
@@ -158,7 +153,6 @@ class DaemonConfig:
     bandwidth_probe_bytes: int = 4 << 20
     bandwidth_probe_chunk_bytes: int = 256 << 10
     probe_timeout_s: float = 5.0
-    probe_round_wait_s: float = 2.0
     default_bandwidth_bps: float = 100e6
     sync_message_bytes: int = 100 << 20
     sync_switch_min_gain: float = 0.2
@@ -219,9 +213,6 @@ class DaemonConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-        w = self.probe_round_wait_s
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w < math.inf:
-            raise ConfigError(f"probe_round_wait_s must be a finite number >= 0, got {w!r}")
         g = self.sync_switch_min_gain
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 <= g < 1.0:
             raise ConfigError(f"sync_switch_min_gain must be in [0, 1), got {g!r}")

@@ -737,7 +737,6 @@ class Negotiator:
                 address=self.monitor.address(b),
                 measure_bandwidth=True,
                 op_id=op_id,
-                after_round=True,  # off the critical path: it may wait to overlap compute
             ),
         )
         return op_id

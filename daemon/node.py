@@ -58,7 +58,6 @@ from chaos.protocol import (
     Refusal,
     Rejected,
     RequestVote,
-    RoundDone,
     StatusRequest,
     TimeoutNow,
     TrainerEvent,
@@ -135,7 +134,7 @@ class Daemon:
         self.exit_code = 0
         self.refused = 0
         self._due: dict[str, float] = {}
-        self._notice: tuple[int, bool, bool] | None = None  # last (epoch, paused, report_round)
+        self._notice: tuple[int, bool] | None = None  # the last (epoch, paused) published
         self._handlers: dict[type, Handler] = self._handler_table()
 
     # -- small API used by the agent and the negotiator -------------------------------------
@@ -149,11 +148,6 @@ class Daemon:
     def term(self) -> int:
         """The current election term."""
         return self.election.term
-
-    @property
-    def trains(self) -> bool:
-        """Whether the local trainer takes part in training (registered with state, or ready)."""
-        return self.trainer.state == "training"
 
     @property
     def is_scheduler(self) -> bool:
@@ -296,12 +290,9 @@ class Daemon:
             self._on_frame(inbound)
         while self._local and not self._stop:
             self._dispatch(self._local.popleft(), None, time.monotonic())
-        # trainers hear of a change without asking
-        notice = (self.epoch, self._paused, self.agent.wants_round)
+        notice = (self.epoch, self._paused)  # trainers hear of a change without asking
         if notice != self._notice or now >= self._due.get("notice", 0.0):
-            # the policy rides along when the epoch or pause state changed, not for a request
-            changed = self._notice is None or notice[:2] != self._notice[:2]
-            self._notice = notice
+            changed, self._notice = notice != self._notice, notice
             self._due["notice"] = now + self.cfg.heartbeat_interval_s
             self.transport.publish(encode(policy_notice(self, with_policy=changed)))
 
@@ -486,7 +477,6 @@ class Daemon:
             TrainerRegister: lambda m, r, t: self.trainer.on_register(m, r),
             TrainerInfo: self._scheduler_only(lambda n, m, r, t: n.trainers.on_info(m, r, t)),
             TrainerEvent: self._on_trainer_event,
-            RoundDone: lambda m, r, t: self.agent.on_round_done(t),
         }
 
     def _scheduler_only(

@@ -94,5 +94,4 @@ def policy_notice(d: Daemon, with_policy: bool) -> PolicyNotice:
         paused=d.paused,
         interval_s=d.cfg.heartbeat_interval_s,
         policy=policy,
-        report_round=d.agent.wants_round,
     )

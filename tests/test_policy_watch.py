@@ -106,21 +106,6 @@ def test_garbage_and_other_messages_are_ignored_and_counted(pub: tuple) -> None:
         watch.close()
 
 
-def test_a_request_for_the_next_round_is_taken_once(pub: tuple) -> None:
-    sock, addr = pub
-    watch = PolicyWatch(addr)
-    asking = encode(PolicyNotice(sender="n1", epoch=5, interval_s=INTERVAL_S, report_round=True))
-    try:
-        _deliver(sock, watch, _notice(4), 4)
-        assert not watch.take_round_request()
-        now = _deliver(sock, watch, asking, 5)
-        assert not watch.needs_fetch(5, now)  # a request is not a newer policy
-        assert watch.take_round_request()
-        assert not watch.take_round_request()  # consumed: one report per request
-    finally:
-        watch.close()
-
-
 def test_a_notice_of_a_change_can_carry_the_policy(pub: tuple) -> None:
     sock, addr = pub
     watch = PolicyWatch(addr)

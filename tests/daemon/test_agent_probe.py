@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 from chaos.daemon.agent import Agent
 from chaos.daemon.config import DaemonConfig
 
@@ -21,7 +20,6 @@ class _Host:
     node_id = "a"
     epoch = 3
     term = 1
-    trains = False
 
     def __init__(self) -> None:
         self.sent: list[tuple[str, Any, bytes | None]] = []
@@ -46,26 +44,22 @@ class _Host:
         return [m for _, m, _ in self.sent if isinstance(m, BulkData)]
 
 
-def _agent(trains: bool = False, wait_s: float = 2.0) -> tuple[Agent, _Host]:
+def _agent() -> tuple[Agent, _Host]:
     cfg = DaemonConfig(
         node_id="a",
         listen="tcp://127.0.0.1:5000",
         bandwidth_probe_bytes=8 * CHUNK,
         bandwidth_probe_chunk_bytes=CHUNK,
-        probe_round_wait_s=wait_s,
     )
     host = _Host()
-    host.trains = trains
     return Agent(host, cfg), host
 
 
-def _measure(agent: Agent, host: _Host, after_round: bool = False) -> None:
-    """Orders a measurement of a-b and answers its pings, so that the bulk probe starts (or,
-    ``after_round`` on a training node, waits for the trainer's round)."""
+def _measure(agent: Agent, host: _Host) -> None:
+    """Orders a measurement of a-b and answers its pings, so that the bulk probe starts."""
     agent.on_connect(
         ConnectCommand(sender="s", epoch=3, term=1, peer="b", address="tcp://127.0.0.1:5001",
-                       measure_bandwidth=True, op_id="refine-1",
-                       after_round=after_round),  # fmt: skip
+                       measure_bandwidth=True, op_id="refine-1"),  # fmt: skip
         0.0,
     )
     pings = [m for _, m, _ in host.sent if isinstance(m, Ping)]
@@ -107,47 +101,3 @@ def test_the_receiver_counts_attached_bytes_and_answers_the_last_chunk() -> None
     last = BulkData(sender="b", epoch=3, probe_id="b-1", index=1, count=2, size=CHUNK)
     ack = agent.on_bulk_data(last, 0.0)
     assert ack is not None and ack.probe_id == "b-1" and ack.received_bytes == 2 * CHUNK
-
-
-def test_a_refinement_on_a_training_node_waits_for_the_trainers_round() -> None:
-    agent, host = _agent(trains=True)
-    _measure(agent, host, after_round=True)
-    assert not host.chunks() and agent.wants_round  # waiting: the notice asks the trainer
-    agent.tick_measurements(1.9)  # within probe_round_wait_s: still waiting, not timed out
-    assert not host.chunks() and agent.measurements
-    agent.on_round_done(1.9)
-    assert len(host.chunks()) == 8 and not agent.wants_round
-    (started,) = [f for name, f in host.events if name == "bulk_probe_started"]
-    assert started["cause"] == "round_done" and started["op_id"] == "refine-1"
-    assert started["waited_s"] == pytest.approx(1.9, abs=1e-3)  # since the last pong
-    agent.on_round_done(2.0)  # a late or repeated report starts nothing more
-    assert len(host.chunks()) == 8
-    _ack(agent, host.chunks())
-    assert [r.op_id for r in host.reports if isinstance(r, LinkReport)] == ["refine-1"]
-
-
-def test_without_a_round_the_probe_starts_when_the_wait_ends_and_keeps_its_full_timeout() -> None:
-    agent, host = _agent(trains=True, wait_s=4.0)
-    _measure(agent, host, after_round=True)
-    agent.tick_measurements(3.9)
-    assert not host.chunks()
-    agent.tick_measurements(4.01)
-    assert len(host.chunks()) == 8 and not agent.wants_round
-    assert [f["cause"] for name, f in host.events if name == "bulk_probe_started"] == [
-        "wait_expired"
-    ]
-    # the wait did not eat the measurement's probe_timeout_s (5 s from the start, so 9 s now)
-    agent.tick_measurements(8.9)
-    assert agent.measurements and not host.reports
-
-
-@pytest.mark.parametrize(
-    ("trains", "after_round", "wait_s"),
-    [(False, True, 2.0), (True, False, 2.0), (True, True, 0.0)],
-    ids=["no-trainer", "not-a-refinement", "wait-off"],
-)
-def test_the_probe_starts_at_once_otherwise(trains: bool, after_round: bool, wait_s: float) -> None:
-    agent, host = _agent(trains=trains, wait_s=wait_s)
-    _measure(agent, host, after_round=after_round)
-    assert len(host.chunks()) == 8 and not agent.wants_round
-    assert [f["cause"] for name, f in host.events if name == "bulk_probe_started"] == ["at_once"]
