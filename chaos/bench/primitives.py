@@ -234,7 +234,7 @@ class _Cluster:
         """Whether a bandwidth measurement of link ``a``-``b`` ended after ``since`` (the
         daemons' event logs, ``link_measured``)."""
         pair = frozenset((a, b))
-        return any(t >= since and ab == pair for t, ab in _probe_events(self.root, (a, b))[0])
+        return any(t >= since and ab == pair for t, ab in _probe_ends(self.root, (a, b)))
 
     def epoch(self) -> int:
         return max(int(self.members[n].last().get("epoch", -1)) for n in self.live())
@@ -406,32 +406,22 @@ def _reruns(cl: _Cluster, p: _Primitive) -> int:
     )
 
 
-def _probe_events(
-    root: Path, nodes: tuple[str, ...] = ()
-) -> tuple[list[tuple[float, frozenset[str]]], dict[str, int]]:
-    """The bandwidth refinements of committed links, from the embedded daemons' event logs
-    under ``root`` (of ``nodes`` only, if given).
-
-    Returns:
-        ``(ends, starts)``: when each one ended (``link_measured``, wall-clock) with the link's
-        two ends; and how many started for each cause (``bulk_probe_started``: ``round_done``,
-        ``wait_expired``, ``at_once``).
-    """
+def _probe_ends(root: Path, nodes: tuple[str, ...] = ()) -> list[tuple[float, frozenset[str]]]:
+    """When each bandwidth refinement of a committed link ended (``link_measured``, wall-clock),
+    with the link's two ends, from the embedded daemons' event logs under ``root`` (of
+    ``nodes`` only, if given)."""
     ends: list[tuple[float, frozenset[str]]] = []
-    starts: dict[str, int] = {}
     paths = [p for n in nodes for p in root.glob(f"*/events-{n}.jsonl")] if nodes else None
     for path in paths if paths is not None else root.glob("*/events-*.jsonl"):
         for line in path.read_text(errors="replace").splitlines():
-            if '"op_id"' not in line or not line.endswith("}"):
+            if '"link_measured"' not in line or not line.endswith("}"):
                 continue
             e = json.loads(line)
             if not str(e.get("op_id", "")).startswith(("refine-", "confirm-")):
                 continue
             if e["event"] == "link_measured":
                 ends.append((float(e["ts"]), frozenset((e["node"], e["peer"]))))
-            elif e["event"] == "bulk_probe_started":
-                starts[e["cause"]] = starts.get(e["cause"], 0) + 1
-    return ends, starts
+    return ends
 
 
 def _mark_windows(
@@ -481,7 +471,6 @@ class _Tally:
     reruns: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PRIMITIVES, 0))
     probed: int = 0
     """Connect-links whose bandwidth probe's end was found in the daemons' event logs."""
-    probe_starts: dict[str, int] = field(default_factory=dict)
 
 
 def _attempt(
@@ -538,11 +527,8 @@ def _attempt(
         cl.close()
     for m in cl.members.values():
         m.log.poll()
-    probe_ends, starts = _probe_events(cl.root)
-    _mark_windows(cl, prims, probe_ends)
+    _mark_windows(cl, prims, _probe_ends(cl.root))
     tally.probed += sum(1 for p in prims if p.t_probed > 0)
-    for cause, k in starts.items():
-        tally.probe_starts[cause] = tally.probe_starts.get(cause, 0) + k
     quiet = _quiet_steps(cl)
     durations = [d for steps in quiet.values() for d in steps.values()]
     tally.baseline += durations
@@ -591,7 +577,7 @@ def run(
         policy_notices: The trainers' ``TrainerConfig.policy_notices`` (``False``: they ask
             their daemon at every step boundary).
         daemon_config: A TOML file of ``DaemonConfig`` fields for every embedded daemon
-            (e.g. ``probe_round_wait_s = 0``, to compare settings side by side).
+            (e.g. ``bandwidth_probe_bytes = 65536``, to compare settings side by side).
 
     Raises:
         ValueError: fewer than 3 nodes (the link primitives need two non-founder members).
@@ -639,7 +625,7 @@ def run(
     result["baseline_steps"] = len(tally.baseline)
     result["control_ms"] = {kind: summary_ms(tally.control[kind]) for kind in PRIMITIVES}
     result["reruns"] = tally.reruns
-    result["probes"] = {"measured": tally.probed, "started": tally.probe_starts}
+    result["probes_measured"] = tally.probed
     result["attempts"] = attempt
     result["failures"] = tally.failures
     return result

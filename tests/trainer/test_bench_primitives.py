@@ -64,11 +64,8 @@ def test_primitives_bench_writes_its_json(tmp_path: Path) -> None:
             assert math.isclose(data["added_p50_ms"][kind], want, rel_tol=1e-9, abs_tol=1e-12)
     assert "stall p50" in stdout and "baseline step" in stdout and "null p50" in stdout
     # every connect-link's bandwidth probe was found in the daemons' event logs (the span of
-    # its stall covers the steps the probe ran beside), and each one started for a reason
-    probes = data["probes"]
-    assert probes["measured"] == data["connect_link_ms"]["n"]
-    assert set(probes["started"]) <= {"round_done", "wait_expired", "at_once"}
-    assert sum(probes["started"].values()) >= probes["measured"]
+    # its stall covers the steps the probe ran beside)
+    assert data["probes_measured"] == data["connect_link_ms"]["n"]
 
 
 def test_null_estimator_takes_the_worst_member_over_quiet_runs() -> None:
