@@ -662,9 +662,7 @@ class Negotiator:
         self.monitor.set_link(a, b, up=True, latency_s=msg.latency_s, bandwidth_bps=bw)
         current = self._current_sync()
         if same_data_plane(self.last_sync, current):
-            # same trees and rings: no epoch, so no trainer installs (or reruns) anything
-            self.host.event("link_refined", a=a, b=b, bandwidth_bps=bw,
-                            latency_s=msg.latency_s, epoch=self.epoch)  # fmt: skip
+            self._refined(a, b, bw, msg.latency_s)
             return
         if bw is not None:
             self.monitor.set_bandwidth(a, b, before.get("bandwidth_bps"))
@@ -697,8 +695,13 @@ class Negotiator:
         else:
             a, b = sorted(check.link)
             link = self.monitor.link(a, b) or {}
-            self.host.event("link_refined", a=a, b=b, bandwidth_bps=link.get("bandwidth_bps"),
-                            latency_s=link.get("latency_s"), epoch=self.epoch)  # fmt: skip
+            self._refined(a, b, link.get("bandwidth_bps"), link.get("latency_s"))
+
+    def _refined(self, a: str, b: str, bw: float | None, latency_s: float | None) -> None:
+        """Logs a measurement of a-b that left the trees and rings as they were: no epoch, so
+        no trainer installs (or reruns) anything."""
+        self.host.event("link_refined", a=a, b=b, bandwidth_bps=bw, latency_s=latency_s,
+                        epoch=self.epoch)  # fmt: skip
 
     def _data_plane_changes(self) -> bool:
         """Whether the sync policy built from the monitor now differs from the last one issued."""

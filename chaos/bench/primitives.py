@@ -24,8 +24,8 @@ that step's ``update()``), up to its first step under the settled epoch. A conne
 also takes every later step that began before the new link's bandwidth probe ended (the probe
 runs in the background once the link is committed; its end is read from the embedded daemons'
 event logs, ``link_measured``), and it commits a second epoch when the measurement changes
-the data plane. The primitive's stall is
-the largest over the members (the cluster waits for its slowest). A step's duration runs from
+the data plane. The primitive's stall is the largest over the members (the cluster waits for
+its slowest). A step's duration runs from
 the start of its gradient computation to the return of ``update()`` and
 ``check_state_replication()``. Noise can make a stall slightly negative; it is reported as
 measured, and ``baseline_step_p10_ms`` / ``baseline_step_p90_ms`` show how noisy a step is.
@@ -411,16 +411,14 @@ def _probe_ends(root: Path, nodes: tuple[str, ...] = ()) -> list[tuple[float, fr
     with the link's two ends, from the embedded daemons' event logs under ``root`` (of
     ``nodes`` only, if given)."""
     ends: list[tuple[float, frozenset[str]]] = []
-    paths = [p for n in nodes for p in root.glob(f"*/events-{n}.jsonl")] if nodes else None
-    for path in paths if paths is not None else root.glob("*/events-*.jsonl"):
-        for line in path.read_text(errors="replace").splitlines():
-            if '"link_measured"' not in line or not line.endswith("}"):
-                continue
-            e = json.loads(line)
-            if not str(e.get("op_id", "")).startswith(("refine-", "confirm-")):
-                continue
-            if e["event"] == "link_measured":
-                ends.append((float(e["ts"]), frozenset((e["node"], e["peer"]))))
+    for pattern in [f"*/events-{n}.jsonl" for n in nodes] or ["*/events-*.jsonl"]:
+        for path in root.glob(pattern):
+            for line in path.read_text(errors="replace").splitlines():
+                if '"link_measured"' not in line or not line.endswith("}"):
+                    continue
+                e = json.loads(line)
+                if str(e.get("op_id", "")).startswith(("refine-", "confirm-")):
+                    ends.append((float(e["ts"]), frozenset((e["node"], e["peer"]))))
     return ends
 
 
