@@ -8,6 +8,8 @@
 * **Measurements** (on a :class:`~chaos.protocol.ConnectCommand`: scale-out and connect-link):
   latency by ping-pong, then, if asked, bandwidth by a timed in-process bulk transfer of
   ``bandwidth_probe_bytes`` (iperf-like). Only then is the link reported to the scheduler.
+  A bandwidth measurement of a link that is already connected, whose latency is known (its
+  probes, or a measurement of the last ``_LATENCY_REUSE_S``), skips the pings.
 * **Resources** via psutil: CPU, memory and battery where present.
 """
 
@@ -43,6 +45,10 @@ log = logging.getLogger("chaos.daemon.agent")
 
 _MEASURE_RETRY_S = 0.05
 _MEASURE_PINGS = 3
+_LATENCY_REUSE_S = 10.0
+"""A bandwidth measurement of a warm link reuses a latency measured this recently instead of
+pinging again. On a host where every message wakes threads on both ends (expensive on small
+virtual machines), the three round trips cost about as much CPU as the commit they follow."""
 
 
 class AgentHost(Protocol):
@@ -92,6 +98,11 @@ class Measurement:
     bulk_bytes: int = 0
     last_ping: float = float("-inf")
     burst_sent: bool = False
+    answered: bool = False
+    """Whether the peer answered (a pong or the bulk ack): a measurement that times out is
+    reported up only then."""
+    pinged: bool = True
+    """``False`` when the round trip was taken from an earlier measurement (no pings)."""
 
 
 @dataclass
@@ -115,6 +126,9 @@ class Agent:
     measurements: dict[int, Measurement] = field(default_factory=dict)
     measured: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
     """Peer -> (latency_s, bandwidth_bps) of this node's latest completed measurement."""
+    latencies: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Peer -> (latency_s, when) of this node's latest pinged measurement, with or without
+    bandwidth (a connect-link's first measurement has none)."""
     incoming: dict[str, _Incoming] = field(default_factory=dict)
     resources: Resources | None = None
     _seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
@@ -249,6 +263,7 @@ class Agent:
         m = self.measurements.get(msg.seq)
         if m is None or m.pongs >= _MEASURE_PINGS or msg.sender != m.cmd.peer:
             return
+        m.answered = True
         # the first round trip may include connection setup: keep the best of a few. Once the
         # first pong shows the connection is up, the others go out back to back (one more
         # round trip in all, not one per ping).
@@ -263,7 +278,7 @@ class Agent:
         if m.cmd.measure_bandwidth:
             self._start_bulk(m, now)
         else:
-            self._finish(m, up=True)
+            self._finish(m, now, up=True)
 
     # -- measurements ----------------------------------------------------------------------
 
@@ -273,11 +288,29 @@ class Agent:
         seq = next(self._seq)
         m = Measurement(cmd=cmd, started=now, deadline=now + self.cfg.probe_timeout_s, seq=seq)
         self.measurements[seq] = m
+        latency = self._known_latency(cmd.peer, now) if warm and cmd.measure_bandwidth else None
+        if latency is not None:
+            # the round trip is known (the link's probes, or the measurement that connected
+            # it a moment ago): time the transfer at once instead of pinging again
+            m.rtt_s, m.pongs, m.burst_sent, m.pinged = 2 * latency, _MEASURE_PINGS, True, False
+            self._start_bulk(m, now)
+            return
         # over a connection already open, every ping goes out at once (one round trip); a fresh
         # one is pinged once first, so that connection setup inflates only one sample
         m.burst_sent = warm
         for _ in range(_MEASURE_PINGS if warm else 1):
             self._ping(m, now)
+
+    def _known_latency(self, peer: str, now: float) -> float | None:
+        """The latency to ``peer`` from its link probes, else from a measurement taken within
+        ``_LATENCY_REUSE_S``; ``None`` when neither is known."""
+        probe = self.links.get(peer)
+        if probe is not None and probe.up and probe.latency_s is not None:
+            return probe.latency_s
+        known = self.latencies.get(peer)
+        if known is not None and now - known[1] <= _LATENCY_REUSE_S:
+            return known[0]
+        return None
 
     def _ping(self, m: Measurement, now: float) -> None:
         m.last_ping = now
@@ -289,7 +322,7 @@ class Agent:
         """Retries pings of fresh connections and times measurements out."""
         for m in list(self.measurements.values()):
             if now >= m.deadline:
-                self._finish(m, up=m.rtt_s is not None)
+                self._finish(m, now, up=m.answered)
             elif m.pongs == 0 and now - m.last_ping >= _MEASURE_RETRY_S:
                 self._ping(m, now)
         stale = [k for k, v in self.incoming.items() if now - v.first > self.cfg.probe_timeout_s]
@@ -348,14 +381,20 @@ class Agent:
             if m.probe_id == msg.probe_id and msg.sender == m.cmd.peer:
                 elapsed = max(1e-6, time.monotonic() - m.bulk_started - (m.rtt_s or 0.0) / 2)
                 bw = msg.received_bytes * 8 / elapsed if msg.received_bytes > 0 else None
-                self._finish(m, up=True, bandwidth_bps=bw)
+                self._finish(m, now, up=True, bandwidth_bps=bw)
                 return
 
-    def _finish(self, m: Measurement, up: bool, bandwidth_bps: float | None = None) -> None:
+    def _finish(
+        self, m: Measurement, now: float, up: bool, bandwidth_bps: float | None = None
+    ) -> None:
         self.measurements.pop(m.seq, None)
         latency = m.rtt_s / 2 if m.rtt_s is not None else None
         if up and m.cmd.peer in self.links:
-            self.links[m.cmd.peer].last_pong = time.monotonic()
+            self.links[m.cmd.peer].last_pong = now
+        if up and m.pinged and latency is not None:
+            for peer in [p for p, (_, t) in self.latencies.items() if now - t > _LATENCY_REUSE_S]:
+                del self.latencies[peer]  # bounded: only recent ones are ever reused
+            self.latencies[m.cmd.peer] = (latency, now)
         if up and bandwidth_bps is not None:
             self.measured[m.cmd.peer] = (latency, bandwidth_bps)
         self.host.event(
@@ -365,6 +404,7 @@ class Agent:
             latency_s=latency,
             bandwidth_bps=bandwidth_bps,
             op_id=m.cmd.op_id,
+            pinged=m.pinged,
         )
         self.host.to_scheduler(
             LinkReport(

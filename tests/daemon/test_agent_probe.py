@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from chaos.daemon.agent import Agent
+import pytest
+from chaos.daemon.agent import Agent, LinkProbe
 from chaos.daemon.config import DaemonConfig
 
 from chaos.protocol import BulkAck, BulkData, ConnectCommand, LinkReport, Ping, Pong
@@ -101,3 +102,63 @@ def test_the_receiver_counts_attached_bytes_and_answers_the_last_chunk() -> None
     last = BulkData(sender="b", epoch=3, probe_id="b-1", index=1, count=2, size=CHUNK)
     ack = agent.on_bulk_data(last, 0.0)
     assert ack is not None and ack.probe_id == "b-1" and ack.received_bytes == 2 * CHUNK
+
+
+def _cmd(op_id: str, measure_bandwidth: bool) -> ConnectCommand:
+    return ConnectCommand(sender="s", epoch=3, term=1, peer="b", address="tcp://127.0.0.1:5001",
+                          measure_bandwidth=measure_bandwidth, op_id=op_id)  # fmt: skip
+
+
+def _pings(host: _Host) -> list[Ping]:
+    return [m for _, m, _ in host.sent if isinstance(m, Ping)]
+
+
+def _latency_first(agent: Agent, host: _Host, now: float) -> None:
+    """A connect-link's first measurement: latency only, every ping answered 2 ms later."""
+    agent.on_connect(_cmd("pre-1", measure_bandwidth=False), now)
+    for p in _pings(host):
+        agent.on_pong(Pong(sender="b", epoch=3, seq=p.seq, t=p.t), p.t + 0.002)
+    (report,) = [r for r in host.reports if r.op_id == "pre-1"]
+    assert report.up and report.latency_s == pytest.approx(0.001) and report.bandwidth_bps is None
+    host.sent.clear()
+
+
+def test_a_bandwidth_probe_right_after_a_latency_measurement_sends_no_pings() -> None:
+    agent, host = _agent()
+    _latency_first(agent, host, now=100.0)
+    agent.on_connect(_cmd("refine-1", measure_bandwidth=True), 101.0)
+    # the transfer starts at once: the round trip measured a second ago is reused
+    assert not _pings(host) and len(host.chunks()) == 8
+    _ack(agent, host.chunks())
+    (report,) = [r for r in host.reports if r.op_id == "refine-1"]
+    assert report.up and report.latency_s == pytest.approx(0.001) and report.bandwidth_bps
+    name, fields = host.events[-1]
+    assert name == "link_measured" and fields["pinged"] is False
+
+
+def test_a_stale_latency_is_measured_again_before_the_transfer() -> None:
+    agent, host = _agent()
+    _latency_first(agent, host, now=100.0)
+    agent.on_connect(_cmd("refine-1", measure_bandwidth=True), 100.0 + 60.0)
+    assert len(_pings(host)) == 3 and not host.chunks()  # pings first, as for a new link
+
+
+def test_a_probe_without_pings_that_is_never_answered_reports_the_link_down() -> None:
+    agent, host = _agent()
+    _latency_first(agent, host, now=100.0)
+    agent.on_connect(_cmd("refine-1", measure_bandwidth=True), 101.0)
+    assert host.chunks() and not _pings(host)
+    agent.tick_measurements(101.0 + agent.cfg.probe_timeout_s + 0.1)  # no bulk ack came
+    (report,) = [r for r in host.reports if r.op_id == "refine-1"]
+    assert not report.up and report.bandwidth_bps is None
+    assert not agent.measurements
+
+
+def test_a_measured_link_probes_latency_is_reused_by_a_later_bandwidth_probe() -> None:
+    agent, host = _agent()
+    agent.links["b"] = LinkProbe("b", up=True, last_pong=0.0, latency_s=0.004)
+    agent.on_connect(_cmd("confirm-1", measure_bandwidth=True), 5.0)
+    assert not _pings(host) and host.chunks()
+    _ack(agent, host.chunks())
+    (report,) = [r for r in host.reports if r.op_id == "confirm-1"]
+    assert report.latency_s == 0.004
