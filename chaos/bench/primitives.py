@@ -18,15 +18,16 @@ steps under the new policy.
 **Stall.** For each primitive and each remaining member: the summed duration of the steps
 spanning the primitive minus as many times the median undisturbed step duration
 (``baseline_step_ms``, measured in the same run: steps outside every primitive and join window,
-under an unchanged epoch). The spanning steps are those, ending after the request, in which the
-member installed a newer epoch (a new policy is installed, and an aborted round rerun, inside
-that step's ``update()``), up to its first step under the settled epoch. A connect-link's span
-also takes every later step that began before the new link's bandwidth probe ended (the probe
-runs in the background once the link is committed; its end is read from the embedded daemons'
-event logs, ``link_measured``), and it commits a second epoch when the measurement changes
-the data plane. The primitive's stall is the largest over the members (the cluster waits for
-its slowest). A step's duration runs from
-the start of its gradient computation to the return of ``update()`` and
+under an unchanged epoch). The spanning steps are the step that was running when the request
+was made, then those in which the member installed a newer epoch (a new policy is installed,
+and an aborted round rerun, inside that step's ``update()``), up to its first step under the
+settled epoch. A connect-link's span also takes every later step that began before the new
+link's bandwidth probe ended (the probe runs in the background once the link is committed; its
+end is read from the embedded daemons' event logs, ``link_measured``), and it commits a second
+epoch when the measurement changes the data plane. The request's step counts because the work
+before the commit (a connect-link's first measurement of the new link) runs beside it. The
+primitive's stall is the largest over the members (the cluster waits for its slowest). A step's
+duration runs from the start of its gradient computation to the return of ``update()`` and
 ``check_state_replication()``. Noise can make a stall slightly negative; it is reported as
 measured, and ``baseline_step_p10_ms`` / ``baseline_step_p90_ms`` show how noisy a step is.
 
@@ -315,11 +316,13 @@ def _scale_in(cl: _Cluster, leaver: str, settle_steps: int) -> _Primitive:
 def _stall_s(cl: _Cluster, p: _Primitive, baseline_s: float) -> tuple[float, dict[str, int]]:
     """The primitive's stall: the worst member's extra time over the spanning steps.
 
-    A member's spanning steps are the steps, ending after the request, in which it installed a
-    newer epoch (a policy change is installed, and any aborted round rerun, inside the
-    ``update()`` of that step), up to its first step under the settled epoch, and every later
-    step that began before the new link's bandwidth probe ended (a connect-link's probe runs
-    in the background after the new epoch, and may slow those steps too).
+    A member's spanning steps are the step that was running when the request was made (what
+    happens before the commit, such as a connect-link's first measurement of the new link, runs
+    beside it), the steps in which it installed a newer epoch (a policy change is installed,
+    and any aborted round rerun, inside the ``update()`` of that step) up to its first step
+    under the settled epoch, and every later step that began before the new link's bandwidth
+    probe ended (a connect-link's probe runs in the background after the new epoch, and may
+    slow those steps too).
 
     Returns:
         ``(stall_s, spans)``: the stall and how many steps each member's span has.
@@ -347,7 +350,14 @@ def _span(steps: list[dict[str, Any]], p: _Primitive, n: str) -> list[dict[str, 
     else:
         raise ChaosError(f"{n} logged no step under epoch {p.epoch_after}")
     chosen = {id(r) for r in span}
-    return [r for r in steps if id(r) in chosen or span[0]["t0"] < r["t0"] < p.t_probed]
+    first = span[0]["t0"]
+    return [
+        r
+        for r in steps
+        if id(r) in chosen
+        or (r["t1"] > p.t_req and r["t0"] < first)  # running when the request was made
+        or first < r["t0"] < p.t_probed
+    ]
 
 
 def _null_stall_s(

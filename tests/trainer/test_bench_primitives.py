@@ -84,15 +84,20 @@ def test_null_estimator_takes_the_worst_member_over_quiet_runs() -> None:
 
 
 def test_a_connect_links_span_covers_the_steps_its_probe_ran_beside() -> None:
-    """The install step, and every later step that began before the new link's probe ended."""
+    """The request's step, the install step, and every later step that began before the new
+    link's probe ended."""
 
     def step(k: int, epoch: int) -> dict[str, float]:
         return {"step": k, "epoch": epoch, "t0": 10.0 + k, "t1": 10.9 + k}
 
     steps = [step(0, 5), step(1, 5), step(2, 6), step(3, 6), step(4, 6), step(5, 6)]
     p = _Primitive("connect_link", t_req=11.5, control_s=0.1, survivors=["a"], epoch_after=6)
-    assert [r["step"] for r in _span(steps, p, "a")] == [2]  # no probe seen: the install only
+    # no probe seen: the step the request came in (1) and the install (2)
+    assert [r["step"] for r in _span(steps, p, "a")] == [1, 2]
     p.t_probed = 13.5  # the probe ended during step 3
-    assert [r["step"] for r in _span(steps, p, "a")] == [2, 3]
+    assert [r["step"] for r in _span(steps, p, "a")] == [1, 2, 3]
     p.t_probed = 12.5  # within the install step itself
+    assert [r["step"] for r in _span(steps, p, "a")] == [1, 2]
+    # a request made between two steps: the install step is the first one it could slow
+    p.t_req = 11.95
     assert [r["step"] for r in _span(steps, p, "a")] == [2]
