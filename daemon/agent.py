@@ -47,8 +47,8 @@ _MEASURE_RETRY_S = 0.05
 _MEASURE_PINGS = 3
 _LATENCY_REUSE_S = 10.0
 """A bandwidth measurement of a warm link reuses a latency measured this recently instead of
-pinging again. On a host where every message wakes threads on both ends (expensive on small
-virtual machines), the three round trips cost about as much CPU as the commit they follow."""
+pinging again. Every message wakes threads on both ends, which costs CPU on a small host, and
+the pings repeated what the connect-link's first measurement had just found."""
 
 
 class AgentHost(Protocol):
