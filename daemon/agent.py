@@ -98,11 +98,14 @@ class Measurement:
     bulk_bytes: int = 0
     last_ping: float = float("-inf")
     burst_sent: bool = False
-    answered: bool = False
-    """Whether the peer answered (a pong or the bulk ack): a measurement that times out is
-    reported up only then."""
     pinged: bool = True
     """``False`` when the round trip was taken from an earlier measurement (no pings)."""
+
+    @property
+    def answered(self) -> bool:
+        """Whether a pong came back: a measurement that times out is reported up only then (an
+        answered bulk transfer completes it before its deadline)."""
+        return self.pinged and self.pongs > 0
 
 
 @dataclass
@@ -263,7 +266,6 @@ class Agent:
         m = self.measurements.get(msg.seq)
         if m is None or m.pongs >= _MEASURE_PINGS or msg.sender != m.cmd.peer:
             return
-        m.answered = True
         # the first round trip may include connection setup: keep the best of a few. Once the
         # first pong shows the connection is up, the others go out back to back (one more
         # round trip in all, not one per ping).
