@@ -11,6 +11,7 @@ from chaos.bench.allreduce import allreduce_command
 from chaos.bench.assign import assign_command
 from chaos.bench.control import control_command
 from chaos.bench.native import native_command
+from chaos.bench.pool import pool_command
 from chaos.bench.primitives import primitives_command
 from chaos.bench.shard_cost import shard_cost_command
 
@@ -26,6 +27,7 @@ main.add_command(control_command)
 main.add_command(shard_cost_command)
 main.add_command(native_command)
 main.add_command(primitives_command)
+main.add_command(pool_command)
 
 if __name__ == "__main__":  # pragma: no cover
     main()
