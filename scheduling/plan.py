@@ -6,6 +6,7 @@ import math
 import operator
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from chaos.scheduling.layout import (
     DEFAULT_MIN_SHARD_BYTES,
@@ -23,6 +24,18 @@ from chaos.scheduling.search import (
 )
 
 METHODS = ("chaos", "scan", "milp", "even", "single-source")
+
+_Problem = tuple[list[int], Sequence[Neighbor], float, str]
+"""``(tensor_sizes, neighbors, per_shard_cost_s, layout)``: the arguments every method takes."""
+
+
+class _Solution(NamedTuple):
+    """What a planning method produced, before it is evaluated into a :class:`Plan`."""
+
+    shard_size: int
+    assignment: dict[str, list[tuple[int, int]]]
+    proven_optimal: bool | None
+    extra: dict[str, float]
 
 
 def _as_sizes(tensor_sizes: Sequence[int]) -> list[int]:
@@ -84,6 +97,45 @@ def plan_replication(
         raise ValueError(f"unknown method {method!r}; choose one of {METHODS}")
     tensor_sizes = _as_sizes(tensor_sizes)
     total = validate_problem(tensor_sizes, neighbors, per_shard_cost_s, layout)
+    _check_options(method, shard_size, min_shard_bytes, time_limit_s, total_time_limit_s)
+    t0 = time.perf_counter()
+    args = (tensor_sizes, neighbors, per_shard_cost_s, layout)
+    sol = _solve(method, args, shard_size, min_shard_bytes, time_limit_s, total_time_limit_s)
+    solve_s = time.perf_counter() - t0
+    return Plan(
+        method=method,
+        layout=layout,
+        shard_size=sol.shard_size,
+        assignment=sol.assignment,
+        makespan_s=makespan(sol.assignment, neighbors, per_shard_cost_s),
+        state_bytes=total,
+        per_shard_cost_s=per_shard_cost_s,
+        solve_s=solve_s,
+        proven_optimal=sol.proven_optimal,
+        extra=sol.extra,
+    )
+
+
+def _check_options(
+    method: str,
+    shard_size: int | None,
+    min_shard_bytes: int,
+    time_limit_s: float,
+    total_time_limit_s: float | None,
+) -> None:
+    """Checks :func:`plan_replication`'s search options (shard sizes and time limits).
+
+    Args:
+        method: The planning method (already known to be one of :data:`METHODS`).
+        shard_size: The fixed shard size, or ``None`` to search it.
+        min_shard_bytes: Smallest shard size the searches consider.
+        time_limit_s: CBC time limit per solve, in seconds.
+        total_time_limit_s: Budget for the whole MILP scan, in seconds, or ``None``.
+
+    Raises:
+        ValueError: a bad shard size, a fixed shard size for a method that takes none, or a
+            time limit that is not a positive (total: non-negative) finite number.
+    """
     check_shard_size(min_shard_bytes)
     if shard_size is not None:
         check_shard_size(shard_size)
@@ -95,40 +147,51 @@ def plan_replication(
         isinstance(total_time_limit_s, (int, float)) and 0 <= total_time_limit_s < math.inf
     ):
         raise ValueError(f"total_time_limit_s must be >= 0 and finite, got {total_time_limit_s!r}")
-    t0 = time.perf_counter()
-    proven: bool | None = None
-    extra: dict[str, float] = {}
-    args = (tensor_sizes, neighbors, per_shard_cost_s, layout)
+
+
+def _solve(
+    method: str,
+    args: _Problem,
+    shard_size: int | None,
+    min_shard_bytes: int,
+    time_limit_s: float,
+    total_time_limit_s: float | None,
+) -> _Solution:
+    """Runs the planning method on a validated problem.
+
+    Args:
+        method: One of :data:`METHODS`.
+        args: ``(tensor_sizes, neighbors, per_shard_cost_s, layout)``, validated.
+        shard_size: The fixed shard size, or ``None`` to search it.
+        min_shard_bytes: Smallest shard size the searches consider.
+        time_limit_s: CBC time limit per solve (``"milp"`` only), in seconds.
+        total_time_limit_s: Budget for the whole MILP scan (``"milp"`` only), or ``None``.
+
+    Returns:
+        The shard size, the assignment, whether CBC proved it optimal (``None`` for the
+        heuristics) and the method's extra counters.
+
+    Raises:
+        chaos.errors.SolverError: the MILP solver failed (``"milp"`` only).
+    """
+    tensor_sizes, neighbors, _, layout = args
     if method == "even":
         s, assignment = even_split(tensor_sizes, neighbors, layout)
-    elif method == "single-source":
+        return _Solution(s, assignment, None, {})
+    if method == "single-source":
         s, assignment = single_source(*args)
-    elif method == "milp":
+        return _Solution(s, assignment, None, {})
+    if method == "milp":
         if shard_size is not None:
             res = solve_fixed(*args, shard_size, time_limit_s)
         else:
             res = milp_search(*args, min_shard_bytes, time_limit_s, total_time_limit_s)
-        s, assignment, proven = res.shard_size, res.assignment, res.proven_optimal
-        extra["solves"] = float(res.solves)
+        extra = {"solves": float(res.solves)}
+        return _Solution(res.shard_size, res.assignment, res.proven_optimal, extra)
+    if shard_size is not None:
+        best, assignment, evals = fixed_search(*args, shard_size)
+    elif method == "chaos":
+        best, assignment, evals = chaos_search(*args, min_shard_bytes)
     else:
-        if shard_size is not None:
-            best, assignment, evals = fixed_search(*args, shard_size)
-        elif method == "chaos":
-            best, assignment, evals = chaos_search(*args, min_shard_bytes)
-        else:
-            best, assignment, evals = scan_search(*args, min_shard_bytes)
-        s = best.shard_size
-        extra["evaluations"] = float(evals)
-    solve_s = time.perf_counter() - t0
-    return Plan(
-        method=method,
-        layout=layout,
-        shard_size=s,
-        assignment=assignment,
-        makespan_s=makespan(assignment, neighbors, per_shard_cost_s),
-        state_bytes=total,
-        per_shard_cost_s=per_shard_cost_s,
-        solve_s=solve_s,
-        proven_optimal=proven,
-        extra=extra,
-    )
+        best, assignment, evals = scan_search(*args, min_shard_bytes)
+    return _Solution(best.shard_size, assignment, None, {"evaluations": float(evals)})
