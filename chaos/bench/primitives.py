@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import socket
@@ -76,17 +77,21 @@ from typing import Any
 
 import click
 
-from chaos.errors import ChaosError, ChaosTimeout
+from chaos.bench.stall import (
+    NULL_DRAWS,
+    Primitive,
+    null_stalls_s,
+    percentile,
+    span,
+    summary_ms,
+)
+from chaos.errors import ChaosError, ChaosTimeout, ConfigError
 
 PRIMITIVES = ("scale_in", "connect_link", "disconnect_link")
 WORKER_STEP_TIMEOUT_S = 10.0
 """The workers' allreduce frame timeout: far above a step here, short enough that a stuck
 cluster is given up on quickly."""
 WORKER_POLICY_TIMEOUT_S = 5.0
-NULL_DRAWS = 8
-"""Placebo samples drawn per primitive sample, from different quiet steps: the null's p50 is
-then estimated from ``NULL_DRAWS`` times as many samples as the stall's, so that most of the
-noise left in ``added_p50_ms`` is the stall's own."""
 _POLL_S = 0.05
 
 
@@ -94,25 +99,6 @@ def _free_address() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile ``q`` (0-100) of ``xs``; NaN when empty."""
-    s = sorted(xs)
-    if not s:
-        return float("nan")
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
-
-
-def summary_ms(xs_s: list[float]) -> dict[str, Any]:
-    """``{"p50", "p99", "n", "samples"}`` in milliseconds of durations given in seconds."""
-    ms = [x * 1e3 for x in xs_s]
-    return {
-        "p50": statistics.median(ms) if ms else float("nan"),
-        "p99": percentile(ms, 99),
-        "n": len(ms),
-        "samples": [round(x, 4) for x in ms],
-    }
 
 
 # ----------------------------------------------------------------------------- the cluster
@@ -157,20 +143,6 @@ class _Member:
     def last(self) -> dict[str, Any]:
         self.log.poll()
         return self.log.steps[-1] if self.log.steps else {}
-
-
-@dataclass
-class _Primitive:
-    kind: str
-    t_req: float
-    control_s: float
-    survivors: list[str]
-    epoch_after: int
-    t_settled: float = 0.0
-    link: tuple[str, str] | None = None
-    """The link a connect-link added (its bandwidth probe runs after the new epoch)."""
-    t_probed: float = 0.0
-    """When that link's last bandwidth measurement ended (0: none seen)."""
 
 
 @dataclass
@@ -264,7 +236,7 @@ class _Cluster:
 # ----------------------------------------------------------------------------- primitives
 
 
-def _link(cl: _Cluster, a: str, b: str, add: bool, settle_steps: int) -> _Primitive:
+def _link(cl: _Cluster, a: str, b: str, add: bool, settle_steps: int) -> Primitive:
     from chaos.daemon.client import DaemonClient
 
     ids = cl.live()
@@ -284,13 +256,13 @@ def _link(cl: _Cluster, a: str, b: str, add: bool, settle_steps: int) -> _Primit
 
     cl.wait(done, f"the policy after link {'add' if add else 'remove'} {a}-{b}")
     if not add:
-        return _Primitive("disconnect_link", t_req, control_s, ids, epoch)
+        return Primitive("disconnect_link", t_req, control_s, ids, epoch)
     # the next primitive waits for the new link's bandwidth probe, which runs in the background
     cl.wait(lambda: cl.probed(a, b, t_req), f"the bandwidth probe of link {a}-{b}")
-    return _Primitive("connect_link", t_req, control_s, ids, epoch, link=(a, b))
+    return Primitive("connect_link", t_req, control_s, ids, epoch, link=(a, b))
 
 
-def _scale_in(cl: _Cluster, leaver: str, settle_steps: int) -> _Primitive:
+def _scale_in(cl: _Cluster, leaver: str, settle_steps: int) -> Primitive:
     survivors = [n for n in cl.live() if n != leaver]
     before = cl.epoch()
     member = cl.members[leaver]
@@ -310,10 +282,10 @@ def _scale_in(cl: _Cluster, leaver: str, settle_steps: int) -> _Primitive:
     left = member.log.left()
     if left is None or left.get("t_left") is None:
         raise ChaosError(f"{leaver} exited without completing its leave request")
-    return _Primitive("scale_in", t_req, left["t_left"] - left["t_leave"], survivors, epoch)
+    return Primitive("scale_in", t_req, left["t_left"] - left["t_leave"], survivors, epoch)
 
 
-def _stall_s(cl: _Cluster, p: _Primitive, baseline_s: float) -> tuple[float, dict[str, int]]:
+def _stall_s(cl: _Cluster, p: Primitive, baseline_s: float) -> tuple[float, dict[str, int]]:
     """The primitive's stall: the worst member's extra time over the spanning steps.
 
     A member's spanning steps are the step that was running when the request was made (what
@@ -330,82 +302,14 @@ def _stall_s(cl: _Cluster, p: _Primitive, baseline_s: float) -> tuple[float, dic
     worst = float("-inf")
     spans: dict[str, int] = {}
     for n in p.survivors:
-        span = _span(cl.members[n].log.steps, p, n)
-        extra = sum(r["t1"] - r["t0"] for r in span) - len(span) * baseline_s
+        mine = span(cl.members[n].log.steps, p, n)
+        extra = sum(r["t1"] - r["t0"] for r in mine) - len(mine) * baseline_s
         worst = max(worst, extra)
-        spans[n] = len(span)
+        spans[n] = len(mine)
     return worst, spans
 
 
-def _span(steps: list[dict[str, Any]], p: _Primitive, n: str) -> list[dict[str, Any]]:
-    """Member ``n``'s spanning steps of ``p`` (see :func:`_stall_s`), in step order."""
-    span: list[dict[str, Any]] = []
-    prev: int | None = None
-    for r in steps:
-        if r["t1"] > p.t_req and prev is not None and r["epoch"] != prev:
-            span.append(r)
-            if r["epoch"] >= p.epoch_after:
-                break
-        prev = r["epoch"]
-    else:
-        raise ChaosError(f"{n} logged no step under epoch {p.epoch_after}")
-    chosen = {id(r) for r in span}
-    first = span[0]["t0"]
-    return [
-        r
-        for r in steps
-        if id(r) in chosen
-        or (r["t1"] > p.t_req and r["t0"] < first)  # running when the request was made
-        or first < r["t0"] < p.t_probed
-    ]
-
-
-def _null_stall_s(
-    quiet: dict[str, dict[int, float]], spans: dict[str, int], baseline_s: float, pick: int
-) -> float | None:
-    """The same estimator as :func:`_stall_s` on undisturbed steps (the placebo).
-
-    Taking the worst of several members' noisy step durations is above the median even when
-    nothing happens; this measures by how much. It takes the members' steps from a step number
-    at which every member of ``spans`` ran that many quiet steps in a row.
-
-    Args:
-        quiet: Per member, its quiet steps' durations by step number.
-        spans: Per member, how many steps the real primitive spanned.
-        baseline_s: The median undisturbed step.
-        pick: Which of the eligible start steps to use (taken modulo their count), so that
-            successive samples come from different parts of the run.
-
-    Returns:
-        The placebo stall, or ``None`` when no step number qualifies.
-    """
-    nulls = _null_stalls_s(quiet, spans, baseline_s, [pick])
-    return nulls[0] if nulls else None
-
-
-def _null_stalls_s(
-    quiet: dict[str, dict[int, float]], spans: dict[str, int], baseline_s: float, picks: list[int]
-) -> list[float]:
-    """:func:`_null_stall_s` for each of ``picks``, finding the eligible start steps once.
-
-    Returns:
-        One placebo stall per pick, or none when no step number qualifies.
-    """
-    if not spans or any(n not in quiet for n in spans):
-        return []
-    common = set.intersection(*(set(quiet[n]) for n in spans))
-    starts = sorted(
-        s for s in common if all(s + i in quiet[n] for n, k in spans.items() for i in range(k))
-    )
-    if not starts:
-        return []
-    return [
-        max(sum(quiet[n][s0 + i] for i in range(k)) - k * baseline_s for n, k in spans.items())
-        for s0 in (starts[pick % len(starts)] for pick in picks)
-    ]
-
-
-def _reruns(cl: _Cluster, p: _Primitive) -> int:
+def _reruns(cl: _Cluster, p: Primitive) -> int:
     """Allreduce rounds the members aborted and reran while the primitive was applied."""
     return sum(
         1
@@ -433,7 +337,7 @@ def _probe_ends(root: Path, nodes: tuple[str, ...] = ()) -> list[tuple[float, fr
 
 
 def _mark_windows(
-    cl: _Cluster, prims: list[_Primitive], probes: list[tuple[float, frozenset[str]]]
+    cl: _Cluster, prims: list[Primitive], probes: list[tuple[float, frozenset[str]]]
 ) -> None:
     for i, p in enumerate(prims):
         ends = []
@@ -481,6 +385,17 @@ class _Tally:
     """Connect-links whose bandwidth probe's end was found in the daemons' event logs."""
 
 
+@dataclass
+class _Doing:
+    """What an attempt is doing, and since when (wall clock), for its failure report."""
+
+    what: str
+    since: float = field(default_factory=time.time)
+
+    def start(self, what: str) -> None:
+        self.what, self.since = what, time.time()
+
+
 def _attempt(
     cl: _Cluster,
     nodes: int,
@@ -494,9 +409,8 @@ def _attempt(
     A worker that crashes, or training that does not resume after a primitive within the
     timeout, ends the attempt: the failure is recorded and the samples measured before it kept.
     """
-    prims: list[_Primitive] = []
-    doing = "startup"
-    t_doing = time.time()
+    prims: list[Primitive] = []
+    doing = _Doing("startup")
 
     def missing() -> bool:
         return any(
@@ -506,33 +420,45 @@ def _attempt(
     try:
         cl.start("n1", None)
         cl.wait(lambda: bool(cl.members["n1"].last()), "n1 to train")
-        cl.windows.append((t_doing, time.time()))
+        cl.windows.append((doing.since, time.time()))
         for i in range(2, nodes + 1):
             cl.join(f"n{i}", "n1", settle_steps)
         echo(f"{nodes} trainers up; measuring ...")
         r = 0
         while missing():
-            others = sorted(n for n in cl.live() if n != "n1")
-            a, b = others[r % len(others)], others[(r + 1) % len(others)]
-            doing, t_doing = "connect_link", time.time()
-            prims.append(_link(cl, a, b, True, settle_steps))
-            doing, t_doing = "disconnect_link", time.time()
-            prims.append(_link(cl, a, b, False, settle_steps))
-            doing, t_doing = "scale_in", time.time()
-            leaver = max(others, key=list(cl.members).index)  # the newest member
-            prims.append(_scale_in(cl, leaver, settle_steps))
+            _round(cl, r, settle_steps, prims, doing)
             r += 1
             if missing():
-                doing, t_doing = "rejoin", time.time()
+                doing.start("rejoin")
                 cl.join(f"j{r}", "n1", settle_steps)
             echo(f"round {r} done")
     except ChaosError as exc:
         first = str(exc).strip().splitlines()[0][:300]
-        tally.failures.append({"during": doing, "error": first})
-        cl.windows.append((t_doing, float("inf")))
-        echo(f"FAILED during {doing}: {first}")
+        tally.failures.append({"during": doing.what, "error": first})
+        cl.windows.append((doing.since, float("inf")))
+        echo(f"FAILED during {doing.what}: {first}")
     finally:
         cl.close()
+    _score(cl, prims, tally)
+
+
+def _round(cl: _Cluster, r: int, settle_steps: int, prims: list[Primitive], doing: _Doing) -> None:
+    """One round: connect-link and disconnect-link of two non-founder members, then scale-in
+    of the newest member. ``doing`` is updated before each primitive (for failure reports)."""
+    others = sorted(n for n in cl.live() if n != "n1")
+    a, b = others[r % len(others)], others[(r + 1) % len(others)]
+    doing.start("connect_link")
+    prims.append(_link(cl, a, b, True, settle_steps))
+    doing.start("disconnect_link")
+    prims.append(_link(cl, a, b, False, settle_steps))
+    doing.start("scale_in")
+    leaver = max(others, key=list(cl.members).index)  # the newest member
+    prims.append(_scale_in(cl, leaver, settle_steps))
+
+
+def _score(cl: _Cluster, prims: list[Primitive], tally: _Tally) -> None:
+    """Adds an attempt's samples to ``tally``: each primitive's stall, its placebo draws, its
+    control path and reruns, and the attempt's undisturbed steps (the baseline)."""
     for m in cl.members.values():
         m.log.poll()
     _mark_windows(cl, prims, _probe_ends(cl.root))
@@ -547,40 +473,24 @@ def _attempt(
         stall, spans = _stall_s(cl, p, baseline_s)
         tally.stalls[p.kind].append(stall)
         picks = [7919 * i + 104729 * j for j in range(NULL_DRAWS)]
-        tally.nulls[p.kind] += _null_stalls_s(quiet, spans, baseline_s, picks)
+        tally.nulls[p.kind] += null_stalls_s(quiet, spans, baseline_s, picks)
         tally.control[p.kind].append(p.control_s)
         tally.reruns[p.kind] += _reruns(cl, p)
 
 
-def run(
-    nodes: int,
-    repeats: int,
-    compute_s: float,
-    width: int,
-    settle_steps: int,
-    timeout_s: float,
-    max_failures: int,
-    echo: Callable[[str], None],
-    logs: Path | None = None,
-    policy_notices: bool = True,
-    daemon_config: Path | None = None,
-) -> dict[str, Any]:
-    """Runs the benchmark and returns its figures (see the module docstring).
-
-    Each attempt starts a fresh cluster. When a primitive leaves the cluster unable to train
-    (a member crashed, or no step completed under the new policy within the timeouts), the
-    failure is recorded under ``"failures"`` and a new attempt starts, until every primitive has
-    ``repeats`` samples or ``max_failures`` attempts failed.
+@dataclass(frozen=True)
+class PrimitivesConfig:
+    """What one ``chaos-bench primitives`` run measures, and how (the CLI's options, one to one).
 
     Args:
-        nodes: Trainer processes.
-        repeats: Samples of each primitive.
+        nodes: Trainer processes (at least 3: the link primitives need two non-founder members).
+        repeats: Samples of each primitive. More samples narrow the p50; one run's
+            ``added_p50_ms`` still moves by a millisecond or two on a shared host, so pool runs.
         compute_s: Per-step compute stand-in of each worker, seconds.
         width: Width of the workers' MLP.
-        settle_steps: Steps under a new policy before the next primitive.
+        settle_steps: Steps under a new policy before the next primitive (at least 2).
         timeout_s: Longest wait for any one stage.
         max_failures: Failed attempts after which the bench stops with what it has.
-        echo: Prints a progress line.
         logs: Keep the workers' step logs and outputs here (default: a temporary directory).
         policy_notices: The trainers' ``TrainerConfig.policy_notices`` (``False``: they ask
             their daemon at every step boundary).
@@ -588,39 +498,89 @@ def run(
             (e.g. ``bandwidth_probe_bytes = 65536``, to compare settings side by side).
 
     Raises:
-        ValueError: fewer than 3 nodes (the link primitives need two non-founder members).
+        ConfigError: a value out of range (see each argument).
+    """
+
+    nodes: int = 4
+    repeats: int = 10
+    compute_s: float = 0.02
+    width: int = 256
+    settle_steps: int = 10
+    timeout_s: float = 120.0
+    max_failures: int = 3
+    logs: Path | None = None
+    policy_notices: bool = True
+    daemon_config: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.nodes < 3:
+            raise ConfigError(f"the link primitives need at least 3 nodes, got {self.nodes}")
+        if self.repeats < 1 or self.width < 1 or self.max_failures < 1:
+            raise ConfigError("repeats, width and max_failures must be at least 1")
+        if self.settle_steps < 2:
+            raise ConfigError(f"settle_steps must be at least 2, got {self.settle_steps}")
+        if not (math.isfinite(self.compute_s) and self.compute_s >= 0):
+            raise ConfigError(f"compute_s must be a finite number >= 0, got {self.compute_s}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ConfigError(f"timeout_s must be a finite number > 0, got {self.timeout_s}")
+
+    def worker_args(self) -> list[str]:
+        """The arguments every worker process gets (besides its id, address and log)."""
+        args = ["--compute-s", str(self.compute_s), "--width", str(self.width)]
+        args += ["--step-timeout-s", str(WORKER_STEP_TIMEOUT_S)]
+        args += ["--policy-timeout-s", str(WORKER_POLICY_TIMEOUT_S)]
+        args += [] if self.policy_notices else ["--no-policy-notices"]
+        if self.daemon_config is not None:
+            args.append(f"--daemon-arg=--config={self.daemon_config.resolve()}")
+        return args
+
+
+def run(cfg: PrimitivesConfig, echo: Callable[[str], None]) -> dict[str, Any]:
+    """Runs the benchmark and returns its figures (see the module docstring).
+
+    Each attempt starts a fresh cluster. When a primitive leaves the cluster unable to train
+    (a member crashed, or no step completed under the new policy within the timeouts), the
+    failure is recorded under ``"failures"`` and a new attempt starts, until every primitive has
+    ``cfg.repeats`` samples or ``cfg.max_failures`` attempts failed.
+
+    Args:
+        cfg: What to measure.
+        echo: Prints a progress line.
+
+    Returns:
+        The figures, as the JSON file holds them.
+
+    Raises:
         ChaosError: some primitive has no sample at all.
     """
-    if nodes < 3:
-        raise ValueError(f"the link primitives need at least 3 nodes, got {nodes}")
-    worker_args = ["--compute-s", str(compute_s), "--width", str(width)]
-    worker_args += ["--step-timeout-s", str(WORKER_STEP_TIMEOUT_S)]
-    worker_args += ["--policy-timeout-s", str(WORKER_POLICY_TIMEOUT_S)]
-    worker_args += [] if policy_notices else ["--no-policy-notices"]
-    if daemon_config is not None:
-        worker_args.append(f"--daemon-arg=--config={daemon_config.resolve()}")
     tally = _Tally()
+    attempt = 0
     with contextlib.ExitStack() as stack:
-        if logs is None:
+        if cfg.logs is None:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="chaos-prim-")))
         else:
-            root = logs
-        attempt = 0
-        while any(len(tally.stalls[k]) < repeats for k in PRIMITIVES):
-            if len(tally.failures) >= max_failures:
+            root = cfg.logs
+        while any(len(tally.stalls[k]) < cfg.repeats for k in PRIMITIVES):
+            if len(tally.failures) >= cfg.max_failures:
                 echo(f"stopping after {len(tally.failures)} failed attempts")
                 break
             attempt += 1
             (root / f"attempt{attempt}").mkdir(parents=True, exist_ok=True)
-            cl = _Cluster(root / f"attempt{attempt}", worker_args, timeout_s)
-            _attempt(cl, nodes, repeats, settle_steps, tally, echo)
+            cl = _Cluster(root / f"attempt{attempt}", cfg.worker_args(), cfg.timeout_s)
+            _attempt(cl, cfg.nodes, cfg.repeats, cfg.settle_steps, tally, echo)
     empty = [k for k in PRIMITIVES if not tally.stalls[k]]
     if empty:
         raise ChaosError(f"no sample of {', '.join(empty)}; failures: {tally.failures}")
-    result: dict[str, Any] = {"nodes": nodes, "repeats": repeats, "compute_s": compute_s,
-                              "policy_notices": policy_notices}  # fmt: skip
-    if daemon_config is not None:
-        result["daemon_config"] = daemon_config.read_text()
+    return _figures(cfg, tally, attempt)
+
+
+def _figures(cfg: PrimitivesConfig, tally: _Tally, attempts: int) -> dict[str, Any]:
+    """The JSON figures of a run (see the module docstring) from what its attempts measured."""
+    result: dict[str, Any] = {"nodes": cfg.nodes, "repeats": cfg.repeats,
+                              "compute_s": cfg.compute_s,
+                              "policy_notices": cfg.policy_notices}  # fmt: skip
+    if cfg.daemon_config is not None:
+        result["daemon_config"] = cfg.daemon_config.read_text()
     for kind in PRIMITIVES:
         result[f"{kind}_ms"] = summary_ms(tally.stalls[kind])
     result["null_ms"] = {kind: summary_ms(tally.nulls[kind]) for kind in PRIMITIVES}
@@ -634,45 +594,57 @@ def run(
     result["control_ms"] = {kind: summary_ms(tally.control[kind]) for kind in PRIMITIVES}
     result["reruns"] = tally.reruns
     result["probes_measured"] = tally.probed
-    result["attempts"] = attempt
+    result["attempts"] = attempts
     result["failures"] = tally.failures
     return result
 
 
 @click.command("primitives")
-@click.option("--nodes", type=click.IntRange(3, 16), default=4, show_default=True)
+@click.option(
+    "--nodes", type=click.IntRange(3, 16), default=PrimitivesConfig.nodes, show_default=True
+)
 @click.option(
     "--json", "json_path", type=click.Path(dir_okay=False), required=True, help="Write here."
 )
 @click.option(
     "--repeats",
     type=click.IntRange(1),
-    default=10,
+    default=PrimitivesConfig.repeats,
     show_default=True,
     help="Samples of each primitive (each round also re-adds the node that left).",
 )
 @click.option(
     "--compute-s",
     type=click.FloatRange(0.0),
-    default=0.02,
+    default=PrimitivesConfig.compute_s,
     show_default=True,
     help="Gradient computation per step, besides a small real forward/backward (seconds).",
 )
-@click.option("--width", type=click.IntRange(1), default=256, show_default=True, help="MLP width.")
+@click.option(
+    "--width",
+    type=click.IntRange(1),
+    default=PrimitivesConfig.width,
+    show_default=True,
+    help="MLP width.",
+)
 @click.option(
     "--settle-steps",
     type=click.IntRange(2),
-    default=10,
+    default=PrimitivesConfig.settle_steps,
     show_default=True,
     help="Steps every member runs under a new policy before the next primitive.",
 )
 @click.option(
-    "--timeout-s", type=click.FloatRange(1.0), default=120.0, show_default=True, help="Per stage."
+    "--timeout-s",
+    type=click.FloatRange(1.0),
+    default=PrimitivesConfig.timeout_s,
+    show_default=True,
+    help="Per stage.",
 )
 @click.option(
     "--max-failures",
     type=click.IntRange(1),
-    default=3,
+    default=PrimitivesConfig.max_failures,
     show_default=True,
     help="Failed attempts (training did not resume after a primitive) before giving up.",
 )
@@ -708,10 +680,14 @@ def primitives_command(
     daemon_config: Path | None,
 ) -> None:
     """Training-step stall of scale-in, connect-link and disconnect-link (real trainers)."""
-    result = run(
-        nodes, repeats, compute_s, width, settle_steps, timeout_s, max_failures, click.echo,
-        logs, policy_notices, daemon_config,
-    )  # fmt: skip
+    try:
+        cfg = PrimitivesConfig(
+            nodes, repeats, compute_s, width, settle_steps, timeout_s, max_failures, logs,
+            policy_notices, daemon_config,
+        )  # fmt: skip
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from exc
+    result = run(cfg, click.echo)
     Path(json_path).write_text(json.dumps(result, indent=2))
     head = f"{'primitive':<17}{'stall p50 ms':>13}{'stall p99 ms':>13}{'null p50 ms':>12}"
     click.echo(f"{head}{'added p50 ms':>13}{'control p50 ms':>15}{'reruns':>8}{'n':>4}")

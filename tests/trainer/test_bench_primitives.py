@@ -16,8 +16,11 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
-from chaos.bench.primitives import NULL_DRAWS, _null_stall_s, _Primitive, _span
+from chaos.bench.primitives import PrimitivesConfig
+from chaos.bench.stall import NULL_DRAWS, Primitive, null_stall_s, span
+from chaos.errors import ConfigError
 
 TIMEOUT_S = 300.0
 
@@ -75,12 +78,12 @@ def test_null_estimator_takes_the_worst_member_over_quiet_runs() -> None:
         "b": {10: 0.020, 11: 0.025, 12: 0.020, 21: 0.050},
     }
     # a spans 2 steps, b spans 1: only step 10 (a: 10, 11; b: 10) and 11 (a: 11, 12; b: 11) fit
-    first = _null_stall_s(quiet, {"a": 2, "b": 1}, baseline_s=0.020, pick=0)
+    first = null_stall_s(quiet, {"a": 2, "b": 1}, baseline_s=0.020, pick=0)
     assert first is not None and math.isclose(first, 0.010)  # a: 0.050 - 0.040
-    second = _null_stall_s(quiet, {"a": 2, "b": 1}, baseline_s=0.020, pick=1)
+    second = null_stall_s(quiet, {"a": 2, "b": 1}, baseline_s=0.020, pick=1)
     assert second is not None and math.isclose(second, 0.005)  # b: 0.025 - 0.020
-    assert _null_stall_s(quiet, {"a": 4, "b": 1}, baseline_s=0.020, pick=0) is None
-    assert _null_stall_s(quiet, {"c": 1}, baseline_s=0.020, pick=0) is None
+    assert null_stall_s(quiet, {"a": 4, "b": 1}, baseline_s=0.020, pick=0) is None
+    assert null_stall_s(quiet, {"c": 1}, baseline_s=0.020, pick=0) is None
 
 
 def test_a_connect_links_span_covers_the_steps_its_probe_ran_beside() -> None:
@@ -91,13 +94,47 @@ def test_a_connect_links_span_covers_the_steps_its_probe_ran_beside() -> None:
         return {"step": k, "epoch": epoch, "t0": 10.0 + k, "t1": 10.9 + k}
 
     steps = [step(0, 5), step(1, 5), step(2, 6), step(3, 6), step(4, 6), step(5, 6)]
-    p = _Primitive("connect_link", t_req=11.5, control_s=0.1, survivors=["a"], epoch_after=6)
+    p = Primitive("connect_link", t_req=11.5, control_s=0.1, survivors=["a"], epoch_after=6)
     # no probe seen: the step the request came in (1) and the install (2)
-    assert [r["step"] for r in _span(steps, p, "a")] == [1, 2]
+    assert [r["step"] for r in span(steps, p, "a")] == [1, 2]
     p.t_probed = 13.5  # the probe ended during step 3
-    assert [r["step"] for r in _span(steps, p, "a")] == [1, 2, 3]
+    assert [r["step"] for r in span(steps, p, "a")] == [1, 2, 3]
     p.t_probed = 12.5  # within the install step itself
-    assert [r["step"] for r in _span(steps, p, "a")] == [1, 2]
+    assert [r["step"] for r in span(steps, p, "a")] == [1, 2]
     # a request made between two steps: the install step is the first one it could slow
     p.t_req = 11.95
-    assert [r["step"] for r in _span(steps, p, "a")] == [2]
+    assert [r["step"] for r in span(steps, p, "a")] == [2]
+
+
+def test_the_bench_config_refuses_bad_values_and_passes_settings_to_the_workers(
+    tmp_path: Path,
+) -> None:
+    for bad in (
+        {"nodes": 2},
+        {"repeats": 0},
+        {"settle_steps": 1},
+        {"compute_s": -0.1},
+        {"compute_s": float("nan")},
+        {"timeout_s": 0.0},
+    ):
+        with pytest.raises(ConfigError):
+            PrimitivesConfig(**bad)  # type: ignore[arg-type]
+    toml = tmp_path / "d.toml"
+    toml.write_text("bandwidth_probe_bytes = 65536\n")
+    args = PrimitivesConfig(compute_s=0.01, policy_notices=False, daemon_config=toml).worker_args()
+    assert args[args.index("--compute-s") + 1] == "0.01"
+    assert "--no-policy-notices" in args
+    assert f"--daemon-arg=--config={toml.resolve()}" in args
+    assert "--no-policy-notices" not in PrimitivesConfig().worker_args()
+
+
+def test_the_cli_turns_a_bad_setting_into_a_usage_error(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from chaos.bench.primitives import primitives_command
+
+    res = CliRunner().invoke(
+        primitives_command, ["--compute-s", "nan", "--json", str(tmp_path / "x.json")]
+    )
+    assert res.exit_code == 2 and "compute_s" in res.output
+    assert not (tmp_path / "x.json").exists()
