@@ -102,6 +102,17 @@ def test_control_writes_schema(tmp_path: Path) -> None:
         "connect_link": 2,
         "disconnect_link": 2,
     }
+    for prim, split in data["cpu_split_ms"].items():
+        assert set(split) == {"event_loop", "other_threads"}
+        assert split["event_loop"]["n"] == split["other_threads"]["n"] == 2
+        # the parts are of the same windows as the total: their samples add up to its samples
+        for loop, other, total in zip(
+            split["event_loop"]["samples"],
+            split["other_threads"]["samples"],
+            data["cpu_ms"][prim]["samples"],
+            strict=True,
+        ):
+            assert math.isclose(loop + other, total, abs_tol=1e-5)
     assert data["cpu_window_s"] > 0
     assert "completion / client round trip / scheduler side" in stdout
     assert "control-plane CPU per connect_link" in stdout

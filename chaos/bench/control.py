@@ -25,6 +25,9 @@ Measured, with the daemon's default heartbeat settings (0.5 s / 1.5 s):
   use idle over as long. A connect-link's window holds its measurement: the pings, the commit,
   and the link's bandwidth probe. Nothing polls the daemons inside the window. On a device that
   trains, this is CPU taken from the trainer while the primitive runs.
+* ``cpu_split_ms``: the same, split into the daemons' event loops (their main threads: the
+  Python that handles each message) and their other threads (ZeroMQ's I/O thread, which is also
+  where the kernel's socket work for the daemon's traffic is charged).
 """
 
 from __future__ import annotations
@@ -85,8 +88,14 @@ def _pct(xs: list[float], q: float) -> float:
     return s[k]
 
 
-def _summary(xs: list[float]) -> dict[str, float]:
-    return {"p50": statistics.median(xs) if xs else float("nan"), "p99": _pct(xs, 99), "n": len(xs)}
+def _summary(xs: list[float]) -> dict[str, Any]:
+    """``{"p50", "p99", "n", "samples"}`` of ``xs`` (the samples rounded to 6 digits)."""
+    return {
+        "p50": statistics.median(xs) if xs else float("nan"),
+        "p99": _pct(xs, 99),
+        "n": len(xs),
+        "samples": [round(x, 6) for x in xs],
+    }
 
 
 class _Bench:
@@ -197,48 +206,78 @@ def _start_cluster(b: _Bench, n: int) -> list[str]:
     return ids
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU time of a process, all threads, in seconds (ns resolution where Linux gives it)."""
-    total_ns = 0
+def _cpu_split_s(pid: int) -> tuple[float, float]:
+    """CPU time of a daemon in seconds: its event loop (the main thread) and its other threads
+    (ZeroMQ's I/O thread, where the kernel's socket work is charged), in ns resolution where
+    Linux gives it. Without ``/proc`` (not Linux): everything under the event loop, clock-tick
+    resolution."""
+    loop_ns = other_ns = 0
     try:
         for task in Path(f"/proc/{pid}/task").iterdir():
             with contextlib.suppress(OSError, ValueError, IndexError):
-                total_ns += int((task / "schedstat").read_text().split()[0])
-    except OSError:  # no /proc (not Linux): clock-tick resolution
-        return float(sum(psutil.Process(pid).cpu_times()[:2]))
-    return total_ns / 1e9
+                ns = int((task / "schedstat").read_text().split()[0])
+                if task.name == str(pid):
+                    loop_ns += ns
+                else:
+                    other_ns += ns
+    except OSError:
+        return float(sum(psutil.Process(pid).cpu_times()[:2])), 0.0
+    return loop_ns / 1e9, other_ns / 1e9
 
 
-def _idle_cpu(b: _Bench, ids: list[str], idle_s: float) -> tuple[float, float, float]:
-    """Idle CPU: the mean and max per daemon in percent of one core, and the sum (cores)."""
+def _cpu_s(pid: int) -> float:
+    """CPU time of a process, all threads, in seconds."""
+    return sum(_cpu_split_s(pid))
+
+
+def _split_sum(pids: list[int]) -> tuple[float, float]:
+    splits = [_cpu_split_s(p) for p in pids]
+    return sum(x for x, _ in splits), sum(y for _, y in splits)
+
+
+def _idle_cpu(b: _Bench, ids: list[str], idle_s: float) -> tuple[float, float, tuple[float, float]]:
+    """Idle CPU: the mean and max per daemon in percent of one core, and the sum over the
+    daemons (cores) of their event loops and of their other threads."""
     pids = [b.procs[n].pid for n in ids]
-    before = [_cpu_s(p) for p in pids]
+    before = [_cpu_split_s(p) for p in pids]
     t0 = time.monotonic()
     time.sleep(idle_s)
     wall = time.monotonic() - t0
-    rate = [(_cpu_s(p) - c) / wall for p, c in zip(pids, before, strict=True)]
-    return 100 * statistics.mean(rate), 100 * max(rate), sum(rate)
+    after = [_cpu_split_s(p) for p in pids]
+    rate = [(sum(a) - sum(c)) / wall for a, c in zip(after, before, strict=True)]
+    loop = sum(a[0] - c[0] for a, c in zip(after, before, strict=True)) / wall
+    other = sum(a[1] - c[1] for a, c in zip(after, before, strict=True)) / wall
+    return 100 * statistics.mean(rate), 100 * max(rate), (loop, other)
 
 
 class _CpuMeter:
-    """Sums the daemons' CPU over a fixed window, minus their idle use."""
+    """Sums the daemons' CPU over a fixed window, minus their idle use, in all and split into
+    the event loops and the other threads."""
 
-    def __init__(self, b: _Bench, ids: list[str], idle_cores: float) -> None:
+    def __init__(self, b: _Bench, ids: list[str], idle_cores: tuple[float, float]) -> None:
         self.pids = [b.procs[n].pid for n in ids]
         self.idle_cores = idle_cores  # the daemons' idle use, from _idle_cpu
-        self.samples_ms: dict[str, list[float]] = {"connect_link": [], "disconnect_link": []}
+        keys = ("connect_link", "disconnect_link")
+        self.samples_ms: dict[str, list[float]] = {k: [] for k in keys}
+        self.split_ms: dict[str, dict[str, list[float]]] = {
+            k: {"event_loop": [], "other_threads": []} for k in keys
+        }
         self._t0 = 0.0
-        self._c0 = 0.0
+        self._c0 = (0.0, 0.0)
 
     def start(self) -> None:
-        self._t0, self._c0 = time.monotonic(), sum(_cpu_s(p) for p in self.pids)
+        self._t0, self._c0 = time.monotonic(), _split_sum(self.pids)
 
     def stop(self, key: str) -> None:
         """Waits out the window and records its CPU under ``key``."""
         time.sleep(max(0.0, self._t0 + CPU_WINDOW_S - time.monotonic()))
-        used = sum(_cpu_s(p) for p in self.pids) - self._c0
+        loop, other = _split_sum(self.pids)
         wall = time.monotonic() - self._t0
-        self.samples_ms[key].append((used - self.idle_cores * wall) * 1e3)
+        loop_ms = (loop - self._c0[0] - self.idle_cores[0] * wall) * 1e3
+        other_ms = (other - self._c0[1] - self.idle_cores[1] * wall) * 1e3
+        self.samples_ms[key].append(loop_ms + other_ms)
+        self.split_ms[key]["event_loop"].append(loop_ms)
+        self.split_ms[key]["other_threads"].append(other_ms)
 
 
 _PRIMITIVES = {"scale_in": "scale_in_leave", "connect_link": "connect_link",
@@ -424,6 +463,9 @@ def control_command(
         "idle_cpu_percent": idle_mean,
         "idle_cpu_percent_max": idle_max,
         "cpu_ms": {k: _summary(v) for k, v in cpu.samples_ms.items()},
+        "cpu_split_ms": {
+            k: {part: _summary(xs) for part, xs in v.items()} for k, v in cpu.split_ms.items()
+        },
         "cpu_window_s": CPU_WINDOW_S,
         "heartbeat_interval_s": 0.5,
         "failure_timeout_s": 1.5,
@@ -445,5 +487,10 @@ def control_command(
         click.echo(f"  {k:<18}{result[f'{k}_ms']['p50']:>8.3f}{rt['p50']:>8.3f}{sd['p50']:>8.3f}")  # type: ignore[index]
     click.echo(f"idle daemon CPU: {idle_mean:.2f}% of one core (max {idle_max:.2f}%)")
     for k, v in result["cpu_ms"].items():  # type: ignore[attr-defined]
-        click.echo(f"control-plane CPU per {k}: p50 {v['p50']:.2f} ms (all daemons, idle use off)")
+        split = result["cpu_split_ms"][k]  # type: ignore[index]
+        click.echo(
+            f"control-plane CPU per {k}: p50 {v['p50']:.2f} ms (all daemons, idle use off; "
+            f"event loops {split['event_loop']['p50']:.2f}, "
+            f"other threads {split['other_threads']['p50']:.2f})"
+        )
     click.echo(f"wrote {json_path}")
