@@ -33,7 +33,8 @@ from chaos.errors import PeerTimeout, ProtocolError
 from chaos.ops import reduce_into
 
 if TYPE_CHECKING:
-    from chaos.collectives.communicator import Communicator, _Frame
+    from chaos.collectives.communicator import Communicator
+    from chaos.collectives.links import Frame
 
 
 def split(start: int, stop: int, parts: int) -> list[tuple[int, int]]:
@@ -145,7 +146,7 @@ class Round:
         self.wire[a:b].copy_(self.acc[a:b])
         return _bytes(self.wire[a:b])
 
-    def _combine(self, frames: list[_Frame], a: int, b: int) -> zmq.Frame | None:
+    def _combine(self, frames: list[Frame], a: int, b: int) -> zmq.Frame | None:
         """Adds this member's values ``src[a:b]`` to the partial sums carried by ``frames``.
 
         When the wire format is the accumulation dtype, the sum is built in place in the first
@@ -164,12 +165,12 @@ class Round:
             reduce_into(acc, self._payload(f, a, b))
         return None
 
-    def _partial(self, frames: list[_Frame], a: int, b: int) -> zmq.Frame | memoryview:
+    def _partial(self, frames: list[Frame], a: int, b: int) -> zmq.Frame | memoryview:
         """The partial sum of ``[a, b)`` including this member, ready to send on."""
         combined = self._combine(frames, a, b)
         return self._to_wire(a, b) if combined is None else combined
 
-    def _final(self, frames: list[_Frame], a: int, b: int) -> tuple[zmq.Frame | memoryview, bool]:
+    def _final(self, frames: list[Frame], a: int, b: int) -> tuple[zmq.Frame | memoryview, bool]:
         """Completes ``[a, b)``: the final values are in ``acc[a:b]`` and returned to send.
 
         Returns:
@@ -198,7 +199,7 @@ class Round:
         self.acc[a:b].copy_(self.wire[a:b])
         return _bytes(self.wire[a:b])
 
-    def _payload(self, frame: _Frame, a: int, b: int) -> torch.Tensor:
+    def _payload(self, frame: Frame, a: int, b: int) -> torch.Tensor:
         h = frame.header
         if h.dtype != self.wire_dtype or h.nelem != b - a:
             raise ProtocolError(
@@ -210,7 +211,7 @@ class Round:
             raise ProtocolError(f"frame from {frame.peer!r} has a truncated payload")
         return torch.frombuffer(buf, dtype=self.wire_dtype)
 
-    def _lookup(self, table: list[list[tuple[int, int]]], frame: _Frame) -> tuple[int, int]:
+    def _lookup(self, table: list[list[tuple[int, int]]], frame: Frame) -> tuple[int, int]:
         h = frame.header
         if h.seg >= len(table) or h.chunk >= len(table[h.seg]):
             raise ProtocolError(f"frame from {frame.peer!r} names chunk {h.seg}/{h.chunk}")
@@ -251,7 +252,7 @@ class Round:
                 raise ProtocolError(f"unexpected ring frame {h} from {frame.peer!r}")
 
     def _ring_reduce(
-        self, frame: _Frame, a: int, b: int, *, final: bool, track: bool, right: str
+        self, frame: Frame, a: int, b: int, *, final: bool, track: bool, right: str
     ) -> None:
         if not final:
             self.comm.send(right, frame.raw_header, self._partial([frame], a, b))
@@ -272,7 +273,7 @@ class Round:
         parent = parent_map[self.me]
         children = self.topo.children(self.me)
         table = [chunks(0, self.acc.numel(), self.chunk_elems)]
-        pending: list[list[_Frame]] = [[] for _ in table[0]]
+        pending: list[list[Frame]] = [[] for _ in table[0]]
         if not children and parent is not None:  # a leaf sends its own values
             for j, (a, b) in enumerate(table[0]):
                 self.comm.send(parent, self._header(Op.TREE_UP, 0, j, a, b), self._own_bytes(a, b))
@@ -308,7 +309,7 @@ class Round:
                     self.comm.send(c, frame.raw_header, frame.payload)
 
     def _tree_chunk_done(
-        self, j: int, table: list[list[tuple[int, int]]], frames: list[_Frame],
+        self, j: int, table: list[list[tuple[int, int]]], frames: list[Frame],
         parent: str | None, children: tuple[str, ...],
     ) -> None:  # fmt: skip
         """All children's chunk ``j`` arrived: send the subtree's sum up, or (root) broadcast."""

@@ -6,8 +6,10 @@ neighbour link of the current :class:`~chaos.collectives.topology.Topology` (eve
 sends to that neighbour leaves there). :meth:`Communicator.update_topology` edits that set in
 place: it opens sockets for new links and closes dead ones, and keeps the others.
 
-The algorithms (ring and pipelined tree) are in :mod:`chaos.collectives.algorithms`; this module
-owns the sockets, the receive loop with its timeout, stale-frame filtering and failure handling.
+The algorithms (ring and pipelined tree) are in :mod:`chaos.collectives.algorithms`, the settings
+and counters in :mod:`chaos.collectives.config` (re-exported here), the link and frame records in
+:mod:`chaos.collectives.links`; this module owns the sockets, the receive loop with its timeout,
+stale-frame filtering and failure handling.
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 import zmq
@@ -26,151 +26,27 @@ from zmq.utils.monitor import recv_monitor_message
 
 from chaos.collectives import algorithms
 from chaos.collectives.allocator import keep_frame_memory
-from chaos.collectives.frames import WIRE_DTYPES, Header, Op, decode_header, encode_header
+from chaos.collectives.config import WIRE_NAMES, CollectiveStats, CommunicatorConfig, ReduceOp
+from chaos.collectives.frames import WIRE_DTYPES, Op, decode_header, encode_header
+from chaos.collectives.links import (
+    CaughtUp,
+    Fault,
+    Frame,
+    Link,
+    overlaps,
+    result_of,
+    send_notice,
+)
 from chaos.collectives.topology import Topology
 from chaos.errors import PeerFailure, PeerTimeout, ProtocolError, RoundInterrupted
 
-ReduceOp = Literal["sum", "mean"]
+# CommunicatorConfig, CollectiveStats and ReduceOp live in chaos.collectives.config and are
+# re-exported here.
+__all__ = ["CollectiveStats", "Communicator", "CommunicatorConfig", "ReduceOp"]
 
-_WIRE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-               "float64": torch.float64}  # fmt: skip
 _MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 _MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 _NOBLOCK = int(zmq.NOBLOCK)
-
-
-@dataclass(frozen=True)
-class CommunicatorConfig:
-    """Settings of one node's :class:`Communicator`.
-
-    Args:
-        node_id: This node's id, as it appears in topologies.
-        listen: The data endpoint to bind (``tcp://HOST:PORT``; port ``*`` picks a free one, see
-            :attr:`Communicator.address`).
-        chunk_bytes: Wire bytes per frame. Smaller chunks pipeline deeper (tree stages overlap
-            more, ring reduce and send overlap) but cost a fixed per-frame overhead; tune it up
-            on fast links, down on slow deep trees.
-        timeout_s: Default progress timeout of a collective: the longest wait for the next frame
-            (or for the last sends to leave) before the neighbour is declared failed.
-        wire_dtype: Default wire format: ``None`` sends in the accumulation dtype (float32 for
-            half inputs); ``"float16"``/``"bfloat16"`` halve the bytes, accumulating in float32.
-        sndhwm: Per-link send queue limit in frames (0: unlimited).
-        sock_buf_bytes: Kernel socket buffer size (SO_SNDBUF/SO_RCVBUF) of every link; 0 keeps
-            the OS default. Raise it on links with a large bandwidth-delay product.
-        io_threads: ZeroMQ I/O threads of the context; more help only with many fast links.
-        max_early_frames: Frames of a future (epoch, step) kept until their allreduce starts;
-            beyond this they are dropped and counted.
-        poll_slice_s: Longest single poll, so that a peer reported dead from another thread
-            (:meth:`Communicator.report_dead`) is noticed within this time.
-        keep_frame_memory: Make glibc keep freed frame buffers mapped for reuse (see
-            :mod:`chaos.collectives.allocator`; process-wide). Saves the kernel zeroing fresh
-            pages for every received frame; turn it off if the process must give memory back
-            to the OS eagerly.
-
-    Raises:
-        ValueError: an empty node id, a non-positive size or timeout, or an unknown wire dtype.
-    """
-
-    node_id: str
-    listen: str = "tcp://127.0.0.1:*"
-    chunk_bytes: int = 1 << 20
-    timeout_s: float = 30.0
-    wire_dtype: str | None = None
-    sndhwm: int = 0
-    sock_buf_bytes: int = 0
-    io_threads: int = 1
-    max_early_frames: int = 4096
-    poll_slice_s: float = 0.1
-    keep_frame_memory: bool = True
-
-    def __post_init__(self) -> None:
-        if not self.node_id:
-            raise ValueError("node_id must not be empty")
-        if not self.listen.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError(f"listen must be a ZeroMQ endpoint, not {self.listen!r}")
-        if self.chunk_bytes < 64:
-            raise ValueError("chunk_bytes must be >= 64")
-        for name in ("timeout_s", "poll_slice_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0")
-        if self.wire_dtype is not None and self.wire_dtype not in _WIRE_NAMES:
-            raise ValueError(f"wire_dtype must be one of {sorted(_WIRE_NAMES)} or None")
-        for name in ("sndhwm", "sock_buf_bytes", "max_early_frames"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-        if self.io_threads < 1:
-            raise ValueError("io_threads must be >= 1")
-
-
-@dataclass
-class CollectiveStats:
-    """Counters of one communicator (monotonic, for metrics and tests)."""
-
-    allreduces: int = 0
-    failures: int = 0
-    frames_received: int = 0
-    dropped_stale: int = 0
-    """Frames of an older (epoch, step) than the running or last allreduce: dropped unread."""
-    dropped_malformed: int = 0
-    dropped_unknown_peer: int = 0
-    dropped_early_overflow: int = 0
-    early_buffered: int = 0
-    results_sent: int = 0
-    """Kept round results sent to a neighbour that was a step behind (:attr:`Op.RESULT`)."""
-    caught_up: int = 0
-    """Rounds this node completed with a neighbour's kept result instead of running them."""
-
-
-@dataclass
-class _Link:
-    peer: str
-    address: str
-    socket: zmq.Socket
-    monitor: zmq.Socket
-    connected: bool = False
-    lost: bool = False
-
-
-@dataclass
-class _Frame:
-    peer: str
-    header: Header
-    raw_header: zmq.Frame
-    payload: zmq.Frame
-
-
-def _send_notice(sock: zmq.Socket, op: Op, key: tuple[int, int]) -> None:
-    """Sends a header-only frame (``NEWER``, ``BEHIND``); best effort: without it the peer
-    times out as it would have anyway."""
-    header = encode_header(op, torch.float32, 0, key[0], key[1], 0, 0)
-    try:
-        sock.send(header, zmq.SNDMORE | zmq.NOBLOCK)
-        sock.send(b"", zmq.NOBLOCK)
-    except zmq.ZMQError:
-        pass
-
-
-class _CaughtUp(Exception):
-    """Internal: a neighbour sent the running step's result (see :attr:`Op.RESULT`)."""
-
-    def __init__(self, frame: _Frame) -> None:
-        super().__init__("caught up")
-        self.frame = frame
-
-
-@dataclass
-class _Fault:
-    step: int
-    after_frames: int
-    before_exit: Callable[[], None] | None = None
-    sent: int = field(default=0)
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a0 = a.untyped_storage().data_ptr()
-    b0 = b.untyped_storage().data_ptr()
-    return a0 == b0 or (a.numel() > 0 and b.numel() > 0 and a0 < b0 + b.untyped_storage().nbytes()
-                        and b0 < a0 + a.untyped_storage().nbytes())  # fmt: skip
 
 
 class Communicator:
@@ -203,7 +79,7 @@ class Communicator:
             self._router.setsockopt(zmq.RCVBUF, config.sock_buf_bytes)
         self._router.bind(config.listen)
         self.address: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._links: dict[str, _Link] = {}
+        self._links: dict[str, Link] = {}
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._topology: Topology | None = None
@@ -216,8 +92,8 @@ class Communicator:
         self._kept: tuple[int, torch.Tensor] | None = None
         self._offered: set[str] = set()  # neighbours sent the kept result this round
         self._asked: set[str] = set()  # neighbours asked for this round's result
-        self._early: deque[_Frame] = deque()
-        self._ready: deque[_Frame] = deque()
+        self._early: deque[Frame] = deque()
+        self._ready: deque[Frame] = deque()
         # the previous epoch's neighbours, told of this node's first round in a new epoch
         self._announce: list[str] = []
         self._dead: set[str] = set()
@@ -225,7 +101,7 @@ class Communicator:
         self._interrupt: Callable[[], str | None] | None = None
         self._interrupt_every_s = 0.05
         self._next_interrupt_check = 0.0
-        self._fault: _Fault | None = None
+        self._fault: Fault | None = None
         self._wire_cache: dict[torch.dtype, torch.Tensor] = {}
         self._closed = False
         if topology is not None:
@@ -288,7 +164,7 @@ class Communicator:
         self.stats.dropped_stale += len(self._early) - len(kept)
         self._early = kept
 
-    def _open_link(self, peer: str, address: str) -> _Link:
+    def _open_link(self, peer: str, address: str) -> Link:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, self.node_id.encode())
         sock.setsockopt(zmq.LINGER, 0)
@@ -298,9 +174,9 @@ class Communicator:
         monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
         sock.connect(address)
         self._poller.register(monitor, zmq.POLLIN)
-        return _Link(peer, address, sock, monitor)
+        return Link(peer, address, sock, monitor)
 
-    def _close_link(self, link: _Link) -> None:
+    def _close_link(self, link: Link) -> None:
         self._poller.unregister(link.monitor)
         link.socket.disable_monitor()
         link.monitor.close(linger=0)
@@ -372,7 +248,7 @@ class Communicator:
         """
         if step < 0 or after_frames < 0:
             raise ValueError("step and after_frames must be >= 0")
-        self._fault = _Fault(step, after_frames, before_exit)
+        self._fault = Fault(step, after_frames, before_exit)
 
     # ------------------------------------------------------------------ allreduce
 
@@ -420,6 +296,35 @@ class Communicator:
             ProtocolError: a neighbour's frames disagree with this call (size, dtype).
             ValueError, TypeError: bad arguments, no topology, or a non-increasing (epoch, step).
         """
+        key, acc, run = self._setup_round(tensor, op, timeout_s, out, wire_dtype, step)
+        caught = self._execute_round(run, key, tensor)
+        self._failed_step = None
+        if caught is not None:
+            self.stats.caught_up += 1
+            acc = caught
+        return self._finish(tensor, out, acc, keep_result, key[1])
+
+    def _setup_round(
+        self,
+        tensor: torch.Tensor,
+        op: ReduceOp,
+        timeout_s: float | None,
+        out: torch.Tensor | None,
+        wire_dtype: str | None,
+        step: int | None,
+    ) -> tuple[tuple[int, int], torch.Tensor, algorithms.Round]:
+        """Checks an :meth:`allreduce` call and sets up its round.
+
+        Claims the round's ``(epoch, step)``, picks the result and wire buffers, takes in the
+        frames that came before the round, and tells the previous epoch's neighbours that this
+        node has moved on. Arguments as in :meth:`allreduce`.
+
+        Returns:
+            The round's ``(epoch, step)``, its flat result buffer, and the round to execute.
+
+        Raises:
+            ValueError, TypeError: bad arguments, no topology, or a non-increasing (epoch, step).
+        """
         self._check_open()
         topo = self._require_topology()
         timeout = self.config.timeout_s if timeout_s is None else float(timeout_s)
@@ -437,12 +342,34 @@ class Communicator:
         announce, self._announce = self._announce, []
         for peer in announce:
             self._tell_newer(peer, key)
+        return key, acc, run
+
+    def _execute_round(
+        self, run: algorithms.Round, key: tuple[int, int], tensor: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Runs the round; on a failure, tells the neighbours and re-raises.
+
+        Args:
+            run: The round from :meth:`_setup_round`.
+            key: Its ``(epoch, step)``.
+            tensor: The call's input (to check a neighbour's kept result against).
+
+        Returns:
+            ``None`` when the round completed here, or the result a neighbour sent because this
+            node was a step behind (see :attr:`Op.RESULT`).
+
+        Raises:
+            PeerFailure: a neighbour failed, or the round was interrupted; the step is marked
+                failed (rerun it under a new epoch) and the neighbours are sent an abort (or,
+                for a newer round seen elsewhere, told of that round).
+            ProtocolError: a neighbour's frames disagree with this call; handled likewise.
+        """
         caught: torch.Tensor | None = None
         try:
             try:
                 run.execute()
-            except _CaughtUp as done:
-                caught = _result_of(done.frame, tensor)  # a bad result fails the round
+            except CaughtUp as done:
+                caught = result_of(done.frame, tensor)  # a bad result fails the round
         except (PeerFailure, ProtocolError) as exc:
             self.stats.failures += 1
             self._failed_step = key[1]
@@ -453,11 +380,7 @@ class Communicator:
             else:
                 self._send_abort(key, exc)
             raise
-        self._failed_step = None
-        if caught is not None:
-            self.stats.caught_up += 1
-            acc = caught
-        return self._finish(tensor, out, acc, keep_result, key[1])
+        return caught
 
     def _finish(
         self,
@@ -486,7 +409,7 @@ class Communicator:
             out is not None
             and out.dtype == acc_dtype
             and out.is_contiguous()
-            and not _overlaps(out, tensor)
+            and not overlaps(out, tensor)
         ):
             return out.view(-1)
         return torch.empty(tensor.numel(), dtype=acc_dtype)
@@ -519,9 +442,9 @@ class Communicator:
         name = wire_dtype if wire_dtype is not None else self.config.wire_dtype
         if name is None:
             return acc, acc
-        if name not in _WIRE_NAMES:
-            raise ValueError(f"wire_dtype must be one of {sorted(_WIRE_NAMES)} or None")
-        return acc, _WIRE_NAMES[name]
+        if name not in WIRE_NAMES:
+            raise ValueError(f"wire_dtype must be one of {sorted(WIRE_NAMES)} or None")
+        return acc, WIRE_NAMES[name]
 
     def _next_key(self, topo: Topology, step: int | None) -> tuple[int, int]:
         if step is None:
@@ -543,7 +466,7 @@ class Communicator:
         self._told_newer.clear()
         self._offered.clear()
         self._asked.clear()
-        later: deque[_Frame] = deque()
+        later: deque[Frame] = deque()
         for f in self._early:
             k = f.header.key
             if f.header.op == Op.NEWER:  # a notice that came before its step: apply or drop
@@ -616,7 +539,7 @@ class Communicator:
         if sock is None:
             return
         self._told_newer.add((peer, key))
-        _send_notice(sock, Op.NEWER, key)
+        send_notice(sock, Op.NEWER, key)
 
     def _notice_socket(self, peer: str) -> zmq.Socket | None:
         """A socket to a member that is not a neighbour in this epoch (for NEWER notices: in
@@ -649,7 +572,7 @@ class Communicator:
 
     def recv(
         self, key: tuple[int, int], timeout_s: float, waiting_for: str | Callable[[], str]
-    ) -> _Frame:
+    ) -> Frame:
         """The next frame of ``key`` from a neighbour. Used by the algorithms.
 
         Frames of older keys are dropped and counted; frames of newer keys are kept for their
@@ -692,7 +615,7 @@ class Communicator:
         self._check_dead()
         self._check_interrupt()
 
-    def _drain_monitor(self, link: _Link) -> None:
+    def _drain_monitor(self, link: Link) -> None:
         while link.monitor.poll(0):
             event = recv_monitor_message(link.monitor)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
@@ -709,7 +632,7 @@ class Communicator:
             if link.lost:
                 raise PeerFailure(link.peer, "connection lost", reported_by=self.node_id)
 
-    def _classify(self, parts: list[zmq.Frame], key: tuple[int, int]) -> _Frame | None:
+    def _classify(self, parts: list[zmq.Frame], key: tuple[int, int]) -> Frame | None:
         self.stats.frames_received += 1
         if len(parts) != 3:
             self.stats.dropped_malformed += 1
@@ -725,7 +648,7 @@ class Communicator:
             if k[1] == key[1] and k[0] > key[0]:
                 self._newer_round = max(self._newer_round or 0, k[0])
             elif k[1] > key[1] and len(self._early) < self.config.max_early_frames:
-                self._early.append(_Frame(peer, header, parts[1], parts[2]))  # a later step's
+                self._early.append(Frame(peer, header, parts[1], parts[2]))  # a later step's
             return None
         if k[1] == key[1] - 1:
             # the peer still runs the step this node completed: it never got that round's
@@ -740,7 +663,7 @@ class Communicator:
             if k[1] == key[1]:
                 self._tell_newer(peer, key)
             return None
-        frame = _Frame(peer, header, parts[1], parts[2])
+        frame = Frame(peer, header, parts[1], parts[2])
         if k > key:
             if k[1] == key[1] and k[0] > key[0]:
                 # A peer runs this same step under a newer epoch: it never completes (and
@@ -756,7 +679,7 @@ class Communicator:
             return None
         return self._accept(frame)
 
-    def _accept(self, frame: _Frame) -> _Frame | None:
+    def _accept(self, frame: Frame) -> Frame | None:
         """A frame of the running round: dropped if not from a neighbour; an abort raises.
 
         Raises:
@@ -769,7 +692,7 @@ class Communicator:
             failed = frame.payload.bytes.decode(errors="replace")[:64] or frame.peer
             raise PeerFailure(failed, "aborted by a neighbour", reported_by=frame.peer)
         if frame.header.op == Op.RESULT:
-            raise _CaughtUp(frame)
+            raise CaughtUp(frame)
         return frame
 
     # ------------------------------------------------------------------ catching up
@@ -780,7 +703,7 @@ class Communicator:
         if link is None or peer in self._asked:
             return
         self._asked.add(peer)
-        _send_notice(link.socket, Op.BEHIND, key)
+        send_notice(link.socket, Op.BEHIND, key)
 
     def _offer_result(self, peer: str, key: tuple[int, int]) -> None:
         """Sends a neighbour still running ``key`` this node's kept result of that step."""
@@ -823,18 +746,3 @@ class Communicator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _result_of(frame: _Frame, tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor a RESULT frame carries, checked against the call's input.
-
-    Raises:
-        ProtocolError: its dtype, size or byte count does not match the input's.
-    """
-    h = frame.header
-    if h.dtype != tensor.dtype or h.nelem != tensor.numel():
-        raise ProtocolError(f"result frame from {frame.peer} does not match this round")
-    raw = frame.payload.buffer
-    if len(raw) != h.nelem * tensor.element_size():
-        raise ProtocolError(f"result frame from {frame.peer} has {len(raw)} bytes")
-    return torch.frombuffer(bytearray(raw), dtype=h.dtype)

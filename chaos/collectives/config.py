@@ -1,0 +1,101 @@
+"""Settings and counters of a :class:`~chaos.collectives.communicator.Communicator`.
+
+Both are re-exported by :mod:`chaos.collectives.communicator` and :mod:`chaos.collectives`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = ["WIRE_NAMES", "CollectiveStats", "CommunicatorConfig", "ReduceOp"]
+
+ReduceOp = Literal["sum", "mean"]
+
+WIRE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+              "float64": torch.float64}  # fmt: skip
+"""Wire dtype names accepted by ``wire_dtype``, and the dtype each one sends."""
+
+
+@dataclass(frozen=True)
+class CommunicatorConfig:
+    """Settings of one node's :class:`~chaos.collectives.communicator.Communicator`.
+
+    Args:
+        node_id: This node's id, as it appears in topologies.
+        listen: The data endpoint to bind (``tcp://HOST:PORT``; port ``*`` picks a free one, see
+            :attr:`Communicator.address`).
+        chunk_bytes: Wire bytes per frame. Smaller chunks pipeline deeper (tree stages overlap
+            more, ring reduce and send overlap) but cost a fixed per-frame overhead; tune it up
+            on fast links, down on slow deep trees.
+        timeout_s: Default progress timeout of a collective: the longest wait for the next frame
+            (or for the last sends to leave) before the neighbour is declared failed.
+        wire_dtype: Default wire format: ``None`` sends in the accumulation dtype (float32 for
+            half inputs); ``"float16"``/``"bfloat16"`` halve the bytes, accumulating in float32.
+        sndhwm: Per-link send queue limit in frames (0: unlimited).
+        sock_buf_bytes: Kernel socket buffer size (SO_SNDBUF/SO_RCVBUF) of every link; 0 keeps
+            the OS default. Raise it on links with a large bandwidth-delay product.
+        io_threads: ZeroMQ I/O threads of the context; more help only with many fast links.
+        max_early_frames: Frames of a future (epoch, step) kept until their allreduce starts;
+            beyond this they are dropped and counted.
+        poll_slice_s: Longest single poll, so that a peer reported dead from another thread
+            (:meth:`Communicator.report_dead`) is noticed within this time.
+        keep_frame_memory: Make glibc keep freed frame buffers mapped for reuse (see
+            :mod:`chaos.collectives.allocator`; process-wide). Saves the kernel zeroing fresh
+            pages for every received frame; turn it off if the process must give memory back
+            to the OS eagerly.
+
+    Raises:
+        ValueError: an empty node id, a non-positive size or timeout, or an unknown wire dtype.
+    """
+
+    node_id: str
+    listen: str = "tcp://127.0.0.1:*"
+    chunk_bytes: int = 1 << 20
+    timeout_s: float = 30.0
+    wire_dtype: str | None = None
+    sndhwm: int = 0
+    sock_buf_bytes: int = 0
+    io_threads: int = 1
+    max_early_frames: int = 4096
+    poll_slice_s: float = 0.1
+    keep_frame_memory: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.node_id:
+            raise ValueError("node_id must not be empty")
+        if not self.listen.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"listen must be a ZeroMQ endpoint, not {self.listen!r}")
+        if self.chunk_bytes < 64:
+            raise ValueError("chunk_bytes must be >= 64")
+        for name in ("timeout_s", "poll_slice_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.wire_dtype is not None and self.wire_dtype not in WIRE_NAMES:
+            raise ValueError(f"wire_dtype must be one of {sorted(WIRE_NAMES)} or None")
+        for name in ("sndhwm", "sock_buf_bytes", "max_early_frames"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.io_threads < 1:
+            raise ValueError("io_threads must be >= 1")
+
+
+@dataclass
+class CollectiveStats:
+    """Counters of one communicator (monotonic, for metrics and tests)."""
+
+    allreduces: int = 0
+    failures: int = 0
+    frames_received: int = 0
+    dropped_stale: int = 0
+    """Frames of an older (epoch, step) than the running or last allreduce: dropped unread."""
+    dropped_malformed: int = 0
+    dropped_unknown_peer: int = 0
+    dropped_early_overflow: int = 0
+    early_buffered: int = 0
+    results_sent: int = 0
+    """Kept round results sent to a neighbour that was a step behind (:attr:`Op.RESULT`)."""
+    caught_up: int = 0
+    """Rounds this node completed with a neighbour's kept result instead of running them."""

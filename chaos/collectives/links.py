@@ -1,0 +1,96 @@
+"""Records and small helpers of a :class:`~chaos.collectives.communicator.Communicator`.
+
+Internal to :mod:`chaos.collectives`: a neighbour link (:class:`Link`), a received frame
+(:class:`Frame`, which the algorithms consume), the named fault of
+:meth:`Communicator.fail_at <chaos.collectives.communicator.Communicator.fail_at>`
+(:class:`Fault`), the catch-up signal (:class:`CaughtUp`) with the check of the result frame it
+carries (:func:`result_of`), header-only notices (:func:`send_notice`) and the buffer overlap
+test of the allreduce's ``out`` (:func:`overlaps`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from chaos.collectives.frames import Header, Op, encode_header
+from chaos.errors import ProtocolError
+
+__all__ = ["CaughtUp", "Fault", "Frame", "Link", "overlaps", "result_of", "send_notice"]
+
+
+@dataclass
+class Link:
+    """The DEALER socket to one neighbour, its monitor, and what the monitor reported."""
+
+    peer: str
+    address: str
+    socket: zmq.Socket
+    monitor: zmq.Socket
+    connected: bool = False
+    lost: bool = False
+
+
+@dataclass
+class Frame:
+    """One received frame: the sending peer, its decoded header, and the raw parts."""
+
+    peer: str
+    header: Header
+    raw_header: zmq.Frame
+    payload: zmq.Frame
+
+
+def send_notice(sock: zmq.Socket, op: Op, key: tuple[int, int]) -> None:
+    """Sends a header-only frame (``NEWER``, ``BEHIND``); best effort: without it the peer
+    times out as it would have anyway."""
+    header = encode_header(op, torch.float32, 0, key[0], key[1], 0, 0)
+    try:
+        sock.send(header, zmq.SNDMORE | zmq.NOBLOCK)
+        sock.send(b"", zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass
+
+
+class CaughtUp(Exception):
+    """Internal: a neighbour sent the running step's result (see :attr:`Op.RESULT`)."""
+
+    def __init__(self, frame: Frame) -> None:
+        super().__init__("caught up")
+        self.frame = frame
+
+
+@dataclass
+class Fault:
+    """The fault set by ``Communicator.fail_at``: exit in ``step`` after ``after_frames`` sends."""
+
+    step: int
+    after_frames: int
+    before_exit: Callable[[], None] | None = None
+    sent: int = field(default=0)
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the storages of two tensors share (or may share) memory."""
+    a0 = a.untyped_storage().data_ptr()
+    b0 = b.untyped_storage().data_ptr()
+    return a0 == b0 or (a.numel() > 0 and b.numel() > 0 and a0 < b0 + b.untyped_storage().nbytes()
+                        and b0 < a0 + a.untyped_storage().nbytes())  # fmt: skip
+
+
+def result_of(frame: Frame, tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor a RESULT frame carries, checked against the call's input.
+
+    Raises:
+        ProtocolError: its dtype, size or byte count does not match the input's.
+    """
+    h = frame.header
+    if h.dtype != tensor.dtype or h.nelem != tensor.numel():
+        raise ProtocolError(f"result frame from {frame.peer} does not match this round")
+    raw = frame.payload.buffer
+    if len(raw) != h.nelem * tensor.element_size():
+        raise ProtocolError(f"result frame from {frame.peer} has {len(raw)} bytes")
+    return torch.frombuffer(bytearray(raw), dtype=h.dtype)
