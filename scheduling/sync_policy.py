@@ -114,6 +114,46 @@ def build_sync_policy(
     Raises:
         ValueError: no nodes, duplicate nodes, or a non-positive size or bandwidth.
     """
+    _check_inputs(nodes, message_bytes, default_bandwidth_bps, chunk_bytes)
+    g = _graph(nodes, links, default_bandwidth_bps, default_latency_s)
+    ordered = tuple(sorted(nodes))
+    if len(ordered) == 1:
+        return SyncPolicy(
+            "single", ordered, ordered[0], ((ordered[0], None),), (), 0.0, 0.0, 0.0, 0.0, True
+        )
+    connected = nx.is_connected(g)
+    root, parents, tree_bw, tree_lat, depth = _tree(g)
+    tree_t = _tree_time(message_bytes, chunk_bytes, tree_bw, tree_lat, depth)
+    if not connected:
+        tree_t = math.inf
+    ring = _ring(g, max_ring_nodes, ring_search_budget) if connected else None
+    ring_t = math.inf
+    ring_bw = 0.0
+    if ring is not None:
+        ring_bw, ring_t = _ring_estimate(g, ring, message_bytes)
+    if ring is not None and ring_t < tree_t:
+        return SyncPolicy(
+            "ring", ordered, None, (), tuple(ring), ring_bw, ring_t, tree_t, ring_t, connected
+        )
+    return SyncPolicy(
+        "tree", ordered, root, parents, (), tree_bw, tree_t, tree_t, ring_t, connected
+    )
+
+
+def _check_inputs(
+    nodes: Sequence[str], message_bytes: float, default_bandwidth_bps: float, chunk_bytes: float
+) -> None:
+    """Validates :func:`build_sync_policy`'s arguments.
+
+    Args:
+        nodes: The members.
+        message_bytes: Gradient size used by the time estimates.
+        default_bandwidth_bps: Bandwidth assumed for a link not measured yet.
+        chunk_bytes: Pipeline chunk of the tree.
+
+    Raises:
+        ValueError: no nodes, duplicate nodes, or a non-positive size or bandwidth.
+    """
     if not nodes:
         raise ValueError("a sync policy needs at least one node")
     if len(set(nodes)) != len(nodes):
@@ -125,33 +165,69 @@ def build_sync_policy(
     ):
         if not v > 0:
             raise ValueError(f"{name} must be > 0")
-    g = _graph(nodes, links, default_bandwidth_bps, default_latency_s)
-    ordered = tuple(sorted(nodes))
-    if len(ordered) == 1:
-        return SyncPolicy(
-            "single", ordered, ordered[0], ((ordered[0], None),), (), 0.0, 0.0, 0.0, 0.0, True
-        )
-    connected = nx.is_connected(g)
-    root, parents, tree_bw, tree_lat, depth = _tree(g)
-    tree_t = 2 * (message_bytes * 8 / tree_bw + depth * (tree_lat + chunk_bytes * 8 / tree_bw))
-    if not connected:
-        tree_t = math.inf
-    ring = _ring(g, max_ring_nodes, ring_search_budget) if connected else None
-    ring_t = math.inf
-    ring_bw = 0.0
-    if ring is not None:
-        edges = list(zip(ring, ring[1:] + ring[:1], strict=True))
-        ring_bw = min(g.edges[e]["bw"] for e in edges)
-        ring_lat = max(g.edges[e]["lat"] for e in edges)
-        n = len(ring)
-        ring_t = 2 * (n - 1) * (message_bytes * 8 / n / ring_bw + ring_lat)
-    if ring is not None and ring_t < tree_t:
-        return SyncPolicy(
-            "ring", ordered, None, (), tuple(ring), ring_bw, ring_t, tree_t, ring_t, connected
-        )
-    return SyncPolicy(
-        "tree", ordered, root, parents, (), tree_bw, tree_t, tree_t, ring_t, connected
-    )
+
+
+def _tree_time(
+    message_bytes: float, chunk_bytes: float, bw: float, lat: float, depth: int
+) -> float:
+    """Estimated time of a pipelined tree reduce then broadcast.
+
+    Args:
+        message_bytes: Gradient size, bytes.
+        chunk_bytes: Pipeline chunk, bytes.
+        bw: The tree's bottleneck bandwidth, bits per second.
+        lat: The tree's slowest link latency, seconds.
+        depth: The tree's depth.
+
+    Returns:
+        ``2 * (M / B_min + d * (lat_max + c / B_min))`` in seconds (sizes counted in bits).
+    """
+    return 2 * (message_bytes * 8 / bw + depth * (lat + chunk_bytes * 8 / bw))
+
+
+def _ring_time(n: int, message_bytes: float, bw: float, lat: float) -> float:
+    """Estimated time of a ring allreduce.
+
+    Args:
+        n: Nodes on the ring.
+        message_bytes: Gradient size, bytes.
+        bw: The ring's bottleneck bandwidth, bits per second.
+        lat: The ring's slowest link latency, seconds.
+
+    Returns:
+        ``2 * (n - 1) * (M / n / B_min + lat_max)`` in seconds (sizes counted in bits).
+    """
+    return 2 * (n - 1) * (message_bytes * 8 / n / bw + lat)
+
+
+def _ring_edges(ring: Sequence[str]) -> list[tuple[str, str]]:
+    """The links of a ring, each node to its successor (the last to the first).
+
+    Args:
+        ring: The ring order.
+
+    Returns:
+        The ``(node, successor)`` pairs, in ring order.
+    """
+    order = list(ring)
+    return list(zip(order, order[1:] + order[:1], strict=True))
+
+
+def _ring_estimate(g: nx.Graph, ring: list[str], message_bytes: float) -> tuple[float, float]:
+    """The bottleneck and estimated allreduce time of a ring of ``g``.
+
+    Args:
+        g: The overlay graph (edges with ``bw`` and ``lat``).
+        ring: The ring order; every consecutive pair is an edge of ``g``.
+        message_bytes: Gradient size, bytes.
+
+    Returns:
+        ``(bottleneck_bps, est_time_s)``.
+    """
+    edges = _ring_edges(ring)
+    ring_bw = min(g.edges[e]["bw"] for e in edges)
+    ring_lat = max(g.edges[e]["lat"] for e in edges)
+    return ring_bw, _ring_time(len(ring), message_bytes, ring_bw, ring_lat)
 
 
 def _graph(
@@ -287,21 +363,10 @@ def retain_structure(
     ):
         return candidate
     g = _graph(candidate.nodes, links, default_bandwidth_bps, default_latency_s)
-    if previous.kind == "ring":
-        ring = list(previous.ring)
-        edges = list(zip(ring, ring[1:] + ring[:1], strict=True))
-    else:
-        edges = [(c, p) for c, p in previous.parents if p is not None]
-    if not edges or not all(g.has_edge(a, b) for a, b in edges):
+    estimate = _reestimate(previous, g, message_bytes, chunk_bytes)
+    if estimate is None:
         return candidate
-    bw = min(g.edges[e]["bw"] for e in edges)
-    lat = max(g.edges[e]["lat"] for e in edges)
-    if previous.kind == "ring":
-        n = len(previous.ring)
-        t = 2 * (n - 1) * (message_bytes * 8 / n / bw + lat)
-    else:
-        depth = _depth(previous.parents)
-        t = 2 * (message_bytes * 8 / bw + depth * (lat + chunk_bytes * 8 / bw))
+    bw, t = estimate
     if candidate.est_time_s < t * (1.0 - min_gain):
         return candidate
     tree_t = t if previous.kind == "tree" else candidate.tree_time_s
@@ -310,6 +375,36 @@ def retain_structure(
         previous.kind, previous.nodes, previous.root, previous.parents, previous.ring, bw, t,
         tree_t, ring_t, True,
     )  # fmt: skip
+
+
+def _reestimate(
+    previous: SyncPolicy, g: nx.Graph, message_bytes: float, chunk_bytes: float
+) -> tuple[float, float] | None:
+    """Re-estimates a tree or ring structure over the overlay as it is now.
+
+    Args:
+        previous: The structure in force (``kind`` is ``"tree"`` or ``"ring"``).
+        g: The overlay graph (edges with ``bw`` and ``lat``), as :func:`_graph` builds it.
+        message_bytes: Gradient size, bytes.
+        chunk_bytes: Pipeline chunk of a tree, bytes.
+
+    Returns:
+        ``(bottleneck_bps, est_time_s)``, or ``None`` when the structure has no edge or one of
+        its edges is no longer up.
+    """
+    if previous.kind == "ring":
+        edges = _ring_edges(previous.ring)
+    else:
+        edges = [(c, p) for c, p in previous.parents if p is not None]
+    if not edges or not all(g.has_edge(a, b) for a, b in edges):
+        return None
+    bw = min(g.edges[e]["bw"] for e in edges)
+    lat = max(g.edges[e]["lat"] for e in edges)
+    if previous.kind == "ring":
+        t = _ring_time(len(previous.ring), message_bytes, bw, lat)
+    else:
+        t = _tree_time(message_bytes, chunk_bytes, bw, lat, _depth(previous.parents))
+    return bw, t
 
 
 def _depth(parents: tuple[tuple[str, str | None], ...]) -> int:
