@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import TYPE_CHECKING
 
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.monitor import ClusterMonitor
 from chaos.scheduling.sync_policy import SyncPolicy, build_sync_policy, retain_structure
 
 from chaos.protocol import DonorLink, ReplicationWire, SyncPolicyWire
+
+if TYPE_CHECKING:
+    from chaos.scheduling import Neighbor, Plan
 
 MAX_PLAN_SHARDS = 16_384
 """A plan with more shards is re-planned at a larger fixed shard size (bounds the update's size)."""
@@ -156,35 +160,10 @@ def replication_policy(
         return ReplicationWire(target=joiner, skipped="state size unknown")
     if not links:
         return ReplicationWire(target=joiner, skipped="no neighbours")
-    from chaos.scheduling import Neighbor, plan_replication
-
     taus = sync_s or {}
     try:
-        neighbors = [
-            Neighbor.from_bandwidth(
-                nid,
-                bw if bw is not None else cfg.default_bandwidth_bps,
-                lat if lat is not None else 0.0,
-                taus.get(nid, 0.0),
-            )
-            for nid, (lat, bw) in sorted(links.items())
-        ]
-        plan = plan_replication(
-            tensor_sizes=sizes,
-            neighbors=neighbors,
-            per_shard_cost_s=cfg.per_shard_cost_s,
-            layout="flat",
-            method=_METHODS[cfg.replication_strategy],
-        )
-        if plan.num_shards > MAX_PLAN_SHARDS:
-            plan = plan_replication(
-                tensor_sizes=sizes,
-                neighbors=neighbors,
-                per_shard_cost_s=cfg.per_shard_cost_s,
-                layout="flat",
-                method=_METHODS[cfg.replication_strategy],
-                shard_size=math.ceil(sum(sizes) / MAX_PLAN_SHARDS),
-            )
+        neighbors = _neighbors(links, cfg, taus)
+        plan = _plan(sizes, neighbors, cfg)
     except (ValueError, ArithmeticError) as exc:
         log.warning("replication planning failed: %s", exc)
         return ReplicationWire(target=joiner, skipped=f"planning failed: {exc}"[:200])
@@ -203,3 +182,72 @@ def replication_policy(
         tensor_sizes=list(sizes) if tensor_sizes else [],
         method=_METHODS[cfg.replication_strategy],  # type: ignore[arg-type]
     )
+
+
+def _neighbors(
+    links: dict[str, tuple[float | None, float | None]],
+    cfg: DaemonConfig,
+    taus: dict[str, float],
+) -> list[Neighbor]:
+    """The joiner's donors as planner inputs, sorted by id.
+
+    Args:
+        links: Donor id -> (latency_s, bandwidth_bps); ``None``: not measured
+            (``cfg.default_bandwidth_bps`` and 0 s are assumed).
+        cfg: Gives the bandwidth assumed for unmeasured links.
+        taus: Donor id -> when it can start sending, in seconds (default 0).
+
+    Returns:
+        One :class:`~chaos.scheduling.Neighbor` per donor.
+
+    Raises:
+        ValueError: a bandwidth, latency or start time the planner rejects.
+    """
+    from chaos.scheduling import Neighbor
+
+    return [
+        Neighbor.from_bandwidth(
+            nid,
+            bw if bw is not None else cfg.default_bandwidth_bps,
+            lat if lat is not None else 0.0,
+            taus.get(nid, 0.0),
+        )
+        for nid, (lat, bw) in sorted(links.items())
+    ]
+
+
+def _plan(sizes: list[int], neighbors: list[Neighbor], cfg: DaemonConfig) -> Plan:
+    """Plans the replication, re-planning at a larger fixed shard size above
+    :data:`MAX_PLAN_SHARDS` shards.
+
+    Args:
+        sizes: Tensor sizes in canonical order (or the one total state size).
+        neighbors: The donors.
+        cfg: Per-shard cost and replication strategy.
+
+    Returns:
+        The plan.
+
+    Raises:
+        ValueError: the planner rejects its inputs.
+        ArithmeticError: the planner's arithmetic failed.
+    """
+    from chaos.scheduling import plan_replication
+
+    plan = plan_replication(
+        tensor_sizes=sizes,
+        neighbors=neighbors,
+        per_shard_cost_s=cfg.per_shard_cost_s,
+        layout="flat",
+        method=_METHODS[cfg.replication_strategy],
+    )
+    if plan.num_shards > MAX_PLAN_SHARDS:
+        plan = plan_replication(
+            tensor_sizes=sizes,
+            neighbors=neighbors,
+            per_shard_cost_s=cfg.per_shard_cost_s,
+            layout="flat",
+            method=_METHODS[cfg.replication_strategy],
+            shard_size=math.ceil(sum(sizes) / MAX_PLAN_SHARDS),
+        )
+    return plan
