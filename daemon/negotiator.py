@@ -228,11 +228,7 @@ class Negotiator:
         sync = self._current_sync()
         if replication is None:
             replication = self.trainers.carried()
-        prev = self.last_sync
-        same = not restart and prev is not None and same_data_plane(prev, sync)
-        topo_epoch = prev.topology_epoch if same and prev and prev.topology_epoch else self.epoch
-        sync = msgspec.structs.replace(sync, topology_epoch=topo_epoch)
-        self.last_sync = sync
+        sync = self._stamp_topology(sync, restart)
         op_id = uuid.uuid4().hex[:12]
         upd = ClusterUpdate(
             sender=self.host.node_id,
@@ -248,11 +244,61 @@ class Negotiator:
         )
         self.last_update = upd
         members = set(self.monitor.members())
+        op = self._track(
+            cause, members, op_id, reply, req_op_id, started if started is not None else now, now
+        )
+        self._announce(upd, members)
+        return op
+
+    def _stamp_topology(self, sync: SyncPolicyWire, restart: bool) -> SyncPolicyWire:
+        """Sets the policy's ``topology_epoch`` and records it as the policy in force.
+
+        The topology epoch is kept from the policy in force while the data plane stays wired
+        the same (and no restart is ordered); otherwise it is the new epoch.
+
+        Args:
+            sync: The policy being committed.
+            restart: Whether the commit restarts the allreduce in flight.
+
+        Returns:
+            ``sync`` with its ``topology_epoch`` set (also stored in ``last_sync``).
+        """
+        prev = self.last_sync
+        same = not restart and prev is not None and same_data_plane(prev, sync)
+        topo_epoch = prev.topology_epoch if same and prev and prev.topology_epoch else self.epoch
+        sync = msgspec.structs.replace(sync, topology_epoch=topo_epoch)
+        self.last_sync = sync
+        return sync
+
+    def _track(
+        self,
+        cause: str,
+        members: set[str],
+        op_id: str,
+        reply: ReplyPath | None,
+        req_op_id: str,
+        started: float,
+        now: float,
+    ) -> PendingOp:
+        """Records the committed epoch's view and the primitive waiting for its acks.
+
+        Args:
+            cause: The primitive's name.
+            members: The members that must acknowledge the epoch.
+            op_id: The update's op id.
+            reply: Where the requester waits for the result.
+            req_op_id: The requester's op id.
+            started: When the primitive started.
+            now: Monotonic time (the op's deadline counts from it).
+
+        Returns:
+            The pending primitive, registered in ``ops``.
+        """
         self.pending_views[self.epoch] = frozenset(members)
         op = PendingOp(
             cause,
             self.epoch,
-            started if started is not None else now,
+            started,
             set(members),
             op_id,
             reply,
@@ -260,22 +306,30 @@ class Negotiator:
             now + self.cfg.op_timeout_s,
         )
         self.ops[op_id] = op
+        return op
+
+    def _announce(self, upd: ClusterUpdate, members: set[str]) -> None:
+        """Sends a committed update to every member and logs the ``committed`` event.
+
+        Args:
+            upd: The update.
+            members: Its recipients.
+        """
         self.host.broadcast(
             {m: self.monitor.address(m) for m in sorted(members)}, upd
         )  # encoded once, sent to every member (to itself through the local queue)
         self.host.event(
             "committed",
-            cause=cause,
+            cause=upd.cause,
             epoch=self.epoch,
             term=self.host.term,
             members=sorted(members),
-            sync_kind=sync.kind,
-            topology_epoch=sync.topology_epoch,
-            apply_at=apply_at,
-            restart_allreduce=restart,
-            op_id=op_id,
+            sync_kind=upd.sync.kind,
+            topology_epoch=upd.sync.topology_epoch,
+            apply_at=upd.apply_at,
+            restart_allreduce=upd.restart_allreduce,
+            op_id=upd.op_id,
         )
-        return op
 
     def on_ack(self, msg: PolicyAck, now: float) -> None:
         """Counts a member's acknowledgement of an epoch."""
