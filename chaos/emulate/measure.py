@@ -87,24 +87,8 @@ def bulk_transfer(
     cli = netns_socket(src_ns)
     done = threading.Event()
     try:
-        srv.bind((dst_addr, 0))
-        srv.listen(1)
-        srv.settimeout(timeout_s)
-        cli.settimeout(timeout_s)
-        if pacing_bps is not None:
-            cli.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, int(pacing_bps / 8))
-        cli.connect(srv.getsockname())
-        conn, _ = srv.accept()
-        sender = threading.Thread(target=_send_until, args=(cli, done), daemon=True)
-        sender.start()
-        try:
-            with conn:
-                conn.settimeout(timeout_s)
-                window_bytes, window_s = _receive_window(conn, warmup_s, duration_s, timeout_s)
-                mss = cli.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG)
-        finally:
-            done.set()
-        sender.join(timeout_s)
+        conn = _open_connection(srv, cli, dst_addr, timeout_s, pacing_bps)
+        window_bytes, window_s, mss = _run_window(conn, cli, done, warmup_s, duration_s, timeout_s)
     except TimeoutError as e:
         msg = f"bulk transfer {src_ns} -> {dst_addr}: no progress in {timeout_s} s"
         raise ChaosTimeout(msg) from e
@@ -114,6 +98,81 @@ def bulk_transfer(
         srv.close()
     goodput = window_bytes * 8 / window_s
     return BulkResult(goodput, goodput * (mtu + ETH_HEADER) / mss, mss, window_s, window_bytes)
+
+
+def _open_connection(
+    srv: socket.socket,
+    cli: socket.socket,
+    dst_addr: str,
+    timeout_s: float,
+    pacing_bps: float | None,
+) -> socket.socket:
+    """Connects ``cli`` to a listener on ``srv`` bound to ``dst_addr``.
+
+    Args:
+        srv: The receiver's TCP socket (not bound yet).
+        cli: The sender's TCP socket.
+        dst_addr: Address ``srv`` binds to (any port).
+        timeout_s: Timeout of every blocking call on both sockets.
+        pacing_bps: Cap on the sender's rate (frames counted), or ``None``.
+
+    Returns:
+        The receiver's end of the accepted connection.
+
+    Raises:
+        TimeoutError: the connection was not made in ``timeout_s``.
+        OSError: another socket error (e.g. unreachable).
+    """
+    srv.bind((dst_addr, 0))
+    srv.listen(1)
+    srv.settimeout(timeout_s)
+    cli.settimeout(timeout_s)
+    if pacing_bps is not None:
+        cli.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, int(pacing_bps / 8))
+    cli.connect(srv.getsockname())
+    conn, _ = srv.accept()
+    return conn
+
+
+def _run_window(
+    conn: socket.socket,
+    cli: socket.socket,
+    done: threading.Event,
+    warmup_s: float,
+    duration_s: float,
+    timeout_s: float,
+) -> tuple[int, float, int]:
+    """Sends from ``cli`` in a thread while ``conn`` measures one window, then stops the sender.
+
+    ``conn`` is closed on return.
+
+    Args:
+        conn: The receiver's end of the connection.
+        cli: The sender's socket.
+        done: Set (also on error) to stop the sender.
+        warmup_s: Time ignored before the window.
+        duration_s: The measuring window.
+        timeout_s: Timeout of ``conn``'s reads and of waiting for the sender to stop.
+
+    Returns:
+        ``(window_bytes, window_s, mss)``.
+
+    Raises:
+        TimeoutError: no data flowed for ``timeout_s``.
+        ChaosTimeout: the window did not end in ``warmup_s + duration_s + timeout_s``.
+        OSError: another socket error.
+    """
+    sender = threading.Thread(target=_send_until, args=(cli, done), daemon=True)
+    sender.start()
+    try:
+        with conn:
+            conn.settimeout(timeout_s)
+            window_bytes, window_s = _receive_window(conn, warmup_s, duration_s, timeout_s)
+            mss = cli.getsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG)
+    finally:
+        done.set()
+    sender.join(timeout_s)
+    return window_bytes, window_s, mss
 
 
 def _send_until(sock: socket.socket, done: threading.Event) -> None:
@@ -230,23 +289,7 @@ def ping(
         cli.settimeout(timeout_s)
         t = threading.Thread(target=_echo, args=(echo, halt), daemon=True)
         t.start()
-        rtts: list[float] = []
-        sent = 0
-        for seq in range(count):
-            if stop is not None and stop.is_set():
-                break
-            sent += 1
-            t_send = time.perf_counter()
-            try:
-                cli.sendto(struct.pack("!Q", seq), echo.getsockname())
-            except OSError:  # no route (e.g. partitioned): a lost probe
-                rtt = None
-            else:
-                rtt = _await_echo(cli, seq, t_send, timeout_s)
-            if rtt is not None:
-                rtts.append(rtt)
-            if interval_s:
-                time.sleep(interval_s)
+        rtts, sent = _probe_series(cli, echo, count, interval_s, timeout_s, stop)
         halt.set()
         t.join(1.0)
     finally:
@@ -254,6 +297,48 @@ def ping(
         cli.close()
         echo.close()
     return PingResult(tuple(rtts), sent)
+
+
+def _probe_series(
+    cli: socket.socket,
+    echo: socket.socket,
+    count: int,
+    interval_s: float,
+    timeout_s: float,
+    stop: threading.Event | None,
+) -> tuple[list[float], int]:
+    """Sends numbered probes from ``cli`` to ``echo`` one at a time, each awaiting its answer.
+
+    Args:
+        cli: The pinging UDP socket.
+        echo: The echo socket (its address is the probes' destination).
+        count: Probes to send (fewer if ``stop`` is set first).
+        interval_s: Pause between an answer (or a loss) and the next probe.
+        timeout_s: How long a probe waits for its answer before counting as lost.
+        stop: Ends the series early when set.
+
+    Returns:
+        ``(rtts_s, sent)``: the answered round trips in order, and the probes sent (a probe
+        that could not be sent counts as sent and lost).
+    """
+    rtts: list[float] = []
+    sent = 0
+    for seq in range(count):
+        if stop is not None and stop.is_set():
+            break
+        sent += 1
+        t_send = time.perf_counter()
+        try:
+            cli.sendto(struct.pack("!Q", seq), echo.getsockname())
+        except OSError:  # no route (e.g. partitioned): a lost probe
+            rtt = None
+        else:
+            rtt = _await_echo(cli, seq, t_send, timeout_s)
+        if rtt is not None:
+            rtts.append(rtt)
+        if interval_s:
+            time.sleep(interval_s)
+    return rtts, sent
 
 
 def _await_echo(cli: socket.socket, seq: int, t_send: float, timeout_s: float) -> float | None:
