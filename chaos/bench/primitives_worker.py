@@ -25,6 +25,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
@@ -37,31 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         The process exit code.
     """
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--id", required=True)
-    ap.add_argument("--listen", required=True)
-    ap.add_argument("--join", default=None)
-    ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--compute-s", type=float, default=0.02)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--max-steps", type=int, default=1_000_000)
-    ap.add_argument("--step-timeout-s", type=float, default=30.0)
-    ap.add_argument("--policy-timeout-s", type=float, default=10.0)
-    ap.add_argument("--daemon-arg", action="append", default=[])
-    ap.add_argument("--no-policy-notices", action="store_true", help="ask at every boundary")
-    args = ap.parse_args(argv)
-    if args.compute_s < 0 or args.width < 1:
-        ap.error("--compute-s must be >= 0 and --width >= 1")
-
+    args = _parse_args(argv)
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(64, args.width),
-        torch.nn.ReLU(),
-        torch.nn.Linear(args.width, args.width),
-        torch.nn.ReLU(),
-        torch.nn.Linear(args.width, 10),
-    )
+    model = _model(args.width)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     gen = torch.Generator().manual_seed(sum(map(ord, args.id)))
     xs, ys = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
@@ -80,29 +60,102 @@ def main(argv: list[str] | None = None) -> int:
         ready = {"ready": True, "step": trainer.step, "epoch": trainer.epoch, "t": time.time()}
         out.write(json.dumps(ready) + "\n")
         out.flush()
-        seen = len(trainer.events)
-        while trainer.step < args.max_steps and not capture_exit_event():
-            t0 = time.time()
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(xs), ys).backward()
-            if args.compute_s:
-                time.sleep(args.compute_s)
-            tu = time.time()
-            trainer.update()
-            trainer.check_state_replication()
-            t1 = time.time()
-            rec = {"step": trainer.step, "epoch": trainer.epoch, "world": trainer.world_size}
-            for ev in trainer.events[seen:]:
-                out.write(json.dumps({"trainer_event": ev["event"], **ev}, default=str) + "\n")
-            seen = len(trainer.events)
-            out.write(json.dumps({**rec, "t0": t0, "tu": tu, "t1": t1}) + "\n")
-            out.flush()
+        _train(trainer, model, opt, (xs, ys), args, out)
         t_leave = time.time()
         trainer.request_node_exit()
         left = [e["t"] for e in trainer.events if e["event"] == "left"]
         done = {"left": True, "t_leave": t_leave, "t_left": left[-1] if left else None}
         out.write(json.dumps(done) + "\n")
     return 0
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parses the worker's command line.
+
+    Args:
+        argv: The arguments (``None``: ``sys.argv[1:]``).
+
+    Returns:
+        The parsed arguments.
+
+    Raises:
+        SystemExit: a usage error (``--help`` too).
+    """
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--id", required=True)
+    ap.add_argument("--listen", required=True)
+    ap.add_argument("--join", default=None)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--compute-s", type=float, default=0.02)
+    ap.add_argument("--width", type=int, default=256)
+    ap.add_argument("--max-steps", type=int, default=1_000_000)
+    ap.add_argument("--step-timeout-s", type=float, default=30.0)
+    ap.add_argument("--policy-timeout-s", type=float, default=10.0)
+    ap.add_argument("--daemon-arg", action="append", default=[])
+    ap.add_argument("--no-policy-notices", action="store_true", help="ask at every boundary")
+    args = ap.parse_args(argv)
+    if args.compute_s < 0 or args.width < 1:
+        ap.error("--compute-s must be >= 0 and --width >= 1")
+    return args
+
+
+def _model(width: int) -> torch.nn.Sequential:
+    """The small MLP every worker trains.
+
+    Args:
+        width: Width of its hidden layers.
+
+    Returns:
+        The model (64 inputs, 10 outputs).
+    """
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(width, 10),
+    )
+
+
+def _train(
+    trainer: Trainer,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    args: argparse.Namespace,
+    out: TextIO,
+) -> None:
+    """Trains until ``--max-steps`` or an exit request, writing each step's record.
+
+    Before a step's line, the trainer events raised since the previous one are written as
+    ``{"trainer_event": KIND, ...}`` lines.
+
+    Args:
+        trainer: The member's trainer.
+        model: The model it trains.
+        opt: The model's optimizer.
+        batch: The fixed ``(inputs, labels)`` batch every step trains on.
+        args: Gives ``max_steps`` and ``compute_s``.
+        out: The open output file (flushed after every step).
+    """
+    xs, ys = batch
+    seen = len(trainer.events)
+    while trainer.step < args.max_steps and not capture_exit_event():
+        t0 = time.time()
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(xs), ys).backward()
+        if args.compute_s:
+            time.sleep(args.compute_s)
+        tu = time.time()
+        trainer.update()
+        trainer.check_state_replication()
+        t1 = time.time()
+        rec = {"step": trainer.step, "epoch": trainer.epoch, "world": trainer.world_size}
+        for ev in trainer.events[seen:]:
+            out.write(json.dumps({"trainer_event": ev["event"], **ev}, default=str) + "\n")
+        seen = len(trainer.events)
+        out.write(json.dumps({**rec, "t0": t0, "tu": tu, "t1": t1}) + "\n")
+        out.flush()
 
 
 if __name__ == "__main__":
