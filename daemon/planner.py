@@ -234,20 +234,17 @@ def _plan(sizes: list[int], neighbors: list[Neighbor], cfg: DaemonConfig) -> Pla
     """
     from chaos.scheduling import plan_replication
 
-    plan = plan_replication(
-        tensor_sizes=sizes,
-        neighbors=neighbors,
-        per_shard_cost_s=cfg.per_shard_cost_s,
-        layout="flat",
-        method=_METHODS[cfg.replication_strategy],
-    )
-    if plan.num_shards > MAX_PLAN_SHARDS:
-        plan = plan_replication(
+    def plan(shard_size: int | None = None) -> Plan:
+        return plan_replication(
             tensor_sizes=sizes,
             neighbors=neighbors,
             per_shard_cost_s=cfg.per_shard_cost_s,
             layout="flat",
             method=_METHODS[cfg.replication_strategy],
-            shard_size=math.ceil(sum(sizes) / MAX_PLAN_SHARDS),
+            shard_size=shard_size,
         )
-    return plan
+
+    first = plan()
+    if first.num_shards <= MAX_PLAN_SHARDS:
+        return first
+    return plan(math.ceil(sum(sizes) / MAX_PLAN_SHARDS))
