@@ -1,8 +1,9 @@
 """The stall estimator of ``chaos-bench primitives``: pure functions over logged steps, no I/O.
 
-A step record is a dict with ``t0`` (its gradient computation began), ``t1`` (``update()`` and
-``check_state_replication()`` returned), ``epoch`` (the policy it ran under) and ``step``
-(wall-clock seconds). :func:`span` picks the steps a primitive spans for one member;
+A step record is a dict with ``t0`` (when its gradient computation began) and ``t1`` (when
+``update()`` and ``check_state_replication()`` returned), both wall-clock seconds, ``epoch``
+(the policy it ran under) and ``step`` (its number). :func:`span` picks the steps a primitive
+spans for one member;
 :func:`null_stalls_s` applies the same estimator to undisturbed steps (the placebo). The
 benchmark (:mod:`chaos.bench.primitives`) runs the cluster, reads the logs and feeds them here.
 """
