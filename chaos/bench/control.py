@@ -225,11 +225,6 @@ def _cpu_split_s(pid: int) -> tuple[float, float]:
     return loop_ns / 1e9, other_ns / 1e9
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU time of a process, all threads, in seconds."""
-    return sum(_cpu_split_s(pid))
-
-
 def _split_sum(pids: list[int]) -> tuple[float, float]:
     splits = [_cpu_split_s(p) for p in pids]
     return sum(x for x, _ in splits), sum(y for _, y in splits)
