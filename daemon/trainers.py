@@ -196,42 +196,65 @@ class TrainerRegistry:
         """A trainer's allreduce of epoch ``msg.epoch`` failed, blaming ``msg.detail``.
 
         The trainer waits for a newer policy before it reruns the step. When nothing else will
-        bring one (no newer epoch yet, and the blamed peer is still heard, so the failure
+        bring one (no newer structure epoch yet, and the blamed peer is heard, so the failure
         detector will not remove it), the scheduler commits a restart: the same membership
         under a new epoch, applied before the next allreduce.
 
-        A step that fails again, blaming the same peer, in the epoch that peer's last restart
-        made, gets its restart held back until ``failure_timeout_s`` after that restart: a
-        peer killed a moment ago is still heard, and every rerun fails at once on it, so
-        restarting at once would commit an epoch per failed rerun until the failure detector
-        acts. A held restart is committed by :meth:`tick` if the peer is then still a member
-        and no newer structure came.
-        """
-        self._answer(reply, msg.op_id)
-        suspect = msg.detail
-        if not self._restart_needed(suspect, msg.epoch, now):
-            return
-        last = self.restarted.get(suspect)
-        hold_s = self.neg.cfg.failure_timeout_s
-        if last is not None and msg.epoch >= last[0] and now < last[1] + hold_s:
-            if suspect not in self.held:
-                self.held[suspect] = (last[1] + hold_s, msg.epoch)
-                self.neg.host.event("restart_held", peer=suspect, epoch=msg.epoch,
-                                    due_in_s=last[1] + hold_s - now)  # fmt: skip
-            return
-        self._restart(suspect, now)
+        Two cases hold the restart back (event ``restart_held``) instead; :meth:`tick` commits
+        it when due if it is then still needed:
 
-    def _restart_needed(self, suspect: str, failed_epoch: int, now: float) -> bool:
-        """Whether a step that failed in ``failed_epoch`` blaming ``suspect`` needs a restart:
-        no newer data-plane structure was issued (a commit that kept the structure, e.g. a
-        link no tree uses, would not rerun the step: it does not count), and the failure
-        detector will not remove the peer (it is still heard)."""
+        - the blamed peer seems silent: held until the failure detector has had its turn
+          (``failure_timeout_s`` and one heartbeat after the peer was last heard). A dead peer
+          is removed by then, which brings the new epoch; a peer whose heartbeat was only late
+          (a busy host) is heard again, and gets its restart;
+        - the step failed again, blaming the same peer, in the epoch that peer's last restart
+          made: held until ``failure_timeout_s`` after that restart. A peer killed a moment ago
+          is still heard, and every rerun fails at once on it, so restarting at once would
+          commit an epoch per failed rerun until the failure detector acts.
+
+        The answer goes out after the decision, so a trainer (or a test) that has it sees the
+        restart's commit already logged.
+        """
+        self._restart_or_hold(msg.detail, msg.epoch, now)
+        self._answer(reply, msg.op_id)  # after the decision: an answer means it was taken
+
+    def _restart_or_hold(self, suspect: str, failed_epoch: int, now: float) -> None:
+        if self._newer_structure(failed_epoch) or suspect in self.held:
+            return
+        due = self._restart_due(suspect, failed_epoch, now)
+        if due <= now:
+            self._restart(suspect, now)
+            return
+        self.held[suspect] = (due, failed_epoch)
+        self.neg.host.event("restart_held", peer=suspect, epoch=failed_epoch, due_in_s=due - now)
+
+    def _newer_structure(self, failed_epoch: int) -> bool:
+        """Whether a data-plane structure newer than ``failed_epoch`` was issued (a commit that
+        kept the structure, e.g. a link no tree uses, would not rerun the step: it does not
+        count)."""
+        last = self.neg.last_sync
+        return (last.topology_epoch if last is not None else 0) > failed_epoch
+
+    def _silent(self, peer: str, now: float) -> bool:
+        """Whether ``peer`` is a member not heard for over 1.5 heartbeat intervals. The
+        scheduler itself is always heard: it is the one answering."""
         neg = self.neg
-        issued = neg.last_sync.topology_epoch if neg.last_sync is not None else 0
-        if issued > failed_epoch:
+        if peer == neg.host.node_id or not neg.monitor.has(peer):
             return False
-        silent_s = now - neg.last_heard.get(suspect, now)
-        return not (neg.monitor.has(suspect) and silent_s > neg.cfg.heartbeat_interval_s * 1.5)
+        return now - neg.last_heard.get(peer, now) > neg.cfg.heartbeat_interval_s * 1.5
+
+    def _restart_due(self, suspect: str, failed_epoch: int, now: float) -> float:
+        """When a restart for a step of ``failed_epoch`` that blamed ``suspect`` may be
+        committed (``now`` or earlier: at once)."""
+        cfg = self.neg.cfg
+        due = now
+        if self._silent(suspect, now):
+            heard = self.neg.last_heard.get(suspect, now)
+            due = max(due, heard + cfg.failure_timeout_s + cfg.heartbeat_interval_s)
+        last = self.restarted.get(suspect)
+        if last is not None and failed_epoch >= last[0]:
+            due = max(due, last[1] + cfg.failure_timeout_s)
+        return due
 
     def _restart(self, suspect: str, now: float) -> None:
         self.held.pop(suspect, None)
@@ -239,12 +262,13 @@ class TrainerRegistry:
         self.restarted[suspect] = (self.neg.epoch, now)
 
     def tick(self, now: float) -> None:
-        """Commits the held restarts that are due and still needed."""
+        """Commits the held restarts that are due and still needed: no newer structure came,
+        and the blamed peer is heard (a silent one is the failure detector's to remove)."""
         for suspect, (due, failed_epoch) in list(self.held.items()):
             if now < due:
                 continue
             self.held.pop(suspect)
-            if self._restart_needed(suspect, failed_epoch, now):
+            if not self._newer_structure(failed_epoch) and not self._silent(suspect, now):
                 self._restart(suspect, now)
 
     # -- bookkeeping -----------------------------------------------------------------------

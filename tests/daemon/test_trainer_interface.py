@@ -432,6 +432,46 @@ def test_a_step_that_fails_again_on_the_same_peer_waits_for_the_failure_detector
     assert restarts() == 3
 
 
+def test_a_late_heartbeat_holds_the_restart_and_the_scheduler_is_never_silent() -> None:
+    """A failed step blaming a peer whose heartbeat is late is held until the failure detector
+    has had its turn, then restarted if the peer is heard again (it was only late, on a busy
+    host). A step blaming the scheduler restarts at once however long ago it stamped itself
+    heard: it is the one answering."""
+    from chaos.protocol import TrainerEvent
+
+    neg, host = _negotiator()
+    neg.trainers.on_info(_info("a", True, SIZES), None, 1.0)
+    for t, n in enumerate("bcd"):
+        neg.trainers.on_info(_info(n, False), None, 2.0 + t)
+    cfg = neg.cfg
+
+    def failed(peer: str, now: float) -> None:
+        msg = TrainerEvent(sender="b", epoch=neg.epoch, kind="step_failed", detail=peer,
+                           op_id=f"op-{peer}-{now}")  # fmt: skip
+        neg.trainers.on_event(msg, None, now)
+        assert host.answers[-1].ok
+
+    def restarts() -> int:
+        return sum(1 for u in host.updates if u.cause == "allreduce_restart")
+
+    t0 = 10.0
+    neg.last_heard["a"] = t0 - 10 * cfg.heartbeat_interval_s  # the scheduler's own stamp
+    failed("a", t0)
+    assert restarts() == 1 and not neg.trainers.held
+    # c's heartbeat is two intervals late: held, not dropped
+    neg.last_heard["c"] = t0 - 2 * cfg.heartbeat_interval_s
+    failed("c", t0 + 0.01)
+    assert restarts() == 1 and "c" in neg.trainers.held
+    held = [f for name, f in host.events if name == "restart_held"]
+    due = neg.last_heard["c"] + cfg.failure_timeout_s + cfg.heartbeat_interval_s
+    assert held[-1]["peer"] == "c" and held[-1]["due_in_s"] == pytest.approx(due - t0 - 0.01)
+    neg.tick(due - 0.01)  # not yet due
+    assert restarts() == 1
+    neg.last_heard["c"] = due - 0.01  # heard again before the hold ended
+    neg.tick(due)
+    assert restarts() == 2 and not neg.trainers.held
+
+
 def test_a_link_measurement_commits_an_epoch_only_when_it_changes_the_sync_policy() -> None:
     from chaos.protocol import LinkReport
 
