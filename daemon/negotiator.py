@@ -463,6 +463,8 @@ class Negotiator:
         """Rebuilds the view from an agent's report after an election."""
         self.last_heard[msg.sender] = now
         self.epoch = max(self.epoch, msg.epoch)
+        late = self.last_update is not None  # the rebuild was committed without this report
+        changed = False
         if self.monitor.has(msg.sender):
             self.monitor.set_resources(msg.sender, msg.resources)
             for link in msg.links:
@@ -474,7 +476,7 @@ class Negotiator:
                         latency_s=link.latency_s,
                         bandwidth_bps=link.bandwidth_bps,
                     )
-            self.trainers.absorb(
+            changed = self.trainers.absorb(
                 msg.sender,
                 {
                     "trainer": msg.trainer,
@@ -485,6 +487,8 @@ class Negotiator:
             )
         self.rebuilding.discard(msg.sender)
         self._maybe_finish_rebuild(now)
+        if late and changed:  # e.g. a trainer that became ready: its policy must say so
+            self.commit("trainer_report", now)
 
     def _maybe_finish_rebuild(self, now: float) -> None:
         if self.last_update is not None:

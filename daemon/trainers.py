@@ -286,23 +286,29 @@ class TrainerRegistry:
         self.restarted.pop(node, None)
         self.held.pop(node, None)
 
-    def absorb(self, node: str, fields: dict[str, Any]) -> None:
+    def absorb(self, node: str, fields: dict[str, Any]) -> bool:
         """Takes a member's trainer fields (those of its :class:`AgentReport`) after an election.
 
         Args:
             node: The member.
             fields: ``trainer``, ``data_address``, ``shard_address`` and ``tensor_sizes``.
+
+        Returns:
+            Whether the member's trainer state or endpoints changed (the sync policy may).
         """
         mon = self.neg.monitor
         if not mon.has(node) or fields.get("trainer", "none") == "none":
-            return
+            return False
         state = TrainerState(fields["trainer"])
         data = fields.get("data_address") or mon.node_attr(node, "data_address")
         shard = fields.get("shard_address") or mon.node_attr(node, "shard_address")
         sizes = fields.get("tensor_sizes")
+        before = (mon.trainer(node), mon.node_attr(node, "data_address"),
+                  mon.node_attr(node, "shard_address"))  # fmt: skip
         mon.set_trainer(node, state, data, shard, sizes)
         if state == TrainerState.TRAINING and sizes:
             self.layout = list(sizes)
+        return before != (state, data, shard)
 
     def replan_syncing(self) -> None:
         """After an election: plans again for the syncing nodes whose plan was lost."""

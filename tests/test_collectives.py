@@ -23,6 +23,7 @@ import pytest
 import torch
 import zmq
 from chaos.scheduling.sync_policy import LinkEstimate, build_sync_policy
+from zmq.utils.monitor import recv_monitor_message
 
 from chaos.collectives import (
     Communicator,
@@ -159,6 +160,12 @@ class Cluster:
     def allreduce(self, members: list[str], **spec: Any) -> dict[str, tuple[str, Any]]:
         return self.send(members, "allreduce", spec)
 
+    def allreduce_each(self, specs: dict[str, dict[str, Any]]) -> dict[str, tuple[str, Any]]:
+        """One allreduce with a spec per member (e.g. different timeouts)."""
+        for n, spec in specs.items():
+            self.commands[n].put(("allreduce", spec))
+        return {name: (kind, info) for kind, name, info in (self._reply(n) for n in specs)}
+
 
 @contextmanager
 def cluster(size: int) -> Iterator[Cluster]:
@@ -224,8 +231,12 @@ def test_stale_epoch_frames_are_dropped_and_the_step_reruns() -> None:
     members = ["n0", "n1", "n2"]
     with cluster(3) as c:
         c.topology(members, "ring", ring_order=("n0", "n1", "n2"))
-        # n2 does not take part: n0 and n1 fail, leaving epoch-1 frames queued at n2
-        failed = c.allreduce(["n0", "n1"], numel=5_000, seed=1, op="sum", timeout_s=1.0)
+        # n2 does not take part: n0 and n1 fail, leaving epoch-1 frames queued at n2. n0 times
+        # out on n2 and aborts; n1, which waits on n0, has the longer timeout, so that it learns
+        # the cause from n0's abort instead of timing out on n0 itself (a race on equal ones)
+        spec = {"numel": 5_000, "seed": 1, "op": "sum"}
+        failed = c.allreduce_each({"n0": {**spec, "timeout_s": 1.0},
+                                   "n1": {**spec, "timeout_s": 10.0}})  # fmt: skip
         for kind, info in failed.values():
             assert kind == "failure"
             assert info["peer"] == "n2"
@@ -371,6 +382,20 @@ def test_reported_dead_neighbour_fails_fast_with_input_intact() -> None:
         assert timeout.value.peer == "b" and isinstance(timeout.value, TimeoutError)
 
 
+def _connect_and_wait_for_handshake(sock: zmq.Socket[bytes], address: str) -> None:
+    """Connects ``sock`` and returns once its ZMTP handshake succeeded, so that what it sends
+    next is delivered during the next allreduce's short window, not after it."""
+    mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        sock.connect(address)
+        if not mon.poll(timeout=10_000):
+            raise AssertionError(f"no handshake with {address} within 10 s")
+        recv_monitor_message(mon)
+    finally:
+        sock.disable_monitor()
+        mon.close(linger=0)
+
+
 @contextmanager
 def _ring_ab_with_raw_peer(routing_id: bytes) -> Iterator[tuple[Communicator, zmq.Socket]]:
     """Member ``a`` of the ring (a, b) at epoch 1, and a raw DEALER that sends to it as
@@ -382,8 +407,8 @@ def _ring_ab_with_raw_peer(routing_id: bytes) -> Iterator[tuple[Communicator, zm
         comm.update_topology(Topology("ring", ("a", "b"), addrs, 1, ring_order=("a", "b")))
         raw = ctx.socket(zmq.DEALER)
         raw.setsockopt(zmq.ROUTING_ID, routing_id)
-        raw.connect(comm.address)
         try:
+            _connect_and_wait_for_handshake(raw, comm.address)
             yield comm, raw
         finally:
             raw.close(linger=0)

@@ -472,6 +472,40 @@ def test_a_late_heartbeat_holds_the_restart_and_the_scheduler_is_never_silent() 
     assert restarts() == 2 and not neg.trainers.held
 
 
+def test_a_report_after_the_rebuild_that_changes_a_trainer_commits_an_epoch() -> None:
+    """A new scheduler commits its rebuild at the deadline without the reports still missing.
+    A report that comes later and says a trainer became ``training`` (it sent ``ready`` just
+    before the election) commits a new epoch; the same report again commits nothing."""
+    from chaos.daemon.negotiator import Negotiator
+
+    from chaos.protocol import AgentReport
+
+    old, _ = _negotiator()
+    old.trainers.on_info(_info("a", True, SIZES), None, 1.0)
+    old.trainers.on_info(_info("b", False), None, 2.0)
+    view = old.monitor.to_view(old.epoch, 1, "a")
+    host = _Host()
+    neg = Negotiator(host, old.cfg, view, 10.0)
+    assert neg.monitor.trainer("b").value == "syncing"
+    deadline = 10.0 + neg.cfg.failure_timeout_s
+    for m in "bcd":  # every member is heard; none has reported yet
+        neg.on_heartbeat(m, None, deadline - 0.1)
+    neg.check_failures(deadline + 0.01)
+    assert [u.cause for u in host.updates] == ["reelection"]
+
+    def report(now: float) -> None:
+        msg = AgentReport(sender="b", epoch=view.epoch, term=1, address="tcp://127.0.0.1:10",
+                          joined_at=0.0, data_address="tcp://b:1",
+                          shard_address="ipc:///tmp/b-1", trainer="training")  # fmt: skip
+        neg.on_agent_report(msg, now)
+
+    report(deadline + 0.1)
+    assert [u.cause for u in host.updates] == ["reelection", "trainer_report"]
+    assert neg.monitor.trainer("b").value == "training"
+    report(deadline + 0.2)
+    assert len(host.updates) == 2
+
+
 def test_a_link_measurement_commits_an_epoch_only_when_it_changes_the_sync_policy() -> None:
     from chaos.protocol import LinkReport
 
