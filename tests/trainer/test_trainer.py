@@ -195,11 +195,14 @@ def test_link_removal_changes_the_policy_and_training_goes_on(cluster: Cluster) 
     cluster.wait(lambda: all(_world(m, 3) for m in (a, b, c)), "three members")
     added = _cli("link", "add", "c", "--connect", b.address)
     assert added.returncode == 0, added.stderr
-    epoch = c.last()["epoch"]
     removed = _cli("link", "remove", "b", "--connect", a.address)  # overlay: a-c, b-c
     assert removed.returncode == 0, removed.stderr
+    # every member acknowledged the removal's epoch before the CLI returned
+    status = _cli("status", "--connect", a.address, "--json")
+    assert status.returncode == 0, status.stderr
+    removal = json.loads(status.stdout)["epoch"]
     cluster.wait(
-        lambda: all(m.last()["epoch"] > epoch and _world(m, 3) for m in (a, b, c)),
+        lambda: all(m.last()["epoch"] >= removal and _world(m, 3) for m in (a, b, c)),
         "the new sync policy",
     )
     first = max(m.last()["step"] for m in (a, b, c))
