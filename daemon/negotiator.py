@@ -35,10 +35,10 @@ from typing import Protocol
 
 import msgspec
 from chaos.daemon.config import DaemonConfig
+from chaos.daemon.link_checks import LinkChecks
 from chaos.daemon.monitor import ClusterMonitor
 from chaos.daemon.planner import (
     data_addresses,
-    policy_edges,
     replication_policy,
     same_data_plane,
     sync_policy,
@@ -69,25 +69,6 @@ from chaos.protocol import (
 )
 
 log = logging.getLogger("chaos.daemon.negotiator")
-
-_MAX_CONFIRMING = 64
-"""Confirming bandwidth probes remembered at most; the oldest (never answered: its node left or
-failed) is forgotten first."""
-
-
-@dataclass
-class LinkCheck:
-    """A measurement that would re-wire the data plane, being checked: a second probe of the new
-    link, and fresh probes of the links the new structure would drop, all ordered at once so
-    that they measure under the same conditions."""
-
-    link: frozenset[str]
-    first: float
-    """The first measurement of ``link`` (bit/s); it counts at the lower of its two figures."""
-    pending: set[str]
-    """Op ids of the probes not answered yet."""
-    reports: list[LinkReport] = field(default_factory=list)
-
 
 class SchedulerHost(Protocol):
     """What the negotiator needs from its daemon."""
@@ -200,7 +181,7 @@ class Negotiator:
         self.scaleouts: dict[str, ScaleOut] = {}
         self.linkops: dict[str, LinkOp] = {}
         # bandwidth probes ordered to check a measurement that would re-wire the data plane
-        self.confirming: dict[str, LinkCheck] = {}
+        self.checks = LinkChecks(self)
         self.last_sync: SyncPolicyWire | None = None
         self.last_update: ClusterUpdate | None = None
         self.trainers = TrainerRegistry(self)
@@ -225,7 +206,7 @@ class Negotiator:
         """
         self.epoch += 1
         view = self.monitor.to_view(self.epoch, self.host.term, self.host.node_id)
-        sync = self._current_sync()
+        sync = self.current_sync()
         if replication is None:
             replication = self.trainers.carried()
         sync = self._stamp_topology(sync, restart)
@@ -690,82 +671,16 @@ class Negotiator:
             return
         if msg.op_id.startswith("pre-"):
             return  # the measurement of a connect-link that was refused or timed out
-        check = self.confirming.pop(msg.op_id, None)
-        if check is not None:
-            check.pending.discard(msg.op_id)
-            check.reports.append(msg)
-            if not check.pending:
-                self._settle_check(check, now)
-        elif msg.up and self.monitor.link(msg.sender, j) is not None:  # bandwidth refinement
-            self._refine(msg, now)
+        if self.checks.take(msg, now):
+            return  # a confirming probe
+        if msg.up and self.monitor.link(msg.sender, j) is not None:  # bandwidth refinement
+            self.checks.refine(msg, now)
 
-    def _refine(self, msg: LinkReport, now: float) -> None:
-        """Takes a link's bandwidth measurement; commits only if the data plane changes.
-
-        A measurement that would change the data plane (every trainer re-wires) is not taken
-        at once: a second probe of the link and fresh probes of the links the new structure
-        would drop are ordered together (event ``link_confirming``), and the change is decided
-        on those (:meth:`_settle_check`). One probe on a busy host measures the CPU more than
-        the link (loopback "links" vary from 1 to 14 Gbit/s with the load), so a new link
-        measured while the host was quiet would otherwise look faster than old links measured
-        while it was busy; and a switch that noise caused costs every member a re-wired step.
-
-        Args:
-            msg: The measurement (of the link ``msg.sender``-``msg.peer``).
-            now: The current time.
-        """
-        a, b = msg.sender, msg.peer
-        bw = msg.bandwidth_bps
-        before = self.monitor.link(a, b) or {}
-        self.monitor.set_link(a, b, up=True, latency_s=msg.latency_s, bandwidth_bps=bw)
-        current = self._current_sync()
-        if same_data_plane(self.last_sync, current):
-            self._refined(a, b, bw, msg.latency_s)
-            return
-        if bw is not None:
-            self.monitor.set_bandwidth(a, b, before.get("bandwidth_bps"))
-            dropped = policy_edges(self.last_sync) - policy_edges(current) - {frozenset((a, b))}
-            pairs = [(a, b)] + [tuple(sorted(e)) for e in dropped if self.monitor.link(*e)]
-            ops = [self._order_bandwidth_probe(x, y, prefix="confirm-") for x, y in pairs]
-            if ops[0] is not None:
-                check = LinkCheck(frozenset((a, b)), bw, {o for o in ops if o is not None})
-                for op_id in check.pending:
-                    if len(self.confirming) >= _MAX_CONFIRMING:  # forget the oldest
-                        self.confirming.pop(next(iter(self.confirming)))
-                    self.confirming[op_id] = check
-                self.host.event("link_confirming", a=a, b=b, bandwidth_bps=bw,
-                                rechecked=[list(p) for p in pairs[1:]])  # fmt: skip
-                return
-        self.commit("link_measured", now)
-
-    def _settle_check(self, check: LinkCheck, now: float) -> None:
-        """Every probe of a check answered: the links take their fresh figures (the new link
-        the lower of its two), and an epoch is committed if the data plane still changes."""
-        for r in check.reports:
-            pair = frozenset((r.sender, r.peer))
-            if not r.up or r.bandwidth_bps is None or self.monitor.link(r.sender, r.peer) is None:
-                continue  # a link that went down is reported (and handled) on its own
-            bw = min(r.bandwidth_bps, check.first) if pair == check.link else r.bandwidth_bps
-            self.monitor.set_link(r.sender, r.peer, up=True, latency_s=r.latency_s,
-                                  bandwidth_bps=bw)  # fmt: skip
-        if self._data_plane_changes():
-            self.commit("link_measured", now)
-        else:
-            a, b = sorted(check.link)
-            link = self.monitor.link(a, b) or {}
-            self._refined(a, b, link.get("bandwidth_bps"), link.get("latency_s"))
-
-    def _refined(self, a: str, b: str, bw: float | None, latency_s: float | None) -> None:
-        """Logs a measurement of a-b that left the trees and rings as they were: no epoch, so
-        no trainer installs (or reruns) anything."""
-        self.host.event("link_refined", a=a, b=b, bandwidth_bps=bw, latency_s=latency_s,
-                        epoch=self.epoch)  # fmt: skip
-
-    def _data_plane_changes(self) -> bool:
+    def data_plane_changes(self) -> bool:
         """Whether the sync policy built from the monitor now differs from the last one issued."""
-        return not same_data_plane(self.last_sync, self._current_sync())
+        return not same_data_plane(self.last_sync, self.current_sync())
 
-    def _current_sync(self) -> SyncPolicyWire:
+    def current_sync(self) -> SyncPolicyWire:
         """The sync policy the monitor gives now, with the members' data endpoints."""
         policy = sync_policy(self.monitor, self.cfg, self.last_sync)
         return to_wire(policy, data_addresses(self.monitor, policy.nodes))
@@ -780,9 +695,9 @@ class Negotiator:
             "connect_link", now, reply=lop.reply, req_op_id=lop.req.op_id, started=lop.started
         )
         # the bandwidth probe (a bulk transfer) starts once every member has the new policy
-        op.then = functools.partial(self._order_bandwidth_probe, a, b)
+        op.then = functools.partial(self.order_bandwidth_probe, a, b)
 
-    def _order_bandwidth_probe(self, a: str, b: str, prefix: str = "refine-") -> str | None:
+    def order_bandwidth_probe(self, a: str, b: str, prefix: str = "refine-") -> str | None:
         """Asks ``a`` to measure its link to ``b``; returns the operation id (``None``: either
         node is gone)."""
         if not (self.monitor.has(a) and self.monitor.has(b)):

@@ -557,9 +557,10 @@ def test_a_link_measurement_commits_an_epoch_only_when_it_changes_the_sync_polic
     # the second probe measures a-c slow (the first was noise): nothing is decided until b-c's
     # probe is in too; then the lower figure is kept, and nothing is committed
     measured(1e6, probes[("a", "c")])
-    assert neg.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(2.2e8) and neg.confirming
+    assert neg.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(2.2e8)
+    assert neg.checks.pending
     measured(2e8, probes[("b", "c")], sender="b")
-    assert neg.epoch == epoch and len(host.updates) == commits and not neg.confirming
+    assert neg.epoch == epoch and len(host.updates) == commits and not neg.checks.pending
     assert neg.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(1e6)
     # fast twice, but b-c, measured beside it, is as fast: the first figure of b-c was taken
     # on a busier host, not a slower link; both take their fresh figures, and the tree stays
