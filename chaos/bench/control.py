@@ -33,6 +33,7 @@ Measured, with the daemon's default heartbeat settings (0.5 s / 1.5 s):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -51,6 +52,7 @@ import click
 import psutil
 
 from chaos.daemon.client import DaemonClient
+from chaos.daemon.config import DaemonConfig
 from chaos.daemon.events import read_events
 from chaos.errors import ChaosError, ChaosTimeout
 from chaos.protocol import OpResult, StatusReply
@@ -429,6 +431,16 @@ def control_command(
     idle_s: float,
 ) -> None:
     """Control-plane benchmark with real daemons on loopback (default heartbeat settings)."""
+    result = _measure(nodes, repeats, scale_ins, kills, reelections, idle_s)
+    Path(json_path).write_text(json.dumps(result, indent=2))
+    _print_result(result)
+    click.echo(f"wrote {json_path}")
+
+
+def _measure(
+    nodes: int, repeats: int, scale_ins: int, kills: int, reelections: int, idle_s: float
+) -> dict[str, Any]:
+    """Runs every measurement on a fresh cluster of ``nodes`` daemons; returns the JSON."""
     with tempfile.TemporaryDirectory(prefix="chaos-bench-control-") as tmp:
         b = _Bench(Path(tmp))
         try:
@@ -448,7 +460,8 @@ def control_command(
             reelect_s = _reelections(b, ids, reelections)
         finally:
             b.close()
-    result = {
+    defaults = {f.name: f.default for f in dataclasses.fields(DaemonConfig)}
+    return {
         "nodes": nodes,
         **{f"{k}_ms": _summary(rec.done_ms[v]) for k, v in _PRIMITIVES.items()},
         "failure_detection_s": _summary(detect_s),
@@ -462,10 +475,13 @@ def control_command(
             k: {part: _summary(xs) for part, xs in v.items()} for k, v in cpu.split_ms.items()
         },
         "cpu_window_s": CPU_WINDOW_S,
-        "heartbeat_interval_s": 0.5,
-        "failure_timeout_s": 1.5,
+        "heartbeat_interval_s": defaults["heartbeat_interval_s"],
+        "failure_timeout_s": defaults["failure_timeout_s"],
     }
-    Path(json_path).write_text(json.dumps(result, indent=2))
+
+
+def _print_result(result: dict[str, Any]) -> None:
+    """The terminal table of :func:`_measure`'s figures."""
     click.echo(f"{'figure':<24}{'p50':>10}{'p99':>10}{'n':>5}")
     for key in (
         "scale_in_ms",
@@ -475,17 +491,17 @@ def control_command(
         "reelection_s",
     ):
         s = result[key]
-        click.echo(f"{key:<24}{s['p50']:>10.3f}{s['p99']:>10.3f}{s['n']:>5}")  # type: ignore[index]
+        click.echo(f"{key:<24}{s['p50']:>10.3f}{s['p99']:>10.3f}{s['n']:>5}")
     click.echo("control-path p50 (ms): completion / client round trip / scheduler side")
     for k in _PRIMITIVES:
-        rt, sd = result["client_round_trip_ms"][k], result["scheduler_side_ms"][k]  # type: ignore[index]
-        click.echo(f"  {k:<18}{result[f'{k}_ms']['p50']:>8.3f}{rt['p50']:>8.3f}{sd['p50']:>8.3f}")  # type: ignore[index]
+        rt, sd = result["client_round_trip_ms"][k], result["scheduler_side_ms"][k]
+        click.echo(f"  {k:<18}{result[f'{k}_ms']['p50']:>8.3f}{rt['p50']:>8.3f}{sd['p50']:>8.3f}")
+    idle_mean, idle_max = result["idle_cpu_percent"], result["idle_cpu_percent_max"]
     click.echo(f"idle daemon CPU: {idle_mean:.2f}% of one core (max {idle_max:.2f}%)")
-    for k, v in result["cpu_ms"].items():  # type: ignore[attr-defined]
-        split = result["cpu_split_ms"][k]  # type: ignore[index]
+    for k, v in result["cpu_ms"].items():
+        split = result["cpu_split_ms"][k]
         click.echo(
             f"control-plane CPU per {k}: p50 {v['p50']:.2f} ms (all daemons, idle use off; "
             f"event loops {split['event_loop']['p50']:.2f}, "
             f"other threads {split['other_threads']['p50']:.2f})"
         )
-    click.echo(f"wrote {json_path}")
