@@ -251,23 +251,37 @@ class Trainer:
         self.events: list[dict[str, Any]] = []
         self._embedded: EmbeddedDaemon | None = None
         t0 = time.monotonic()
-        if daemon is None:
-            self._embedded = EmbeddedDaemon(
-                self.node_id,
-                listen or free_tcp_address(self.config.host),
-                join,
-                self.config.daemon_args,
-                self.config.daemon_dir,
-            )
-            try:
-                self._embedded.wait_ready(self.config.join_timeout_s)
-            except BaseException:
-                self._embedded.stop(timeout_s=2.0)
-                raise
-            daemon = self._embedded.endpoint
-        self._client = DaemonClient(daemon, timeout_s=5.0)
+        try:
+            address = daemon if daemon is not None else self._start_embedded(join, listen)
+            self._client = DaemonClient(address, timeout_s=5.0)
+            self._comm, self._server = self._open_data_plane()
+            self._register_and_sync(join is not None, t0)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_embedded(self, join: str | None, listen: str | None) -> str:
+        """Starts this node's own daemon (joining ``join``, or a new cluster); returns its
+        endpoint once it is a member."""
+        embedded = EmbeddedDaemon(
+            self.node_id,
+            listen or free_tcp_address(self.config.host),
+            join,
+            self.config.daemon_args,
+            self.config.daemon_dir,
+        )
+        try:
+            embedded.wait_ready(self.config.join_timeout_s)
+        except BaseException:
+            embedded.stop(timeout_s=2.0)
+            raise
+        self._embedded = embedded
+        return embedded.endpoint
+
+    def _open_data_plane(self) -> tuple[Communicator, ShardServer]:
+        """The allreduce communicator and the shard server, on ephemeral ports."""
         host = self.config.host
-        self._comm = Communicator(
+        comm = Communicator(
             CommunicatorConfig(
                 self.node_id,
                 listen=f"tcp://{host}:*",
@@ -277,12 +291,11 @@ class Trainer:
                 poll_slice_s=min(0.1, self.config.poll_interval_s),
             )
         )
-        self._comm.set_interrupt(self._newer_policy, self.config.poll_interval_s)
-        self._server = ShardServer(ShardServerConfig(listen=f"tcp://{host}:*"))
+        comm.set_interrupt(self._newer_policy, self.config.poll_interval_s)
         try:
-            self._register_and_sync(join is not None, t0)
+            return comm, ShardServer(ShardServerConfig(listen=f"tcp://{host}:*"))
         except BaseException:
-            self.close()
+            comm.close()
             raise
 
     # ------------------------------------------------------------------ properties
@@ -794,9 +807,10 @@ class Trainer:
 
     def close(self) -> None:
         """Closes the data plane and the daemon connection; stops an embedded daemon."""
-        closers = [self._server.close, self._comm.close, self._client.close]
-        if self._watch is not None:
-            closers.append(self._watch.close)
+        # a constructor that failed part way closes what it had opened, and only that
+        names = ("_server", "_comm", "_client", "_watch")
+        parts = [part for name in names if (part := getattr(self, name, None)) is not None]
+        closers = [part.close for part in parts]
         for closer in closers:
             try:
                 closer()

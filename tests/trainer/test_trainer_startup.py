@@ -1,0 +1,57 @@
+"""A ``Trainer`` that cannot start raises a clear error and leaves nothing behind: no embedded
+daemon process, no open data-plane sockets."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from chaos.errors import ChaosError, ConfigError
+from chaos.trainer import Trainer
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Linear(4, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _listening_ports() -> set[int]:
+    conns = psutil.Process(os.getpid()).net_connections(kind="tcp")
+    return {c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN}
+
+
+def test_an_unknown_option_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="unknown Trainer option"):
+        Trainer(*_model(), daemon="ipc:///nonexistent", no_such_option=1)
+
+
+def test_a_join_that_cannot_complete_stops_the_embedded_daemon(tmp_path: Path) -> None:
+    """Nobody listens at the join address: the embedded daemon never becomes a member. The
+    constructor raises, and the daemon it started is gone."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ChaosError):
+        Trainer(*_model(), join=f"tcp://127.0.0.1:{_free_port()}", node_id="lonely",
+                join_timeout_s=3.0, daemon_dir=str(tmp_path))  # fmt: skip
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    alive = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert alive == [], [p.cmdline() for p in alive]
+
+
+def test_a_daemon_that_does_not_answer_closes_the_data_plane() -> None:
+    """The daemon address answers nothing: registration times out after the data plane was
+    opened, and the constructor closes it again."""
+    before = _listening_ports()
+    with pytest.raises(ChaosError):
+        Trainer(*_model(), daemon=f"tcp://127.0.0.1:{_free_port()}", join_timeout_s=1.0)
+    assert _listening_ports() - before == set()
