@@ -381,13 +381,25 @@ def test_multi_hop_donors_carried_plans_and_restarts() -> None:
     assert host.updates[-1].replication.donor_addresses == {"a": "ipc:///tmp/a-2"}
 
 
+def _step_failed(neg: Any, host: _Host, node: str, peer: str, epoch: int, now: float) -> None:
+    """``node``'s trainer reports a failed step of ``epoch`` blaming ``peer``; it is answered."""
+    msg = TrainerEvent(sender=node, epoch=epoch, kind="step_failed", detail=peer,
+                       op_id=f"op-{node}-{peer}-{now}")  # fmt: skip
+    neg.trainers.on_event(msg, None, now)
+    if not host.answers[-1].ok:
+        raise AssertionError(f"step_failed refused: {host.answers[-1]}")
+
+
+def _restarts(host: _Host) -> int:
+    return sum(1 for u in host.updates if u.cause == "allreduce_restart")
+
+
 def test_a_step_that_fails_again_on_the_same_peer_waits_for_the_failure_detector() -> None:
     """A peer killed a moment ago is still heard, and every rerun fails at once on it. The first
     failure gets a restart epoch; a failure in that epoch blaming the same peer holds the next
     restart back until ``failure_timeout_s`` after the first (not one epoch per failed rerun).
     A held restart is committed when due if the peer is still a member and heard, and not at all
     once it went silent."""
-    from chaos.protocol import TrainerEvent
 
     neg, host = _negotiator()
     neg.trainers.on_info(_info("a", True, SIZES), None, 1.0)
@@ -396,13 +408,10 @@ def test_a_step_that_fails_again_on_the_same_peer_waits_for_the_failure_detector
     hold_s = neg.cfg.failure_timeout_s
 
     def failed(node: str, peer: str, epoch: int, now: float) -> None:
-        msg = TrainerEvent(sender=node, epoch=epoch, kind="step_failed", detail=peer,
-                           op_id=f"op-{node}-{now}")  # fmt: skip
-        neg.trainers.on_event(msg, None, now)
-        assert host.answers[-1].ok
+        _step_failed(neg, host, node, peer, epoch, now)
 
     def restarts() -> int:
-        return sum(1 for u in host.updates if u.cause == "allreduce_restart")
+        return _restarts(host)
 
     t0 = 10.0
     failed("b", "c", neg.epoch, t0)
@@ -437,7 +446,6 @@ def test_a_late_heartbeat_holds_the_restart_and_the_scheduler_is_never_silent() 
     has had its turn, then restarted if the peer is heard again (it was only late, on a busy
     host). A step blaming the scheduler restarts at once however long ago it stamped itself
     heard: it is the one answering."""
-    from chaos.protocol import TrainerEvent
 
     neg, host = _negotiator()
     neg.trainers.on_info(_info("a", True, SIZES), None, 1.0)
@@ -446,13 +454,10 @@ def test_a_late_heartbeat_holds_the_restart_and_the_scheduler_is_never_silent() 
     cfg = neg.cfg
 
     def failed(peer: str, now: float) -> None:
-        msg = TrainerEvent(sender="b", epoch=neg.epoch, kind="step_failed", detail=peer,
-                           op_id=f"op-{peer}-{now}")  # fmt: skip
-        neg.trainers.on_event(msg, None, now)
-        assert host.answers[-1].ok
+        _step_failed(neg, host, "b", peer, neg.epoch, now)
 
     def restarts() -> int:
-        return sum(1 for u in host.updates if u.cause == "allreduce_restart")
+        return _restarts(host)
 
     t0 = 10.0
     neg.last_heard["a"] = t0 - 10 * cfg.heartbeat_interval_s  # the scheduler's own stamp
