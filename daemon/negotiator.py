@@ -180,7 +180,7 @@ class Negotiator:
         self.ops: dict[str, PendingOp] = {}
         self.scaleouts: dict[str, ScaleOut] = {}
         self.linkops: dict[str, LinkOp] = {}
-        # bandwidth probes ordered to check a measurement that would re-wire the data plane
+        # bandwidth refinements, and the probes that confirm one that would re-wire the data plane
         self.checks = LinkChecks(self)
         self.last_sync: SyncPolicyWire | None = None
         self.last_update: ClusterUpdate | None = None
