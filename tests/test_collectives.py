@@ -141,10 +141,14 @@ class Cluster:
         return reply
 
     def send(self, names: list[str], cmd: str, arg: Any) -> dict[str, tuple[str, Any]]:
-        for n in names:
+        return self.send_each(cmd, {n: arg for n in names})
+
+    def send_each(self, cmd: str, args: dict[str, Any]) -> dict[str, tuple[str, Any]]:
+        """``cmd`` to each member with its own argument; their replies by member."""
+        for n, arg in args.items():
             self.commands[n].put((cmd, arg))
         out: dict[str, tuple[str, Any]] = {}
-        for n in names:
+        for n in args:
             kind, name, info = self._reply(n)
             out[name] = (kind, info)
         return out
@@ -159,12 +163,6 @@ class Cluster:
 
     def allreduce(self, members: list[str], **spec: Any) -> dict[str, tuple[str, Any]]:
         return self.send(members, "allreduce", spec)
-
-    def allreduce_each(self, specs: dict[str, dict[str, Any]]) -> dict[str, tuple[str, Any]]:
-        """One allreduce with a spec per member (e.g. different timeouts)."""
-        for n, spec in specs.items():
-            self.commands[n].put(("allreduce", spec))
-        return {name: (kind, info) for kind, name, info in (self._reply(n) for n in specs)}
 
 
 @contextmanager
@@ -235,8 +233,8 @@ def test_stale_epoch_frames_are_dropped_and_the_step_reruns() -> None:
         # out on n2 and aborts; n1, which waits on n0, has the longer timeout, so that it learns
         # the cause from n0's abort instead of timing out on n0 itself (a race on equal ones)
         spec = {"numel": 5_000, "seed": 1, "op": "sum"}
-        failed = c.allreduce_each({"n0": {**spec, "timeout_s": 1.0},
-                                   "n1": {**spec, "timeout_s": 10.0}})  # fmt: skip
+        failed = c.send_each("allreduce", {"n0": {**spec, "timeout_s": 1.0},
+                                           "n1": {**spec, "timeout_s": 10.0}})  # fmt: skip
         for kind, info in failed.values():
             assert kind == "failure"
             assert info["peer"] == "n2"

@@ -33,7 +33,6 @@ Measured, with the daemon's default heartbeat settings (0.5 s / 1.5 s):
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import os
@@ -460,7 +459,6 @@ def _measure(
             reelect_s = _reelections(b, ids, reelections)
         finally:
             b.close()
-    defaults = {f.name: f.default for f in dataclasses.fields(DaemonConfig)}
     return {
         "nodes": nodes,
         **{f"{k}_ms": _summary(rec.done_ms[v]) for k, v in _PRIMITIVES.items()},
@@ -475,8 +473,8 @@ def _measure(
             k: {part: _summary(xs) for part, xs in v.items()} for k, v in cpu.split_ms.items()
         },
         "cpu_window_s": CPU_WINDOW_S,
-        "heartbeat_interval_s": defaults["heartbeat_interval_s"],
-        "failure_timeout_s": defaults["failure_timeout_s"],
+        "heartbeat_interval_s": DaemonConfig.heartbeat_interval_s,  # the defaults it ran with
+        "failure_timeout_s": DaemonConfig.failure_timeout_s,
     }
 
 
