@@ -23,6 +23,7 @@ from chaos.daemon.agent import Agent
 from chaos.daemon.config import DaemonConfig, parse_fault_spec
 from chaos.daemon.election import Election
 from chaos.daemon.events import EventLog
+from chaos.daemon.membership import Membership
 from chaos.daemon.metrics import Metrics
 from chaos.daemon.negotiator import Negotiator
 from chaos.daemon.replies import policy_notice, policy_reply, status_reply
@@ -114,6 +115,7 @@ class Daemon:
         self.election = Election(cfg.node_id, cfg, rng)
         self.agent = Agent(self, cfg)
         self.trainer = TrainerRelay(self)
+        self.membership = Membership(self)
         self.negotiator: Negotiator | None = None
         self.state = DaemonState.STARTING
         self.view: ClusterView | None = None
@@ -121,13 +123,6 @@ class Daemon:
         self._ctx: tuple[tuple[object, ...], ValidationContext] | None = None
         self._local: deque[Message] = deque()
         self._clients: dict[str, _ClientOp] = {}
-        self._leave_op = ""
-        self._leave_reply: ReplyPath | None = None
-        self._leave_deadline = float("inf")
-        self._leave_started = 0.0
-        self._join_contact = cfg.join
-        self._join_deadline = float("inf")
-        self._next_join = float("inf")
         self._prev_leader: tuple[str, float] | None = None
         self._stop = False
         self._leave_requested = False
@@ -245,7 +240,7 @@ class Daemon:
         """Asks the loop to leave gracefully (safe from a signal handler)."""
         self._leave_requested = True
 
-    def _set_state(self, state: DaemonState) -> None:
+    def set_state(self, state: DaemonState) -> None:
         if state != self.state and state not in DAEMON_TRANSITIONS[self.state]:
             raise ChaosError(f"daemon state {self.state.value} -> {state.value} not allowed")
         self.state = state
@@ -263,11 +258,10 @@ class Daemon:
             "started", address=self.address, ipc=self.transport.ipc_endpoint, join=self.cfg.join
         )
         if self.cfg.join is None:
-            self._set_state(DaemonState.ACTIVE)
+            self.set_state(DaemonState.ACTIVE)
             self._become_scheduler(now, bootstrap=True)
         else:
-            self._begin_join(now, self.cfg.join, list(self.cfg.neighbors))
-            self._join_deadline = now + self.cfg.join_timeout_s
+            self.membership.begin_join(now, self.cfg.join, list(self.cfg.neighbors))
         try:
             while not self._stop:
                 self._step()
@@ -281,7 +275,7 @@ class Daemon:
         now = time.monotonic()
         if self._leave_requested:
             self._leave_requested = False
-            self._start_leave(None, now)
+            self.membership.start_leave(None, now)
         self._run_timers(now)
         timeout = 0.0 if self._local else max(0.0, min(self._due.values()) - time.monotonic())
         for inbound in self.transport.poll(min(timeout, _MAX_POLL_S)):
@@ -364,16 +358,7 @@ class Daemon:
                 del self._clients[op_id]
                 self.trainer.forget(op_id)
                 self.result(op.reply, op_id, Reason.TIMEOUT, "no answer from the scheduler")
-        if self.state == DaemonState.JOINING:
-            if now > self._join_deadline:
-                self.event("join_failed", reason=Reason.TIMEOUT)
-                log.error("join timed out after %.1f s", self.cfg.join_timeout_s)
-                self._finish(4)
-            elif now >= self._next_join:
-                self._send_join(now)
-        if self.state == DaemonState.LEAVING and now > self._leave_deadline:
-            self.event("left", ok=False, reason=Reason.TIMEOUT)
-            self._finish_leave(ok=False, reason=Reason.TIMEOUT)
+        self.membership.tick(now)
 
     @property
     def paused(self) -> bool:
@@ -470,7 +455,7 @@ class Daemon:
             OpResult: self._on_op_result,
             Refusal: self._on_refusal,
             StatusRequest: self._on_status,
-            LeaveCommand: lambda m, r, t: self._start_leave(r, t),
+            LeaveCommand: lambda m, r, t: self.membership.start_leave(r, t),
             LinkCommand: self._on_link_command,
             FaultCommand: self._on_fault,
             PolicyRequest: self._on_policy_request,
@@ -564,32 +549,9 @@ class Daemon:
         self._due["heartbeat"] = now  # announce at once
         self._due["failures"] = now
         if self.state == DaemonState.LEAVING:  # its request went to the old scheduler: ask anew
-            self.to_scheduler(self._leave_request())
+            self.to_scheduler(self.membership.leave_request())
 
     # -- membership ------------------------------------------------------------------------
-
-    def _begin_join(self, now: float, contact: str, neighbors: list[str]) -> None:
-        self._set_state(DaemonState.JOINING)
-        self.election.disarm()
-        self.negotiator = None
-        self._join_contact = contact
-        self._join_neighbors = neighbors
-        self._join_deadline = now + self.cfg.join_timeout_s
-        self._send_join(now)
-
-    def _send_join(self, now: float) -> None:
-        self._next_join = now + max(0.5, 2 * self.cfg.heartbeat_interval_s)
-        if self._join_contact is None:
-            return
-        req = JoinRequest(
-            sender=self.node_id,
-            epoch=self.epoch,
-            node_id=self.node_id,
-            address=self.address,
-            neighbors=self._join_neighbors,
-            op_id=uuid.uuid4().hex[:12],
-        )
-        self.transport.send_contact(self._join_contact, encode(req))
 
     def _on_join(self, msg: JoinRequest, reply: ReplyPath | None, now: float) -> None:
         if self.negotiator is not None and self.is_scheduler:
@@ -614,10 +576,10 @@ class Daemon:
     def _on_cluster_update(self, msg: ClusterUpdate, reply: ReplyPath | None, now: float) -> None:
         ids = {n.id for n in msg.view.nodes}
         if self.node_id not in ids:
-            self._on_dropped_from_view(msg, reply, now)
+            self.membership.on_dropped_from_view(msg, reply, now)
             return
         if self.state == DaemonState.JOINING:
-            self._set_state(DaemonState.ACTIVE)
+            self.set_state(DaemonState.ACTIVE)
             self.election.adopt(msg.term, msg.sender, now)
             self.transport.close_contacts()
             self.event("joined", epoch=msg.epoch, term=msg.term, scheduler=msg.sender)
@@ -629,7 +591,7 @@ class Daemon:
             self.election.on_leader(msg.term, msg.sender, now)
             self.event("leader_changed", scheduler=msg.sender, term=msg.term)
             if self.state == DaemonState.LEAVING:  # the old scheduler may have lost the request
-                self.to_scheduler(self._leave_request())
+                self.to_scheduler(self.membership.leave_request())
         self._install(msg, now)
         # acknowledge as soon as the view and policy are in place; the event log and metrics
         # come after, off the scheduler's critical path
@@ -666,33 +628,6 @@ class Daemon:
             self.epoch, self.term, len(msg.view.nodes), self.is_scheduler, self._paused
         )
 
-    def _on_dropped_from_view(
-        self, msg: ClusterUpdate, reply: ReplyPath | None, now: float
-    ) -> None:
-        if self.state == DaemonState.LEAVING:
-            self.respond(reply, PolicyAck(sender=self.node_id, epoch=msg.epoch, term=self.term))
-            if msg.sender != self.node_id:
-                # the scheduler committed a view without this node: the leave is done, whether
-                # or not its answer still comes (a leaving scheduler may exit before sending it)
-                elapsed = now - self._leave_started
-                self.event("left", ok=True, reason=None, elapsed_s=elapsed, epoch=msg.epoch)
-                self._finish_leave(True, None, elapsed, msg.epoch)
-        elif self.state == DaemonState.ACTIVE and msg.sender != self.node_id:
-            self._rejoin(msg.view, msg.sender, now)
-
-    def _rejoin(self, view: ClusterView | None, via: str, now: float) -> None:
-        nodes = {n.id: n for n in (view.nodes if view else [])}
-        contact = nodes[via].address if via in nodes else None
-        if contact is None and self.view is not None:
-            contact = next((n.address for n in self.view.nodes if n.id == via), None)
-        if contact is None:
-            return
-        old = {n.id: n for n in self.view.nodes} if self.view else {}
-        mine = old[self.node_id].neighbors if self.node_id in old else []
-        nbrs = [n for n in mine if n in nodes] if nodes else []
-        self.event("rejoining", via=via, neighbors=nbrs)
-        self._begin_join(now, contact, nbrs)
-
     # -- probes ----------------------------------------------------------------------------
 
     def _on_ping(self, msg: Ping, reply: ReplyPath | None, now: float) -> None:
@@ -706,9 +641,7 @@ class Daemon:
     # -- results and refusals --------------------------------------------------------------
 
     def _on_op_result(self, msg: OpResult, reply: ReplyPath | None, now: float) -> None:
-        if msg.op_id and msg.op_id == self._leave_op:
-            self.event("left", ok=msg.ok, reason=msg.reason, elapsed_s=msg.elapsed_s)
-            self._finish_leave(msg.ok, msg.reason, msg.elapsed_s, msg.epoch)
+        if self.membership.on_leave_result(msg):
             return
         self.trainer.on_result(msg)
         op = self._clients.pop(msg.op_id, None)
@@ -737,7 +670,7 @@ class Daemon:
             if msg.reason not in ("not_scheduler", "paused"):
                 log.error("join refused by %s: %s %s", msg.sender or "?", msg.reason, msg.detail)
                 self.event("join_failed", reason=msg.reason, detail=msg.detail)
-                self._finish(3)
+                self.finish(3)
             return
         if (
             msg.reason == "unknown_peer"
@@ -745,7 +678,7 @@ class Daemon:
             and self.state == DaemonState.ACTIVE
             and self._paused
         ):
-            self._rejoin(None, msg.sender, now)  # the cluster moved on without us
+            self.membership.rejoin(None, msg.sender, now)  # the cluster moved on without us
 
     # -- client requests -------------------------------------------------------------------
 
@@ -807,47 +740,8 @@ class Daemon:
         elif self.negotiator is not None:  # forwarded by a member
             self.negotiator.trainers.on_event(msg, reply, now)
 
-    def _start_leave(self, reply: ReplyPath | None, now: float) -> None:
-        if self.state == DaemonState.LEAVING:
-            return
-        if self.state != DaemonState.ACTIVE:
-            self.event("left", ok=True, reason=f"was {self.state.value}")
-            self.result(reply, "", detail="was not a member")
-            self._finish(0)
-            return
-        self._set_state(DaemonState.LEAVING)
-        self._leave_op = uuid.uuid4().hex[:12]
-        self._leave_reply = reply
-        self._leave_deadline = now + self.cfg.leave_timeout_s
-        self._leave_started = now
-        self.event("leave_requested", op_id=self._leave_op)
-        if not self.to_scheduler(self._leave_request()):
-            self.event("left", ok=False, reason="no scheduler")
-            self._finish_leave(ok=False, reason=Reason.PAUSED)
-
-    def _leave_request(self) -> LeaveRequest:
-        return LeaveRequest(
-            sender=self.node_id, epoch=self.epoch, node_id=self.node_id, op_id=self._leave_op
-        )
-
-    def _finish_leave(
-        self, ok: bool, reason: Reason | None, elapsed_s: float = 0.0, epoch: int | None = None
-    ) -> None:
-        if self._leave_reply is not None:
-            self.respond(
-                self._leave_reply,
-                OpResult(
-                    sender=self.node_id,
-                    epoch=self.epoch if epoch is None else epoch,
-                    op_id=self._leave_op,
-                    ok=ok,
-                    reason=reason,
-                    elapsed_s=elapsed_s,
-                ),
-            )
-        self._finish(0)
-
-    def _finish(self, code: int) -> None:
+    def finish(self, code: int) -> None:
+        """Stops the loop; :meth:`run` then returns ``code``."""
         self.exit_code = code
         self._stop = True
         if self.state != DaemonState.STOPPED:

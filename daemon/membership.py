@@ -1,0 +1,218 @@
+"""This node's own membership: joining a cluster, rejoining it, and leaving it.
+
+:class:`Membership` holds the join and leave requests that this daemon has in flight, resends a
+join until it is answered, and times both out. The daemon's event loop owns it, as it owns
+:class:`~chaos.daemon.trainers.TrainerRelay`, and calls it from its handlers and its
+housekeeping timer. Everything here runs on the loop's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import TYPE_CHECKING, Protocol
+
+from chaos.daemon.config import DaemonConfig
+from chaos.daemon.election import Election
+from chaos.daemon.states import DaemonState
+from chaos.daemon.transport import ReplyPath, Transport
+
+from chaos.protocol import (
+    ClusterUpdate,
+    ClusterView,
+    JoinRequest,
+    LeaveRequest,
+    Message,
+    OpResult,
+    PolicyAck,
+    Reason,
+    encode,
+)
+
+if TYPE_CHECKING:
+    from chaos.daemon.negotiator import Negotiator
+
+log = logging.getLogger("chaos.daemon")
+
+
+class MembershipHost(Protocol):
+    """What :class:`Membership` needs from the daemon."""
+
+    node_id: str
+    address: str
+    cfg: DaemonConfig
+    view: ClusterView | None
+    state: DaemonState
+    election: Election
+    transport: Transport
+    negotiator: Negotiator | None
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def term(self) -> int: ...
+
+    def set_state(self, state: DaemonState) -> None: ...
+
+    def event(self, name: str, **fields: object) -> None: ...
+
+    def respond(self, reply: ReplyPath | None, msg: Message) -> None: ...
+
+    def result(
+        self, reply: ReplyPath | None, op_id: str, reason: Reason | None = None, detail: str = ""
+    ) -> None: ...
+
+    def to_scheduler(self, msg: Message) -> bool: ...
+
+    def finish(self, code: int) -> None: ...
+
+
+class Membership:
+    """This node's join and leave requests.
+
+    Args:
+        host: The daemon.
+    """
+
+    def __init__(self, host: MembershipHost) -> None:
+        self.host = host
+        self._join_contact: str | None = None
+        self._join_neighbors: list[str] = []
+        self._join_deadline = float("inf")
+        self._next_join = float("inf")
+        self._leave_op = ""
+        self._leave_reply: ReplyPath | None = None
+        self._leave_deadline = float("inf")
+        self._leave_started = 0.0
+
+    # -- joining ---------------------------------------------------------------------------
+
+    def begin_join(self, now: float, contact: str, neighbors: list[str]) -> None:
+        """Becomes ``joining`` and sends a join request to ``contact``, resent until answered
+        and given up after ``join_timeout_s``."""
+        h = self.host
+        h.set_state(DaemonState.JOINING)
+        h.election.disarm()
+        h.negotiator = None
+        self._join_contact = contact
+        self._join_neighbors = neighbors
+        self._join_deadline = now + h.cfg.join_timeout_s
+        self._send_join(now)
+
+    def _send_join(self, now: float) -> None:
+        h = self.host
+        self._next_join = now + max(0.5, 2 * h.cfg.heartbeat_interval_s)
+        if self._join_contact is None:
+            return
+        req = JoinRequest(
+            sender=h.node_id,
+            epoch=h.epoch,
+            node_id=h.node_id,
+            address=h.address,
+            neighbors=self._join_neighbors,
+            op_id=uuid.uuid4().hex[:12],
+        )
+        h.transport.send_contact(self._join_contact, encode(req))
+
+    def rejoin(self, view: ClusterView | None, via: str, now: float) -> None:
+        """Joins again through ``via`` after the cluster committed a view without this node,
+        asking for the neighbours it had that are still members."""
+        h = self.host
+        nodes = {n.id: n for n in (view.nodes if view else [])}
+        contact = nodes[via].address if via in nodes else None
+        if contact is None and h.view is not None:
+            contact = next((n.address for n in h.view.nodes if n.id == via), None)
+        if contact is None:
+            return
+        old = {n.id: n for n in h.view.nodes} if h.view else {}
+        mine = old[h.node_id].neighbors if h.node_id in old else []
+        nbrs = [n for n in mine if n in nodes] if nodes else []
+        h.event("rejoining", via=via, neighbors=nbrs)
+        self.begin_join(now, contact, nbrs)
+
+    # -- leaving ---------------------------------------------------------------------------
+
+    def start_leave(self, reply: ReplyPath | None, now: float) -> None:
+        """Asks the scheduler to take this node out (scale-in); ``reply`` gets the result."""
+        h = self.host
+        if h.state == DaemonState.LEAVING:
+            return
+        if h.state != DaemonState.ACTIVE:
+            h.event("left", ok=True, reason=f"was {h.state.value}")
+            h.result(reply, "", detail="was not a member")
+            h.finish(0)
+            return
+        h.set_state(DaemonState.LEAVING)
+        self._leave_op = uuid.uuid4().hex[:12]
+        self._leave_reply = reply
+        self._leave_deadline = now + h.cfg.leave_timeout_s
+        self._leave_started = now
+        h.event("leave_requested", op_id=self._leave_op)
+        if not h.to_scheduler(self.leave_request()):
+            h.event("left", ok=False, reason="no scheduler")
+            self._finish_leave(ok=False, reason=Reason.PAUSED)
+
+    def leave_request(self) -> LeaveRequest:
+        """The leave request in flight (sent again to a new scheduler)."""
+        h = self.host
+        return LeaveRequest(
+            sender=h.node_id, epoch=h.epoch, node_id=h.node_id, op_id=self._leave_op
+        )
+
+    def on_leave_result(self, msg: OpResult) -> bool:
+        """Finishes the leave when ``msg`` answers it; ``False`` when it answers something else."""
+        if not msg.op_id or msg.op_id != self._leave_op:
+            return False
+        self.host.event("left", ok=msg.ok, reason=msg.reason, elapsed_s=msg.elapsed_s)
+        self._finish_leave(msg.ok, msg.reason, msg.elapsed_s, msg.epoch)
+        return True
+
+    def on_dropped_from_view(self, msg: ClusterUpdate, reply: ReplyPath | None, now: float) -> None:
+        """Handles a committed view without this node: the leave is done, or this member was
+        dropped (a missed heartbeat) and joins again."""
+        h = self.host
+        if h.state == DaemonState.LEAVING:
+            h.respond(reply, PolicyAck(sender=h.node_id, epoch=msg.epoch, term=h.term))
+            if msg.sender != h.node_id:
+                # the scheduler committed a view without this node: the leave is done, whether
+                # or not its answer still comes (a leaving scheduler may exit before sending it)
+                elapsed = now - self._leave_started
+                h.event("left", ok=True, reason=None, elapsed_s=elapsed, epoch=msg.epoch)
+                self._finish_leave(True, None, elapsed, msg.epoch)
+        elif h.state == DaemonState.ACTIVE and msg.sender != h.node_id:
+            self.rejoin(msg.view, msg.sender, now)
+
+    def _finish_leave(
+        self, ok: bool, reason: Reason | None, elapsed_s: float = 0.0, epoch: int | None = None
+    ) -> None:
+        h = self.host
+        if self._leave_reply is not None:
+            h.respond(
+                self._leave_reply,
+                OpResult(
+                    sender=h.node_id,
+                    epoch=h.epoch if epoch is None else epoch,
+                    op_id=self._leave_op,
+                    ok=ok,
+                    reason=reason,
+                    elapsed_s=elapsed_s,
+                ),
+            )
+        h.finish(0)
+
+    # -- timers ----------------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        """Resends a pending join, and gives a join or a leave up at its deadline."""
+        h = self.host
+        if h.state == DaemonState.JOINING:
+            if now > self._join_deadline:
+                h.event("join_failed", reason=Reason.TIMEOUT)
+                log.error("join timed out after %.1f s", h.cfg.join_timeout_s)
+                h.finish(4)
+            elif now >= self._next_join:
+                self._send_join(now)
+        if h.state == DaemonState.LEAVING and now > self._leave_deadline:
+            h.event("left", ok=False, reason=Reason.TIMEOUT)
+            self._finish_leave(ok=False, reason=Reason.TIMEOUT)
