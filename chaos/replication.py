@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import msgspec
 import zmq
@@ -81,9 +82,12 @@ __all__ = [
     "ShardRequest",
     "ShardServer",
     "ShardServerConfig",
+    "MANIFEST_GRACE_S",
     "fetch_manifest",
+    "gather_manifests",
     "latest_manifest",
     "manifest_digest",
+    "plan_for_snapshot",
     "pull_state",
     "shard_checksum",
     "validate_request",
@@ -153,6 +157,100 @@ def fetch_manifest(
     req = ManifestRequest(req_id=1, epoch=epoch, step=step)
     manifest, head = _manifest_exchange(address, req, timeout_s, context)
     return manifest, head.step
+
+
+MANIFEST_GRACE_S = 5.0
+"""Once one donor published its snapshot, how long the joiner waits for the other donors."""
+
+
+def gather_manifests(
+    donors: Mapping[str, str],
+    epoch: int,
+    timeout_s: float,
+    poll_interval_s: float,
+    *,
+    grace_s: float = MANIFEST_GRACE_S,
+) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """Asks every donor for the snapshot it published at its next step boundary.
+
+    Donors publish under the epoch they install there, which may be newer than the planning
+    ``epoch`` and differ between donors; all publish the same step. Once one has answered, the
+    others get ``grace_s`` to answer too; the pull then uses those that did (the plan is redone
+    without the rest, see :func:`plan_for_snapshot`).
+
+    Args:
+        donors: Donor id -> ``ShardServer.address``.
+        epoch: The epoch whose policy named the donors.
+        timeout_s: Longest wait for the first donor's snapshot, in seconds.
+        poll_interval_s: Pause between rounds of asking the donors that have not published.
+        grace_s: How long the others get once one donor answered.
+
+    Returns:
+        ``(manifest, {donor: (epoch, step)})`` for the donors that published that step.
+
+    Raises:
+        ChaosTimeout: no donor published within ``timeout_s``.
+    """
+    _check_timeout(timeout_s)
+    _check_timeout(poll_interval_s, "poll_interval_s")
+    deadline = time.monotonic() + timeout_s
+    keys: dict[str, tuple[int, int]] = {}
+    manifest = b""
+    last: Exception | None = None
+    while time.monotonic() < deadline and len(keys) < len(donors):
+        for nid, address in donors.items():
+            if nid in keys:
+                continue
+            try:
+                got, e, s = latest_manifest(address, epoch, timeout_s=2.0)
+            except (ReplicationError, ChaosTimeout) as exc:
+                last = exc
+                continue
+            if not keys:
+                manifest = got
+                deadline = min(deadline, time.monotonic() + grace_s)
+            if s == next(iter(keys.values()), (e, s))[1] and got == manifest:
+                keys[nid] = (e, s)
+        if len(keys) < len(donors):
+            time.sleep(poll_interval_s)  # donors publish at their step boundary
+    if not keys:
+        raise ChaosTimeout(f"no donor published its state for epoch {epoch}: {last}")
+    return manifest, keys
+
+
+def plan_for_snapshot(state: TrainingState, rep: Any, neighbors: Sequence[Neighbor]) -> Plan:
+    """The scheduler's plan for ``state``, or a local re-plan when it no longer fits.
+
+    Args:
+        state: The joiner's state, built from the donors' manifest.
+        rep: The policy's ``ReplicationPolicyWire`` (assignment, shard size, method).
+        neighbors: The donors that published the snapshot.
+
+    Returns:
+        The scheduler's assignment when every donor it gave work to answered and the stream's
+        size is the planned one; otherwise a plan by the scheduler's method over those donors.
+    """
+    sizes = state.tensor_sizes()
+    assignment = {k: [tuple(r) for r in v] for k, v in rep.assignment.items()}
+    answered = {n.id for n in neighbors}
+    busy = {k for k, v in assignment.items() if v}
+    if busy <= answered and sum(sizes) == sum(n for v in assignment.values() for _, n in v):
+        return Plan(
+            method="chaos",
+            layout="flat",
+            shard_size=rep.shard_size,
+            assignment=assignment,
+            makespan_s=rep.makespan_s,
+            state_bytes=sum(sizes),
+            per_shard_cost_s=0.0,
+        )
+    # The runtime record (step counter, RNG states) can change size between the scheduler's
+    # planning and the donors' snapshot: re-plan locally with the scheduler's method over the
+    # donors it gave work to (one, for single-source).
+    used = {k for k, v in assignment.items() if sum(length for _, length in v) > 0}
+    chosen = [n for n in neighbors if n.id in used] or list(neighbors)  # who answered
+    log.info("state size changed since planning; re-planning locally (%s)", rep.method)
+    return plan_replication(sizes, chosen, 4e-6, "flat", rep.method)
 
 
 def _manifest_exchange(

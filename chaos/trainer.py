@@ -47,18 +47,15 @@ from chaos.replication import (
     ReplicationError,
     ShardServer,
     ShardServerConfig,
-    latest_manifest,
+    gather_manifests,
+    plan_for_snapshot,
     pull_state,
 )
-from chaos.scheduling import Neighbor, Plan, plan_replication
+from chaos.scheduling import Neighbor
 from chaos.scheduling.bounds import lower_bound
 from chaos.state import TrainingState
 
 log = logging.getLogger("chaos.trainer")
-
-
-MANIFEST_GRACE_S = 5.0
-"""Once one donor published its snapshot, how long the joiner waits for the other donors."""
 
 
 class TrainingStalled(ChaosError):
@@ -172,6 +169,11 @@ class _Policy:
     replication: Any
     paused: bool
     raw: Any = field(repr=False, default=None)
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's bytes, as laid out in memory once contiguous (for digests)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _topo_epoch(reply: Any) -> int:
@@ -357,12 +359,12 @@ class Trainer:
         h = hashlib.sha256()
         for name, t in self.model.state_dict().items():
             h.update(name.encode())
-            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(_raw_bytes(t))
         for p in self._params:
             for key, v in sorted(self.optimizer.state.get(p, {}).items()):
                 if isinstance(v, torch.Tensor):
                     h.update(key.encode())
-                    h.update(v.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+                    h.update(_raw_bytes(v))
         return h.hexdigest()
 
     def wait_world(self, size: int, timeout_s: float) -> None:
@@ -387,13 +389,18 @@ class Trainer:
                 f"{getattr(rep, 'skipped', '') or 'no replication policy'}"
             )
         t0 = time.monotonic()
-        manifest, keys = self._fetch_manifests(policy.epoch, dict(rep.donor_addresses))
+        manifest, keys = gather_manifests(
+            dict(rep.donor_addresses),
+            policy.epoch,
+            self.config.join_timeout_s,
+            self.config.poll_interval_s,
+        )
         t_manifest = time.monotonic()
         step = next(iter(keys.values()))[1]
         state = TrainingState.for_joiner(self.model, self.optimizer, manifest)
         neighbors = [Neighbor(d.id, d.prop_s, d.trans_s_per_byte, d.sync_s) for d in rep.donors
                      if d.id in keys]  # fmt: skip
-        plan = self._plan_for(state, rep, neighbors)
+        plan = plan_for_snapshot(state, rep, neighbors)
         stats = pull_state(
             plan,
             {d: a for d, a in rep.donor_addresses.items() if d in keys},
@@ -419,71 +426,6 @@ class Trainer:
             replans=stats.replans,
             checksum_failures=stats.checksum_failures,
         )
-
-    def _fetch_manifests(
-        self, epoch: int, donors: dict[str, str]
-    ) -> tuple[bytes, dict[str, tuple[int, int]]]:
-        """Asks every donor for the snapshot it published at its next step boundary.
-
-        Donors publish under the epoch they install there, which may be newer than the
-        planning ``epoch`` and differ between donors; all publish the same step. Once one has
-        answered, the others get :data:`MANIFEST_GRACE_S` to answer too; the pull then uses
-        those that did (the plan is redone without the rest).
-
-        Returns:
-            ``(manifest, {donor: (epoch, step)})`` for the donors that published that step.
-
-        Raises:
-            ChaosTimeout: no donor published within ``join_timeout_s``.
-        """
-        deadline = time.monotonic() + self.config.join_timeout_s
-        keys: dict[str, tuple[int, int]] = {}
-        manifest = b""
-        last: Exception | None = None
-        while time.monotonic() < deadline and len(keys) < len(donors):
-            for nid, address in donors.items():
-                if nid in keys:
-                    continue
-                try:
-                    got, e, s = latest_manifest(address, epoch, timeout_s=2.0)
-                except (ReplicationError, ChaosTimeout) as exc:
-                    last = exc
-                    continue
-                if not keys:
-                    manifest = got
-                    deadline = min(deadline, time.monotonic() + MANIFEST_GRACE_S)
-                if s == next(iter(keys.values()), (e, s))[1] and got == manifest:
-                    keys[nid] = (e, s)
-            if len(keys) < len(donors):
-                time.sleep(self.config.poll_interval_s)  # donors publish at their step boundary
-        if not keys:
-            raise ChaosTimeout(f"no donor published its state for epoch {epoch}: {last}")
-        return manifest, keys
-
-    @staticmethod
-    def _plan_for(state: TrainingState, rep: Any, neighbors: list[Neighbor]) -> Plan:
-        """The scheduler's plan, or a local re-plan when the stream's size changed since."""
-        sizes = state.tensor_sizes()
-        assignment = {k: [tuple(r) for r in v] for k, v in rep.assignment.items()}
-        answered = {n.id for n in neighbors}
-        busy = {k for k, v in assignment.items() if v}
-        if busy <= answered and sum(sizes) == sum(n for v in assignment.values() for _, n in v):
-            return Plan(
-                method="chaos",
-                layout="flat",
-                shard_size=rep.shard_size,
-                assignment=assignment,
-                makespan_s=rep.makespan_s,
-                state_bytes=sum(sizes),
-                per_shard_cost_s=0.0,
-            )
-        # The runtime record (step counter, RNG states) can change size between the
-        # scheduler's planning and the donors' snapshot: re-plan locally with the scheduler's
-        # method over the donors it gave work to (one, for single-source).
-        used = {k for k, v in assignment.items() if sum(length for _, length in v) > 0}
-        chosen = [n for n in neighbors if n.id in used] or neighbors  # neighbors: who answered
-        log.info("state size changed since planning; re-planning locally (%s)", rep.method)
-        return plan_replication(sizes, chosen, 4e-6, "flat", rep.method)
 
     # ------------------------------------------------------------------ policy
 
@@ -516,9 +458,7 @@ class Trainer:
         seen = self._comm.newer_round_seen()
         if seen is None or seen <= self._topo_epoch():
             return None
-        return (
-            f"a peer runs step {self._step} under epoch {seen} (this node: {self._topo_epoch()})"
-        )
+        return f"a peer runs step {self._step} under epoch {seen} (this node: {self._topo_epoch()})"
 
     def _topo_epoch(self) -> int:
         """The epoch of the installed data-plane structure (what this node's frames carry)."""

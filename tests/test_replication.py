@@ -9,6 +9,7 @@ and a fresh optimizer, then must be bitwise equal to the donors. Faults are inje
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing as mp
 import os
 import random
@@ -26,6 +27,7 @@ import zmq
 from chaos.scheduling import Neighbor, Plan, plan_replication
 
 from chaos.errors import ChaosTimeout, ReplicationError, StateLayoutError
+from chaos.protocol import ReplicationWire
 from chaos.replication import (
     DIE_EXIT_CODE,
     MAX_REQUEST_BYTES,
@@ -38,8 +40,10 @@ from chaos.replication import (
     ShardRequest,
     ShardServer,
     fetch_manifest,
+    gather_manifests,
     latest_manifest,
     manifest_digest,
+    plan_for_snapshot,
     pull_state,
     shard_checksum,
 )
@@ -499,3 +503,79 @@ def test_server_publish_and_retire_in_process() -> None:
             fetch_manifest(server.address, 1, 1, timeout_s=20.0)
         stats = server.stats()
         assert stats.manifests_sent == 1 and stats.refusals == {"not_published": 2}
+
+
+# ----------------------------------------------------------------------------- the joiner's steps
+
+
+def test_gather_manifests_gets_every_donors_snapshot(healthy_donors: dict[str, Donor]) -> None:
+    addresses = {n: d.address for n, d in healthy_donors.items()}
+    manifest, keys = gather_manifests(addresses, EPOCH, timeout_s=30.0, poll_interval_s=0.02)
+    assert keys == {n: (EPOCH, STEP) for n in healthy_donors}
+    assert manifest == fetch_manifest(addresses["d0"], EPOCH, None, timeout_s=30.0)[0]
+
+
+def test_gather_manifests_leaves_out_a_donor_silent_past_the_grace(spawn_donors: Any) -> None:
+    donors = spawn_donors({"d0": {}, "d1": {"publish_after_s": 120.0}})
+    addresses = {n: d.address for n, d in donors.items()}
+    _, keys = gather_manifests(addresses, EPOCH, 30.0, 0.02, grace_s=0.5)
+    assert keys == {"d0": (EPOCH, STEP)}
+
+
+def test_gather_manifests_without_any_snapshot_times_out(spawn_donors: Any) -> None:
+    donors = spawn_donors({"d0": {"publish_after_s": 120.0}})
+    with pytest.raises(ChaosTimeout, match="no donor published"):
+        gather_manifests({"d0": donors["d0"].address}, EPOCH, 1.0, 0.02)
+    with pytest.raises(ValueError, match="poll_interval_s"):
+        gather_manifests({"d0": donors["d0"].address}, EPOCH, 1.0, 0.0)
+
+
+def _local_state() -> TrainingState:
+    model, opt = _build(seed=5)
+    return TrainingState.capture(model, opt, step=STEP, epoch=EPOCH, hyperparameters={"bs": 32})
+
+
+def _wire(plan: Plan, method: str = "chaos") -> ReplicationWire:
+    return ReplicationWire(
+        target="j",
+        shard_size=plan.shard_size,
+        assignment={k: [tuple(r) for r in v] for k, v in plan.assignment.items()},
+        makespan_s=plan.makespan_s,
+        method=method,  # type: ignore[arg-type]
+    )
+
+
+def _covers(plan: Plan, total: int) -> bool:
+    ranges = sorted(r for v in plan.assignment.values() for r in v if r[1] > 0)
+    end = 0
+    for offset, length in ranges:
+        if offset != end:
+            return False
+        end += length
+    return end == total
+
+
+def test_plan_for_snapshot_keeps_the_schedulers_plan_when_it_fits() -> None:
+    state = _local_state()
+    planned = _plan(state, ["d0", "d1", "d2"])
+    plan = plan_for_snapshot(state, _wire(planned), _neighbors(["d0", "d1", "d2"]))
+    assert plan.assignment == planned.assignment and plan.shard_size == planned.shard_size
+
+
+def test_plan_for_snapshot_replans_without_a_donor_that_did_not_answer() -> None:
+    state = _local_state()
+    planned = _plan(state, ["d0", "d1", "d2"])
+    assert all(planned.assignment[d] for d in ("d0", "d1", "d2"))
+    plan = plan_for_snapshot(state, _wire(planned), _neighbors(["d0", "d2"]))
+    assert set(k for k, v in plan.assignment.items() if v) <= {"d0", "d2"}
+    assert _covers(plan, state.total_bytes)
+
+
+def test_plan_for_snapshot_replans_when_the_stream_changed_size() -> None:
+    state = _local_state()
+    planned = _plan(state, ["d0", "d1"])
+    head, tail = planned.assignment["d1"][:-1], planned.assignment["d1"][-1]
+    shrunk = dict(planned.assignment, d1=[*head, (tail[0], tail[1] - 8)])  # 8 bytes fewer
+    stale = dataclasses.replace(planned, assignment=shrunk)
+    plan = plan_for_snapshot(state, _wire(stale, "even"), _neighbors(["d0", "d1"]))
+    assert plan.method == "even" and _covers(plan, state.total_bytes)
