@@ -309,33 +309,11 @@ def run_scenario(
     if phase_steps < 1:
         raise ValueError(f"phase_steps must be at least 1, got {phase_steps}")
     ids = [f"n{i}" for i in range(1, nodes + 1)]
-    first, late, leaver = ids[0], ids[-1], ids[1]
     launcher = Launcher(worker_argv, timeout_s)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     t0 = time.monotonic()
     try:
-        launcher.say(f"{first} starts a new cluster")
-        founder = launcher.start(first, None)
-        launcher.wait(lambda: founder.ready, f"{first} to start")
-        for nid in ids[1:-1]:
-            launcher.say(f"{nid} joins through {first}")
-            w = launcher.start(nid, founder.address)
-            launcher.wait(functools.partial(_is_ready, w), f"{nid} to join")
-        mark = founder.step
-        launcher.wait(lambda: founder.step >= mark + phase_steps, "training")
-        launcher.say(f"{late} joins in the middle of training (cluster at step {founder.step})")
-        joiner = launcher.start(late, founder.address)
-        launcher.wait(lambda: joiner.ready and joiner.step >= 0, f"{late} to join")
-        mark = joiner.step
-        launcher.wait(lambda: joiner.step >= mark + phase_steps, f"{late} to train")
-        launcher.say(f"{leaver} leaves gracefully (scale-in) at about step {founder.step}")
-        launcher.leave([leaver])
-        mark = founder.step
-        launcher.wait(lambda: founder.step >= mark + phase_steps, "training without the leaver")
-        rest = [nid for nid in reversed(ids) if launcher.workers[nid].proc.poll() is None]
-        launcher.say(f"training done; {', '.join(rest)} leave")
-        for nid in rest:  # one at a time; the founder (the first scheduler) last
-            launcher.leave([nid])
+        _play(launcher, ids, phase_steps)
         launcher.say(f"all {nodes} workers exited cleanly in {time.monotonic() - t0:.1f} s")
         return 0
     except LaunchError as exc:
@@ -347,6 +325,37 @@ def run_scenario(
     finally:
         launcher.close()
         signal.signal(signal.SIGTERM, previous)
+
+
+def _play(launcher: Launcher, ids: list[str], phase_steps: int) -> None:
+    """The stages of :func:`run_scenario`: joins, a mid-training join, a leave, then the end.
+
+    Raises:
+        LaunchError: a worker failed or a stage timed out.
+    """
+    first, late, leaver = ids[0], ids[-1], ids[1]
+    launcher.say(f"{first} starts a new cluster")
+    founder = launcher.start(first, None)
+    launcher.wait(lambda: founder.ready, f"{first} to start")
+    for nid in ids[1:-1]:
+        launcher.say(f"{nid} joins through {first}")
+        w = launcher.start(nid, founder.address)
+        launcher.wait(functools.partial(_is_ready, w), f"{nid} to join")
+    mark = founder.step
+    launcher.wait(lambda: founder.step >= mark + phase_steps, "training")
+    launcher.say(f"{late} joins in the middle of training (cluster at step {founder.step})")
+    joiner = launcher.start(late, founder.address)
+    launcher.wait(lambda: joiner.ready and joiner.step >= 0, f"{late} to join")
+    mark = joiner.step
+    launcher.wait(lambda: joiner.step >= mark + phase_steps, f"{late} to train")
+    launcher.say(f"{leaver} leaves gracefully (scale-in) at about step {founder.step}")
+    launcher.leave([leaver])
+    mark = founder.step
+    launcher.wait(lambda: founder.step >= mark + phase_steps, "training without the leaver")
+    rest = [nid for nid in reversed(ids) if launcher.workers[nid].proc.poll() is None]
+    launcher.say(f"training done; {', '.join(rest)} leave")
+    for nid in rest:  # one at a time; the founder (the first scheduler) last
+        launcher.leave([nid])
 
 
 def worker_command(script: str | Path, *args: str) -> list[str]:

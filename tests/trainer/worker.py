@@ -36,7 +36,7 @@ def model_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step:
     return h.hexdigest()
 
 
-def main() -> int:
+def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--id", required=True)
     ap.add_argument("--listen", required=True)
@@ -50,8 +50,10 @@ def main() -> int:
         "--die-after", type=int, default=None, help="kill -9 mid-allreduce, N steps after joining"
     )
     ap.add_argument("--daemon-arg", action="append", default=[], help="chaos-daemon start arg")
-    args = ap.parse_args()
+    return ap.parse_args()
 
+
+def _build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)  # the same initial model everywhere; a joiner's is replaced anyway
     model = torch.nn.Sequential(
         torch.nn.Linear(16, args.width), torch.nn.ReLU(), torch.nn.Linear(args.width, 4)
@@ -60,6 +62,12 @@ def main() -> int:
         opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return model, opt
+
+
+def main() -> int:
+    args = _parse_args()
+    model, opt = _build(args)
     gen = torch.Generator().manual_seed(sum(map(ord, args.id)))  # this device's local data
     xs = torch.randn(256, 16, generator=gen)
     ys = torch.randint(0, 4, (256,), generator=gen)
