@@ -26,7 +26,6 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import msgspec
 import zmq
@@ -38,6 +37,7 @@ from chaos.errors import (  # ReplicationError re-exported for callers of pull_s
     ReplicationError,
     StateLayoutError,
 )
+from chaos.protocol import ReplicationWire
 from chaos.replication_server import (
     DIE_EXIT_CODE,
     ServerFaults,
@@ -67,6 +67,7 @@ log = logging.getLogger("chaos.replication")
 
 __all__ = [
     "DIE_EXIT_CODE",
+    "MANIFEST_GRACE_S",
     "MAX_REQUEST_BYTES",
     "REPLICATION_VERSION",
     "ManifestReply",
@@ -82,7 +83,6 @@ __all__ = [
     "ShardRequest",
     "ShardServer",
     "ShardServerConfig",
-    "MANIFEST_GRACE_S",
     "fetch_manifest",
     "gather_manifests",
     "latest_manifest",
@@ -190,6 +190,8 @@ def gather_manifests(
 
     Raises:
         ChaosTimeout: no donor published within ``timeout_s``.
+        ValueError: ``timeout_s`` or ``poll_interval_s`` is not positive.
+        TypeError: either is not a number.
     """
     _check_timeout(timeout_s)
     _check_timeout(poll_interval_s, "poll_interval_s")
@@ -218,17 +220,20 @@ def gather_manifests(
     return manifest, keys
 
 
-def plan_for_snapshot(state: TrainingState, rep: Any, neighbors: Sequence[Neighbor]) -> Plan:
+def plan_for_snapshot(
+    state: TrainingState, rep: ReplicationWire, neighbors: Sequence[Neighbor]
+) -> Plan:
     """The scheduler's plan for ``state``, or a local re-plan when it no longer fits.
 
     Args:
         state: The joiner's state, built from the donors' manifest.
-        rep: The policy's ``ReplicationPolicyWire`` (assignment, shard size, method).
+        rep: The policy's replication part (assignment, shard size, method).
         neighbors: The donors that published the snapshot.
 
     Returns:
         The scheduler's assignment when every donor it gave work to answered and the stream's
-        size is the planned one; otherwise a plan by the scheduler's method over those donors.
+        size is the planned one. Otherwise a plan by the scheduler's method over the donors
+        that answered and had work in its plan (all that answered when none of those did).
     """
     sizes = state.tensor_sizes()
     assignment = {k: [tuple(r) for r in v] for k, v in rep.assignment.items()}
@@ -249,7 +254,7 @@ def plan_for_snapshot(state: TrainingState, rep: Any, neighbors: Sequence[Neighb
     # donors it gave work to (one, for single-source).
     used = {k for k, v in assignment.items() if sum(length for _, length in v) > 0}
     chosen = [n for n in neighbors if n.id in used] or list(neighbors)  # who answered
-    log.info("state size changed since planning; re-planning locally (%s)", rep.method)
+    log.info("the scheduler's plan no longer fits the snapshot; re-planning (%s)", rep.method)
     return plan_replication(sizes, chosen, 4e-6, "flat", rep.method)
 
 

@@ -241,6 +241,11 @@ class Daemon:
         self._leave_requested = True
 
     def set_state(self, state: DaemonState) -> None:
+        """Moves the lifecycle to ``state``.
+
+        Raises:
+            ChaosError: ``DAEMON_TRANSITIONS`` does not allow the move.
+        """
         if state != self.state and state not in DAEMON_TRANSITIONS[self.state]:
             raise ChaosError(f"daemon state {self.state.value} -> {state.value} not allowed")
         self.state = state

@@ -515,11 +515,24 @@ def test_gather_manifests_gets_every_donors_snapshot(healthy_donors: dict[str, D
     assert manifest == fetch_manifest(addresses["d0"], EPOCH, None, timeout_s=30.0)[0]
 
 
-def test_gather_manifests_leaves_out_a_donor_silent_past_the_grace(spawn_donors: Any) -> None:
-    donors = spawn_donors({"d0": {}, "d1": {"publish_after_s": 120.0}})
+def test_gather_manifests_waits_the_grace_for_late_donors_and_no_longer(spawn_donors: Any) -> None:
+    # d1 publishes 1 s late, within the 3 s grace; d2 only after 20 s, long after it
+    donors = spawn_donors(
+        {"d0": {}, "d1": {"publish_after_s": 1.0}, "d2": {"publish_after_s": 20.0}}
+    )
     addresses = {n: d.address for n, d in donors.items()}
-    _, keys = gather_manifests(addresses, EPOCH, 30.0, 0.02, grace_s=0.5)
-    assert keys == {"d0": (EPOCH, STEP)}
+    _, keys = gather_manifests(addresses, EPOCH, 60.0, 0.02, grace_s=3.0)
+    assert keys == {"d0": (EPOCH, STEP), "d1": (EPOCH, STEP)}
+
+
+def test_gather_manifests_keeps_each_donors_epoch_and_drops_another_state(
+    spawn_donors: Any,
+) -> None:
+    donors = spawn_donors({"d0": {}, "d1": {"later_epoch": 2}, "odd": {}}, rng_seeds={"odd": 99})
+    addresses = {n: d.address for n, d in donors.items()}
+    manifest, keys = gather_manifests(addresses, EPOCH, 30.0, 0.02, grace_s=1.0)
+    assert keys == {"d0": (EPOCH, STEP), "d1": (EPOCH + 2, STEP)}  # "odd": another manifest
+    assert manifest == fetch_manifest(addresses["d0"], EPOCH, None, timeout_s=30.0)[0]
 
 
 def test_gather_manifests_without_any_snapshot_times_out(spawn_donors: Any) -> None:
@@ -539,7 +552,7 @@ def _wire(plan: Plan, method: str = "chaos") -> ReplicationWire:
     return ReplicationWire(
         target="j",
         shard_size=plan.shard_size,
-        assignment={k: [tuple(r) for r in v] for k, v in plan.assignment.items()},
+        assignment={k: [(a, n) for a, n in v] for k, v in plan.assignment.items()},
         makespan_s=plan.makespan_s,
         method=method,  # type: ignore[arg-type]
     )
@@ -579,3 +592,18 @@ def test_plan_for_snapshot_replans_when_the_stream_changed_size() -> None:
     stale = dataclasses.replace(planned, assignment=shrunk)
     plan = plan_for_snapshot(state, _wire(stale, "even"), _neighbors(["d0", "d1"]))
     assert plan.method == "even" and _covers(plan, state.total_bytes)
+
+
+def test_plan_for_snapshot_replans_only_over_the_donors_that_had_work() -> None:
+    state = _local_state()
+    total = state.total_bytes
+    planned = Plan(method="single-source", layout="flat", shard_size=total,
+                   assignment={"d0": [(0, total - 8)], "d1": []}, makespan_s=1.0,
+                   state_bytes=total - 8, per_shard_cost_s=0.0)  # fmt: skip
+    fast = [Neighbor(id="d0", prop_s=1e-3, trans_s_per_byte=1e-8),
+            Neighbor(id="d1", prop_s=1e-4, trans_s_per_byte=1e-9)]  # fmt: skip
+    plan = plan_for_snapshot(state, _wire(planned, "single-source"), fast)
+    # the stream grew by 8 bytes: re-planned single-source over d0, the one donor it used,
+    # not over d1, which is faster but had no work
+    assert [k for k, v in plan.assignment.items() if v] == ["d0"]
+    assert _covers(plan, total)
