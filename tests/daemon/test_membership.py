@@ -1,0 +1,197 @@
+"""This node's own join and leave (:class:`chaos.daemon.membership.Membership`).
+
+The unit tests drive ``Membership`` with a recording host in place of the daemon: they are about
+the join and leave bookkeeping (resends, deadlines, answers), not about sockets. The last test
+runs a real ``chaos-daemon`` whose join can never be answered.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from chaos.daemon.config import DaemonConfig
+from chaos.daemon.election import Election
+from chaos.daemon.events import read_events
+from chaos.daemon.membership import Membership
+from chaos.daemon.states import DaemonState
+from daemon_helpers import free_port
+
+from chaos.protocol import (
+    ClusterView,
+    JoinRequest,
+    LeaveRequest,
+    Message,
+    NodeInfo,
+    OpResult,
+    decode,
+)
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.contacts: list[tuple[str, Message]] = []
+
+    def send_contact(self, address: str, frame: bytes) -> None:
+        self.contacts.append((address, decode(frame)))
+
+
+class _Host:
+    """Stands in for the daemon: records what Membership asks of it."""
+
+    def __init__(self, state: DaemonState = DaemonState.STARTING, scheduler: bool = True) -> None:
+        self.node_id = "me"
+        self.address = "tcp://127.0.0.1:7000"
+        self.cfg = DaemonConfig(node_id="me", listen=self.address, join_timeout_s=10.0)
+        self.view: ClusterView | None = None
+        self.state = state
+        self.election = Election("me", self.cfg, random.Random(1))
+        self.transport: Any = _Transport()
+        self.negotiator: Any = None
+        self.has_scheduler = scheduler
+        self.events: list[tuple[str, dict[str, object]]] = []
+        self.answers: list[Message] = []
+        self.to_sched: list[Message] = []
+        self.exit_code: int | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self.view.epoch if self.view else 0
+
+    @property
+    def term(self) -> int:
+        return 1
+
+    def set_state(self, state: DaemonState) -> None:
+        self.state = state
+
+    def event(self, name: str, **fields: object) -> None:
+        self.events.append((name, fields))
+
+    def respond(self, reply: Any, msg: Message) -> None:
+        self.answers.append(msg)
+
+    def result(self, reply: Any, op_id: str, reason: Any = None, detail: str = "") -> None:
+        self.answers.append(
+            OpResult(sender="me", epoch=0, op_id=op_id, ok=reason is None, reason=reason)
+        )
+
+    def to_scheduler(self, msg: Message) -> bool:
+        self.to_sched.append(msg)
+        return self.has_scheduler
+
+    def finish(self, code: int) -> None:
+        self.exit_code = code
+
+
+def _joins(host: _Host) -> list[JoinRequest]:
+    return [m for _, m in host.transport.contacts if isinstance(m, JoinRequest)]
+
+
+def test_a_join_is_resent_until_answered_then_times_out() -> None:
+    host = _Host()
+    ms = Membership(host)
+    ms.begin_join(100.0, "tcp://127.0.0.1:7001", ["a"])
+    assert host.state == DaemonState.JOINING
+    first = _joins(host)
+    assert len(first) == 1 and first[0].neighbors == ["a"] and first[0].address == host.address
+    ms.tick(100.1)  # too soon to resend
+    assert len(_joins(host)) == 1
+    ms.tick(101.0)  # max(0.5, 2 heartbeats) later: sent again, with a fresh op id
+    again = _joins(host)
+    assert len(again) == 2 and again[1].op_id != again[0].op_id
+    assert host.exit_code is None
+    ms.tick(110.5)  # past join_timeout_s
+    assert host.exit_code == 4
+    assert host.events[-1] == ("join_failed", {"reason": "timeout"})
+
+
+def test_a_leave_without_a_scheduler_fails_at_once_and_stops() -> None:
+    host = _Host(DaemonState.ACTIVE, scheduler=False)
+    Membership(host).start_leave("client", 5.0)
+    assert host.state == DaemonState.LEAVING
+    answer = host.answers[-1]
+    assert isinstance(answer, OpResult) and not answer.ok and answer.reason == "paused"
+    assert host.exit_code == 0
+
+
+def test_an_unanswered_leave_times_out_and_a_late_answer_is_not_mistaken() -> None:
+    host = _Host(DaemonState.ACTIVE)
+    ms = Membership(host)
+    ms.start_leave("client", 5.0)
+    (req,) = host.to_sched
+    assert isinstance(req, LeaveRequest) and req.node_id == "me"
+    assert ms.leave_request().op_id == req.op_id  # what is resent to a new scheduler
+    other = OpResult(sender="s", epoch=1, op_id="someone-else", ok=True)
+    assert not ms.on_leave_result(other)
+    ms.tick(5.0 + host.cfg.leave_timeout_s - 0.1)
+    assert host.exit_code is None
+    ms.tick(5.0 + host.cfg.leave_timeout_s + 0.1)
+    answer = host.answers[-1]
+    assert isinstance(answer, OpResult) and answer.op_id == req.op_id
+    assert not answer.ok and answer.reason == "timeout" and host.exit_code == 0
+
+
+def test_the_schedulers_answer_finishes_the_leave() -> None:
+    host = _Host(DaemonState.ACTIVE)
+    ms = Membership(host)
+    ms.start_leave("client", 5.0)
+    op_id = ms.leave_request().op_id
+    assert ms.on_leave_result(OpResult(sender="s", epoch=7, op_id=op_id, ok=True, elapsed_s=0.2))
+    answer = host.answers[-1]
+    assert isinstance(answer, OpResult) and answer.ok and answer.epoch == 7
+    assert host.exit_code == 0
+
+
+def _node(nid: str, port: int, neighbors: list[str]) -> NodeInfo:
+    return NodeInfo(
+        id=nid, address=f"tcp://127.0.0.1:{port}", state="active", joined_at=0.0,
+        neighbors=neighbors,
+    )  # fmt: skip
+
+
+def test_a_dropped_member_rejoins_through_the_sender_with_its_remaining_neighbours() -> None:
+    host = _Host(DaemonState.ACTIVE)
+    host.view = ClusterView(epoch=3, term=1, scheduler="s", links=[], nodes=[
+        _node("s", 7001, ["me"]), _node("a", 7002, ["me"]), _node("me", 7000, ["s", "a"]),
+    ])  # fmt: skip
+    newer = ClusterView(epoch=4, term=1, scheduler="s", links=[], nodes=[
+        _node("s", 7001, []), _node("b", 7003, []),
+    ])  # fmt: skip
+    Membership(host).rejoin(newer, "s", 10.0)
+    assert host.state == DaemonState.JOINING
+    (address, req), = host.transport.contacts  # fmt: skip
+    assert address == "tcp://127.0.0.1:7001" and isinstance(req, JoinRequest)
+    assert req.neighbors == ["s"]  # "a" is no longer a member
+    assert host.events[0] == ("rejoining", {"via": "s", "neighbors": ["s"]})
+
+
+def test_a_rejoin_through_an_unknown_sender_does_nothing() -> None:
+    host = _Host(DaemonState.ACTIVE)
+    Membership(host).rejoin(None, "stranger", 10.0)
+    assert host.state == DaemonState.ACTIVE and not host.transport.contacts
+
+
+def test_a_daemon_whose_join_is_never_answered_exits_with_code_4(tmp_path: Path) -> None:
+    config = tmp_path / "daemon.toml"
+    config.write_text("join_timeout_s = 1.0\n")
+    args = [
+        sys.executable, "-m", "chaos.daemon.cli", "start", "--id", "lonely",
+        "--listen", f"tcp://127.0.0.1:{free_port()}",
+        "--join", f"tcp://127.0.0.1:{free_port()}",  # nothing listens there
+        "--config", str(config),
+    ]  # fmt: skip
+    env = {**os.environ, "CHAOS_DAEMON_DIR": str(tmp_path)}
+    try:
+        res = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as exc:  # run() killed and reaped it
+        pytest.fail(f"the daemon did not give its join up: {exc}")
+    assert res.returncode == 4, res.stderr
+    assert "join timed out" in res.stderr
+    names = [e["event"] for e in read_events(tmp_path / "events-lonely.jsonl")]
+    assert names[0] == "started" and "join_failed" in names and names[-1] == "stopped"
