@@ -197,6 +197,26 @@ def _topology(reply: Any, me: str) -> Topology | None:
     )
 
 
+def _check_endpoints(
+    join: str | None, daemon: str | None, node_id: str | None, listen: str | None
+) -> None:
+    """Rejects malformed endpoints and node ids before a daemon is started or dialled.
+
+    Raises:
+        ConfigError: one of them is malformed.
+    """
+    from chaos.daemon.config import check_node_id, check_tcp_endpoint
+
+    if node_id is not None:
+        check_node_id(node_id)
+    if join is not None:
+        check_tcp_endpoint(join, "join endpoint")
+    if listen is not None:
+        check_tcp_endpoint(listen, "listen endpoint")
+    if daemon is not None and not (isinstance(daemon, str) and daemon.startswith("ipc://")):
+        check_tcp_endpoint(daemon, "daemon endpoint (ipc://PATH or tcp://HOST:PORT)")
+
+
 class Trainer:
     """Makes this training process a member of an elastic Chaos cluster.
 
@@ -212,7 +232,8 @@ class Trainer:
         **options: :class:`TrainerConfig` fields.
 
     Raises:
-        ConfigError: bad options.
+        ConfigError: bad options, or a malformed endpoint or node id (checked before anything
+            starts).
         chaos.embedded.DaemonStartError: the embedded daemon could not start or join.
         ChaosTimeout: the join or the state pull did not finish in time.
         ReplicationError: the state could not be pulled from any neighbour.
@@ -234,6 +255,7 @@ class Trainer:
             self.config = TrainerConfig(**options)
         except TypeError as exc:
             raise ConfigError(f"unknown Trainer option: {exc}") from exc
+        _check_endpoints(join, daemon, node_id, listen)
         install_exit_handlers()
         # Build or load the native ops now: a first JIT build takes 30-60 s, which must not
         # happen inside a donor's serving thread or an allreduce with a timeout.

@@ -55,3 +55,31 @@ def test_a_daemon_that_does_not_answer_closes_the_data_plane() -> None:
     with pytest.raises(ChaosError):
         Trainer(*_model(), daemon=f"tcp://127.0.0.1:{_free_port()}", join_timeout_s=1.0)
     assert _listening_ports() - before == set()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"join": "garbage"}, "invalid join endpoint 'garbage'"),
+        ({"join": "tcp://127.0.0.1:0"}, "invalid join endpoint"),
+        ({"listen": "tcp://host"}, "invalid listen endpoint"),
+        ({"node_id": "bad id!"}, "invalid node id"),
+        ({"daemon": "nonsense"}, "invalid daemon endpoint"),
+    ],
+)
+def test_a_malformed_endpoint_or_id_is_refused_before_anything_starts(
+    kwargs: dict[str, str], needle: str
+) -> None:
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    ports = _listening_ports()
+    with pytest.raises(ConfigError, match=needle):
+        Trainer(*_model(), **kwargs)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+    assert _listening_ports() - ports == set()
+
+
+def test_the_daemon_client_refuses_a_malformed_endpoint() -> None:
+    from chaos.daemon.client import DaemonClient
+
+    with pytest.raises(ConfigError, match="ipc://PATH or tcp://HOST:PORT"):
+        DaemonClient("localhost:7000")
