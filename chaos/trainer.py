@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import re
 import signal
 import socket
 import threading
@@ -197,6 +199,13 @@ def _topology(reply: Any, me: str) -> Topology | None:
     )
 
 
+def _default_node_id() -> str:
+    """``HOSTNAME-PID``, with the characters a node id cannot hold replaced and the host name
+    cut so that the id stays within 64 characters."""
+    host = re.sub(r"[^A-Za-z0-9_.:-]", "-", socket.gethostname())[:48] or "node"
+    return f"{host}-{os.getpid()}"
+
+
 def _check_endpoints(
     join: str | None, daemon: str | None, node_id: str | None, listen: str | None
 ) -> None:
@@ -263,7 +272,7 @@ class Trainer:
         self.model = model
         self.optimizer = optimizer
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.node_id = node_id or f"{socket.gethostname()}-{__import__('os').getpid()}"
+        self.node_id = node_id if node_id is not None else _default_node_id()
         self._step = 0
         self._epoch = -1
         self._policy: _Policy | None = None

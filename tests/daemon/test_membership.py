@@ -23,14 +23,19 @@ from chaos.daemon.states import DaemonState
 from daemon_helpers import free_port
 
 from chaos.protocol import (
+    ClusterUpdate,
     ClusterView,
     JoinRequest,
     LeaveRequest,
     Message,
     NodeInfo,
     OpResult,
+    PolicyAck,
+    SyncPolicyWire,
     decode,
 )
+
+_CLIENT: Any = object()  # stands in for the client's reply path (a ReplyPath)
 
 
 class _Transport:
@@ -56,6 +61,7 @@ class _Host:
         self.has_scheduler = scheduler
         self.events: list[tuple[str, dict[str, object]]] = []
         self.answers: list[Message] = []
+        self.answered_to: list[Any] = []
         self.to_sched: list[Message] = []
         self.exit_code: int | None = None
 
@@ -75,10 +81,11 @@ class _Host:
 
     def respond(self, reply: Any, msg: Message) -> None:
         self.answers.append(msg)
+        self.answered_to.append(reply)
 
     def result(self, reply: Any, op_id: str, reason: Any = None, detail: str = "") -> None:
-        self.answers.append(
-            OpResult(sender="me", epoch=0, op_id=op_id, ok=reason is None, reason=reason)
+        self.respond(
+            reply, OpResult(sender="me", epoch=0, op_id=op_id, ok=reason is None, reason=reason)
         )
 
     def to_scheduler(self, msg: Message) -> bool:
@@ -87,6 +94,7 @@ class _Host:
 
     def finish(self, code: int) -> None:
         self.exit_code = code
+        self.state = DaemonState.STOPPED
 
 
 def _joins(host: _Host) -> list[JoinRequest]:
@@ -102,7 +110,7 @@ def test_a_join_is_resent_until_answered_then_times_out() -> None:
     assert len(first) == 1 and first[0].neighbors == ["a"] and first[0].address == host.address
     ms.tick(100.1)  # too soon to resend
     assert len(_joins(host)) == 1
-    ms.tick(101.0)  # max(0.5, 2 heartbeats) later: sent again, with a fresh op id
+    ms.tick(100.0 + max(0.5, 2 * host.cfg.heartbeat_interval_s))  # sent again, fresh op id
     again = _joins(host)
     assert len(again) == 2 and again[1].op_id != again[0].op_id
     assert host.exit_code is None
@@ -113,17 +121,18 @@ def test_a_join_is_resent_until_answered_then_times_out() -> None:
 
 def test_a_leave_without_a_scheduler_fails_at_once_and_stops() -> None:
     host = _Host(DaemonState.ACTIVE, scheduler=False)
-    Membership(host).start_leave("client", 5.0)
-    assert host.state == DaemonState.LEAVING
+    Membership(host).start_leave(_CLIENT, 5.0)
+    assert host.state == DaemonState.STOPPED and host.answered_to == [_CLIENT]
     answer = host.answers[-1]
     assert isinstance(answer, OpResult) and not answer.ok and answer.reason == "paused"
     assert host.exit_code == 0
 
 
-def test_an_unanswered_leave_times_out_and_a_late_answer_is_not_mistaken() -> None:
+def test_an_unanswered_leave_times_out_and_another_answer_is_not_taken_for_it() -> None:
     host = _Host(DaemonState.ACTIVE)
     ms = Membership(host)
-    ms.start_leave("client", 5.0)
+    ms.start_leave(_CLIENT, 5.0)
+    assert host.state == DaemonState.LEAVING
     (req,) = host.to_sched
     assert isinstance(req, LeaveRequest) and req.node_id == "me"
     assert ms.leave_request().op_id == req.op_id  # what is resent to a new scheduler
@@ -140,7 +149,7 @@ def test_an_unanswered_leave_times_out_and_a_late_answer_is_not_mistaken() -> No
 def test_the_schedulers_answer_finishes_the_leave() -> None:
     host = _Host(DaemonState.ACTIVE)
     ms = Membership(host)
-    ms.start_leave("client", 5.0)
+    ms.start_leave(_CLIENT, 5.0)
     op_id = ms.leave_request().op_id
     assert ms.on_leave_result(OpResult(sender="s", epoch=7, op_id=op_id, ok=True, elapsed_s=0.2))
     answer = host.answers[-1]
@@ -171,6 +180,35 @@ def test_a_dropped_member_rejoins_through_the_sender_with_its_remaining_neighbou
     assert host.events[0] == ("rejoining", {"via": "s", "neighbors": ["s"]})
 
 
+def _update(view: ClusterView, sender: str) -> ClusterUpdate:
+    sync = SyncPolicyWire(kind="single", nodes=[n.id for n in view.nodes])
+    return ClusterUpdate(sender=sender, epoch=view.epoch, term=1, view=view, sync=sync)
+
+
+def test_a_view_without_this_node_ends_a_leave_or_starts_a_rejoin() -> None:
+    old = ClusterView(epoch=3, term=1, scheduler="s", links=[],
+                      nodes=[_node("s", 7001, ["me"]), _node("me", 7000, ["s"])])  # fmt: skip
+    without = ClusterView(epoch=4, term=1, scheduler="s", links=[], nodes=[_node("s", 7001, [])])
+    # leaving: the scheduler's view without this node completes the leave, answer or not
+    host = _Host(DaemonState.ACTIVE)
+    ms = Membership(host)
+    ms.start_leave(_CLIENT, 5.0)
+    ms.on_dropped_from_view(_update(without, "s"), None, 5.5)
+    acks = [m for m in host.answers if isinstance(m, PolicyAck)]
+    done = [m for m in host.answers if isinstance(m, OpResult)]
+    assert acks and acks[0].epoch == 4 and done and done[0].ok and host.exit_code == 0
+    # active: dropped (a missed heartbeat), so it joins again through the sender
+    host = _Host(DaemonState.ACTIVE)
+    host.view = old
+    Membership(host).on_dropped_from_view(_update(without, "s"), None, 6.0)
+    assert host.state == DaemonState.JOINING and len(_joins(host)) == 1
+    # its own view (a scheduler that removed itself) starts nothing
+    host = _Host(DaemonState.ACTIVE)
+    host.view = old
+    Membership(host).on_dropped_from_view(_update(without, "me"), None, 6.0)
+    assert host.state == DaemonState.ACTIVE and not _joins(host)
+
+
 def test_a_rejoin_through_an_unknown_sender_does_nothing() -> None:
     host = _Host(DaemonState.ACTIVE)
     Membership(host).rejoin(None, "stranger", 10.0)
@@ -180,10 +218,13 @@ def test_a_rejoin_through_an_unknown_sender_does_nothing() -> None:
 def test_a_daemon_whose_join_is_never_answered_exits_with_code_4(tmp_path: Path) -> None:
     config = tmp_path / "daemon.toml"
     config.write_text("join_timeout_s = 1.0\n")
+    port, other = free_port(), free_port()
+    while other == port:
+        other = free_port()
     args = [
         sys.executable, "-m", "chaos.daemon.cli", "start", "--id", "lonely",
-        "--listen", f"tcp://127.0.0.1:{free_port()}",
-        "--join", f"tcp://127.0.0.1:{free_port()}",  # nothing listens there
+        "--listen", f"tcp://127.0.0.1:{port}",
+        "--join", f"tcp://127.0.0.1:{other}",  # nothing listens there
         "--config", str(config),
     ]  # fmt: skip
     env = {**os.environ, "CHAOS_DAEMON_DIR": str(tmp_path)}

@@ -83,3 +83,15 @@ def test_the_daemon_client_refuses_a_malformed_endpoint() -> None:
 
     with pytest.raises(ConfigError, match="ipc://PATH or tcp://HOST:PORT"):
         DaemonClient("localhost:7000")
+
+
+def test_the_default_node_id_is_valid_whatever_the_host_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from chaos.daemon.config import check_node_id
+
+    from chaos.trainer import _default_node_id
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "x" * 70 + ".my host")
+    node_id = _default_node_id()
+    assert check_node_id(node_id) == node_id and node_id.endswith(f"-{os.getpid()}")
