@@ -214,7 +214,7 @@ def _check_endpoints(
     Raises:
         ConfigError: one of them is malformed.
     """
-    from chaos.daemon.config import check_node_id, check_tcp_endpoint
+    from chaos.daemon.config import check_daemon_endpoint, check_node_id, check_tcp_endpoint
 
     if node_id is not None:
         check_node_id(node_id)
@@ -222,8 +222,8 @@ def _check_endpoints(
         check_tcp_endpoint(join, "join endpoint")
     if listen is not None:
         check_tcp_endpoint(listen, "listen endpoint")
-    if daemon is not None and not (isinstance(daemon, str) and daemon.startswith("ipc://")):
-        check_tcp_endpoint(daemon, "daemon endpoint (ipc://PATH or tcp://HOST:PORT)")
+    if daemon is not None:
+        check_daemon_endpoint(daemon)
 
 
 class Trainer:

@@ -11,7 +11,7 @@ import time
 from typing import cast
 
 import zmq
-from chaos.daemon.config import check_tcp_endpoint
+from chaos.daemon.config import check_daemon_endpoint
 
 from chaos.errors import ChaosTimeout, ProtocolError
 from chaos.protocol import (
@@ -74,8 +74,7 @@ class DaemonClient:
     """
 
     def __init__(self, endpoint: str, timeout_s: float = 15.0) -> None:
-        if not (isinstance(endpoint, str) and endpoint.startswith("ipc://")):
-            check_tcp_endpoint(endpoint, "daemon endpoint (ipc://PATH or tcp://HOST:PORT)")
+        check_daemon_endpoint(endpoint)
         if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://") :]):
             raise ProtocolError(f"no daemon listening at {endpoint} (no socket file)")
         self.endpoint = endpoint

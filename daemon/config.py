@@ -72,6 +72,23 @@ def check_tcp_endpoint(value: str, what: str = "endpoint") -> str:
     return value
 
 
+def check_daemon_endpoint(value: str) -> str:
+    """Checks a daemon's control endpoint: ``ipc://PATH`` or ``tcp://HOST:PORT``.
+
+    Args:
+        value: The endpoint.
+
+    Returns:
+        The endpoint.
+
+    Raises:
+        ConfigError: the endpoint is neither.
+    """
+    if not (isinstance(value, str) and value.startswith("ipc://")):
+        check_tcp_endpoint(value, "daemon endpoint (ipc://PATH or tcp://HOST:PORT)")
+    return value
+
+
 def _positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{name} must be a number, got {value!r}")
