@@ -12,6 +12,11 @@ the resampled differences are reported. The interval says how far the pooled fig
 with other draws of the same noise; it is what to look at before calling a difference between
 two arms real.
 
+It also lists each run on its own: its baseline step (the median undisturbed step, which
+grows when the shared host is busy) and its added p50 per primitive. Over three runs or more it
+gives the correlation between the two, which shows how much of the spread between runs follows
+the host's load rather than the code.
+
 Usage::
 
     chaos-bench pool --json pooled.json run1.json run2.json ...
@@ -77,6 +82,59 @@ def load_runs(paths: list[Path]) -> dict[str, tuple[list[float], list[float]]]:
     return pooled
 
 
+def per_run(paths: list[Path]) -> list[dict[str, Any]]:
+    """Each run's own figures: its baseline step and its added p50 per primitive.
+
+    Args:
+        paths: The runs' JSON files (already read once by :func:`load_runs`).
+
+    Returns:
+        One ``{"run", "baseline_step_ms", "added_p50_ms": {primitive: ms}}`` per run; a figure
+        the file lacks is ``None``.
+    """
+    rows: list[dict[str, Any]] = []
+    for path in paths:
+        doc = json.loads(path.read_text())
+        added = doc.get("added_p50_ms") if isinstance(doc.get("added_p50_ms"), dict) else {}
+        rows.append(
+            {
+                "run": str(path),
+                "baseline_step_ms": _number(doc.get("baseline_step_ms")),
+                "added_p50_ms": {k: _number(added.get(k)) for k in PRIMITIVES},
+            }
+        )
+    return rows
+
+
+def _number(x: object) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def baseline_correlation(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Per primitive, the Pearson correlation over runs between the baseline step and the
+    added p50; ``None`` with fewer than three runs that have both, or when either is constant.
+
+    Args:
+        rows: :func:`per_run`'s output.
+
+    Returns:
+        ``{primitive: r or None}``.
+    """
+    out: dict[str, float | None] = {}
+    for key in PRIMITIVES:
+        pairs = [
+            (r["baseline_step_ms"], r["added_p50_ms"][key])
+            for r in rows
+            if r["baseline_step_ms"] is not None and r["added_p50_ms"][key] is not None
+        ]
+        xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
+        try:
+            out[key] = statistics.correlation(xs, ys) if len(pairs) >= 3 else None
+        except statistics.StatisticsError:  # a constant series
+            out[key] = None
+    return out
+
+
 def pooled_added(
     stall: list[float], null: list[float], resamples: int = DEFAULT_RESAMPLES
 ) -> dict[str, Any]:
@@ -131,14 +189,33 @@ def pool_command(runs: tuple[Path, ...], json_path: str | None, resamples: int) 
         result: dict[str, Any] = {"runs": [str(p) for p in runs], "resamples": resamples}
         for key in PRIMITIVES:
             result[key] = pooled_added(*pooled[key], resamples=resamples)
+        result["per_run"] = per_run(list(runs))
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
+    result["baseline_correlation"] = baseline_correlation(result["per_run"])
     click.echo(f"{'primitive':<17}{'added p50 ms':>13}{'90% interval ms':>20}{'n':>5}{'null n':>8}")
     for key in PRIMITIVES:
         r = result[key]
         interval = f"[{r['ci90_ms'][0]:+.2f}, {r['ci90_ms'][1]:+.2f}]"
         click.echo(f"{key:<17}{r['added_p50_ms']:>+13.2f}{interval:>20}{r['n']:>5}{r['null_n']:>8}")
     click.echo(f"pooled {len(runs)} run(s): added = median(stall) - median(null) over all samples")
+    _echo_runs(result["per_run"], result["baseline_correlation"])
     if json_path is not None:
         Path(json_path).write_text(json.dumps(result, indent=2))
         click.echo(f"wrote {json_path}")
+
+
+def _echo_runs(rows: list[dict[str, Any]], corr: dict[str, float | None]) -> None:
+    """Prints each run's baseline step and added p50s, then the correlation line."""
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x:+.2f}"
+
+    click.echo(f"{'run':<32}{'baseline step ms':>17}" + "".join(f"{k:>17}" for k in PRIMITIVES))
+    for r in rows:
+        base = "-" if r["baseline_step_ms"] is None else f"{r['baseline_step_ms']:.2f}"
+        name = Path(r["run"]).name[-31:]
+        added = "".join(f"{ms(r['added_p50_ms'][k]):>17}" for k in PRIMITIVES)
+        click.echo(f"{name:<32}{base:>17}{added}")
+    shown = ", ".join(f"{k} {'-' if v is None else f'{v:+.2f}'}" for k, v in corr.items())
+    click.echo(f"correlation of baseline step with added p50 over runs: {shown}")

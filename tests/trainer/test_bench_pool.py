@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from chaos.bench.pool import load_runs, pooled_added
+from chaos.bench.pool import baseline_correlation, load_runs, per_run, pooled_added
 from chaos.bench.primitives import PRIMITIVES
 from chaos.errors import ConfigError
 
@@ -79,6 +79,9 @@ def test_the_command_prints_a_table_and_writes_json(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["runs"] == [str(a)]
     assert {k: result[k]["added_p50_ms"] for k in PRIMITIVES} == dict.fromkeys(PRIMITIVES, 2.0)
+    assert result["per_run"][0]["baseline_step_ms"] is None  # the synthetic run has none
+    assert result["baseline_correlation"] == dict.fromkeys(PRIMITIVES, None)  # one run only
+    assert "a.json" in done.stdout and "correlation of baseline step" in done.stdout
 
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
@@ -90,3 +93,43 @@ def test_the_command_prints_a_table_and_writes_json(tmp_path: Path) -> None:
     )
     assert bad.returncode == 2
     assert "cannot read it as JSON" in bad.stderr
+
+
+def _with_figures(path: Path, baseline: float | None, added: dict[str, float]) -> Path:
+    _run(path, [1.0], [0.0])
+    doc = json.loads(path.read_text())
+    if baseline is not None:
+        doc["baseline_step_ms"] = baseline
+    doc["added_p50_ms"] = added
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_each_run_is_listed_with_its_baseline_step_and_added_stall(tmp_path: Path) -> None:
+    a = _with_figures(tmp_path / "a.json", 25.5, {"scale_in": 0.1, "connect_link": 0.8})
+    b = _with_figures(tmp_path / "b.json", None, {"connect_link": "x"})  # type: ignore[dict-item]
+    rows = per_run([a, b])
+    assert rows[0] == {
+        "run": str(a),
+        "baseline_step_ms": 25.5,
+        "added_p50_ms": {"scale_in": 0.1, "connect_link": 0.8, "disconnect_link": None},
+    }
+    assert rows[1]["baseline_step_ms"] is None
+    assert rows[1]["added_p50_ms"] == dict.fromkeys(PRIMITIVES, None)  # not a number: left out
+
+
+def test_the_correlation_follows_the_runs_and_needs_three_of_them(tmp_path: Path) -> None:
+    files = [
+        _with_figures(
+            tmp_path / f"r{i}.json",
+            base,
+            {"scale_in": 0.5, "connect_link": 2 * base - 50, "disconnect_link": 60 - 2 * base},
+        )
+        for i, base in enumerate([25.0, 26.0, 28.0])
+    ]
+    corr = baseline_correlation(per_run(files))
+    assert corr["connect_link"] == pytest.approx(1.0)
+    assert corr["disconnect_link"] == pytest.approx(-1.0)
+    assert corr["scale_in"] is None  # constant: no correlation to speak of
+    two = baseline_correlation(per_run(files[:2]))
+    assert two == dict.fromkeys(PRIMITIVES, None)
