@@ -53,6 +53,21 @@ def _samples(doc: dict[str, Any], path: Path, key: str) -> tuple[list[float], li
     return [float(x) for x in stall], [float(x) for x in null]
 
 
+def _read(path: Path) -> dict[str, Any]:
+    """One run's JSON object.
+
+    Raises:
+        ConfigError: the file is missing, is not JSON, or is not an object.
+    """
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path}: cannot read it as JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: not a chaos-bench primitives JSON object")
+    return doc
+
+
 def load_runs(paths: list[Path]) -> dict[str, tuple[list[float], list[float]]]:
     """Reads ``chaos-bench primitives`` JSON files and pools their samples.
 
@@ -65,16 +80,14 @@ def load_runs(paths: list[Path]) -> dict[str, tuple[list[float], list[float]]]:
     Raises:
         ConfigError: no file given, a file is missing, is not JSON, or lacks the samples.
     """
-    if not paths:
+    return _pool([(path, _read(path)) for path in paths])
+
+
+def _pool(docs: list[tuple[Path, dict[str, Any]]]) -> dict[str, tuple[list[float], list[float]]]:
+    if not docs:
         raise ConfigError("no run to pool")
     pooled: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in PRIMITIVES}
-    for path in paths:
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"{path}: cannot read it as JSON: {exc}") from exc
-        if not isinstance(doc, dict):
-            raise ConfigError(f"{path}: not a chaos-bench primitives JSON object")
+    for path, doc in docs:
         for key in PRIMITIVES:
             stall, null = _samples(doc, path, key)
             pooled[key][0].extend(stall)
@@ -86,16 +99,23 @@ def per_run(paths: list[Path]) -> list[dict[str, Any]]:
     """Each run's own figures: its baseline step and its added p50 per primitive.
 
     Args:
-        paths: The runs' JSON files (already read once by :func:`load_runs`).
+        paths: The runs' JSON files.
 
     Returns:
         One ``{"run", "baseline_step_ms", "added_p50_ms": {primitive: ms}}`` per run; a figure
         the file lacks is ``None``.
+
+    Raises:
+        ConfigError: a file is missing, is not JSON, or is not an object.
     """
+    return _rows([(path, _read(path)) for path in paths])
+
+
+def _rows(docs: list[tuple[Path, dict[str, Any]]]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    for path in paths:
-        doc = json.loads(path.read_text())
-        added = doc.get("added_p50_ms") if isinstance(doc.get("added_p50_ms"), dict) else {}
+    for path, doc in docs:
+        raw = doc.get("added_p50_ms")
+        added: dict[str, Any] = raw if isinstance(raw, dict) else {}
         rows.append(
             {
                 "run": str(path),
@@ -185,11 +205,12 @@ def pooled_added(
 def pool_command(runs: tuple[Path, ...], json_path: str | None, resamples: int) -> None:
     """Pools ``chaos-bench primitives`` runs: added stall p50 with a 90% bootstrap interval."""
     try:
-        pooled = load_runs(list(runs))
+        docs = [(path, _read(path)) for path in runs]  # each file read once
+        pooled = _pool(docs)
         result: dict[str, Any] = {"runs": [str(p) for p in runs], "resamples": resamples}
         for key in PRIMITIVES:
             result[key] = pooled_added(*pooled[key], resamples=resamples)
-        result["per_run"] = per_run(list(runs))
+        result["per_run"] = _rows(docs)
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
     result["baseline_correlation"] = baseline_correlation(result["per_run"])
