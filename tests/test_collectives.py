@@ -32,7 +32,13 @@ from chaos.collectives import (
     Topology,
     topology_from_sync_policy,
 )
-from chaos.collectives.frames import HEADER_BYTES, Op, decode_header, encode_header
+from chaos.collectives.frames import (
+    FRAME_VERSION,
+    HEADER_BYTES,
+    Op,
+    decode_header,
+    encode_header,
+)
 from chaos.errors import PeerTimeout, ProtocolError, RoundInterrupted
 
 CHUNK_BYTES = 4096  # small chunks: many frames (deep pipelines) with small tensors
@@ -443,7 +449,7 @@ def test_header_roundtrip_and_validation() -> None:
     assert (h.op, h.dtype, h.seg, h.key, h.chunk, h.nelem) == (
         Op.TREE_DOWN, torch.bfloat16, 3, (7, 11), 13, 17)  # fmt: skip
     with pytest.raises(ProtocolError, match="version"):
-        decode_header(b"\x02" + raw[1:])
+        decode_header(bytes([FRAME_VERSION + 1]) + raw[1:])
     with pytest.raises(ProtocolError, match="op"):
         decode_header(raw[:1] + b"\x63" + raw[2:])
     with pytest.raises(ProtocolError, match="bytes"):

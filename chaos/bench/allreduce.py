@@ -27,6 +27,9 @@ from chaos.collectives import Communicator, CommunicatorConfig, Topology
 
 _UNITS = {"B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 ALGOS = ("ring", "tree", "gloo")
+ZMQ_ALGOS = ("ring_zmq", "tree_zmq")
+"""With ``--zmq-baseline``: ring and tree with :attr:`CommunicatorConfig.lanes` off (every chunk
+through ZeroMQ), timed in the same repetitions."""
 RESULT_TIMEOUT_S = 1800.0
 LOOPBACK_CHUNK_BYTES = 2 << 20
 """Chunk size tuned on loopback (2 MiB beat 256 KiB, 1 MiB and 4 MiB); the library default
@@ -55,16 +58,20 @@ def _free_port() -> int:
 
 
 def _topologies(n: int, addrs: dict[str, dict[str, str]]) -> dict[str, Topology]:
+    """One topology per Chaos algorithm (``ring``/``tree``, with or without ``_zmq``)."""
     names = tuple(f"r{i}" for i in range(n))
     parent = {m: (None if i == 0 else names[(i - 1) // 2]) for i, m in enumerate(names)}
     return {
-        "ring": Topology("ring", names, addrs["ring"], 1, ring_order=names),
-        "tree": Topology("tree", names, addrs["tree"], 1, parent=parent),
+        algo: Topology("ring", names, addrs[algo], 1, ring_order=names)
+        if algo.startswith("ring")
+        else Topology("tree", names, addrs[algo], 1, parent=parent)
+        for algo in addrs
     }
 
 
 def _worker(rank: int, n: int, port: int, sizes: list[int], repeats: int, chunk_bytes: int,
-            keep_memory: bool, results: Any) -> None:  # fmt: skip
+            keep_memory: bool, lanes: bool, algos: tuple[str, ...],
+            results: Any) -> None:  # fmt: skip
     """One benchmark process: times every algorithm; rank 0 puts the JSON rows on ``results``.
 
     Ring and tree each get their own communicator with a fixed topology, as in training, where
@@ -78,10 +85,10 @@ def _worker(rank: int, n: int, port: int, sizes: list[int], repeats: int, chunk_
     dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
     comms = {
         algo: Communicator(CommunicatorConfig(node_id=f"r{rank}", chunk_bytes=chunk_bytes,
-                                              timeout_s=120.0,
-                                              keep_frame_memory=keep_memory))  # fmt: skip
-        for algo in ("ring", "tree")
-    }
+                                              timeout_s=120.0, keep_frame_memory=keep_memory,
+                                              lanes=lanes and not algo.endswith("_zmq")))
+        for algo in algos if algo != "gloo"
+    }  # fmt: skip
     try:
         for algo, comm in comms.items():
             store.set(f"chaos-{algo}-{rank}", comm.address)
@@ -96,9 +103,9 @@ def _worker(rank: int, n: int, port: int, sizes: list[int], repeats: int, chunk_
             x = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
             y = torch.empty_like(x)  # gloo reduces in place: refilled from x before each run
             o = torch.empty_like(x)  # chaos writes its result here (preallocated, like y)
-            times: dict[str, list[float]] = {a: [] for a in ALGOS}
+            times: dict[str, list[float]] = {a: [] for a in algos}
             for rep in range(repeats + 1):  # the first repetition warms up and is discarded
-                for algo in ALGOS:
+                for algo in algos:
                     y.copy_(x)
                     dist.barrier()
                     t0 = time.perf_counter()
@@ -126,12 +133,20 @@ def _td(seconds: float) -> Any:
 
 
 def run_bench(
-    nodes: int, sizes: list[int], repeats: int, chunk_bytes: int, keep_memory: bool = True
+    nodes: int,
+    sizes: list[int],
+    repeats: int,
+    chunk_bytes: int,
+    keep_memory: bool = True,
+    lanes: bool = True,
+    zmq_baseline: bool = False,
 ) -> dict[str, Any]:
     """Spawns the processes, collects rank 0's timings and returns the JSON-ready result.
 
     ``keep_memory`` is :attr:`CommunicatorConfig.keep_frame_memory` (process-wide, so the gloo
-    side of the same processes runs with the same allocator settings).
+    side of the same processes runs with the same allocator settings); ``lanes`` is
+    :attr:`CommunicatorConfig.lanes` of ``ring`` and ``tree``; ``zmq_baseline`` adds
+    :data:`ZMQ_ALGOS` (lanes off) to every repetition.
 
     Raises:
         RuntimeError: a benchmark process failed or produced nothing.
@@ -139,7 +154,8 @@ def run_bench(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    args = (nodes, port, sizes, repeats, chunk_bytes, keep_memory, results)
+    algos = ALGOS + (ZMQ_ALGOS if zmq_baseline else ())
+    args = (nodes, port, sizes, repeats, chunk_bytes, keep_memory, lanes, algos, results)
     procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(nodes)]
     for p in procs:
         p.start()
@@ -153,15 +169,20 @@ def run_bench(
                 p.join()
     rows = json.loads(raw)
     out: dict[str, Any] = {"nodes": nodes, "repeats": repeats, "chunk_bytes": chunk_bytes,
-                           "keep_frame_memory": keep_memory, "dtype": "float32", "op": "sum",
-                           "sizes": {}}  # fmt: skip
+                           "keep_frame_memory": keep_memory, "lanes": lanes, "dtype": "float32",
+                           "op": "sum", "sizes": {}}  # fmt: skip
     for size in sizes:
-        med = {a: statistics.median(rows[str(size)][a]) for a in ALGOS}
+        med = {a: statistics.median(rows[str(size)][a]) for a in algos}
         best = min(("ring", "tree"), key=lambda a: med[a])
-        out["sizes"][_label(size)] = {
+        row = {
             "bytes": size, "chaos_s": med[best], "chaos_algo": best, "ring_s": med["ring"],
             "tree_s": med["tree"], "gloo_s": med["gloo"], "ratio": med["gloo"] / med[best],
         }  # fmt: skip
+        if zmq_baseline:
+            zbest = min(ZMQ_ALGOS, key=lambda a: med[a])
+            row.update(ring_zmq_s=med["ring_zmq"], tree_zmq_s=med["tree_zmq"],
+                       zmq_ratio=med["gloo"] / med[zbest])  # fmt: skip
+        out["sizes"][_label(size)] = row
     return out
 
 
@@ -198,21 +219,32 @@ def _label(size: int) -> str:
 @click.option("--keep-frame-memory/--no-keep-frame-memory", default=True, show_default=True,
               help="CommunicatorConfig.keep_frame_memory: glibc keeps freed frame buffers "
                    "mapped (process-wide; the default of the library).")
+@click.option("--lanes/--no-lanes", default=True, show_default=True,
+              help="CommunicatorConfig.lanes of ring and tree: chunks over plain TCP payload "
+                   "lanes (the default of the library) or through ZeroMQ.")
+@click.option("--zmq-baseline", is_flag=True,
+              help="Also time ring and tree with lanes off, in the same repetitions.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="Write the results here.")
 def allreduce_command(nodes: int, sizes: str, repeats: int, chunk_bytes: int,
-                      keep_frame_memory: bool, json_path: Path | None) -> None:  # fmt: skip
+                      keep_frame_memory: bool, lanes: bool, zmq_baseline: bool,
+                      json_path: Path | None) -> None:  # fmt: skip
     """Chaos allreduce (ring and tree) vs torch.distributed gloo on loopback."""
     parsed = [parse_size(s) for s in sizes.split(",") if s.strip()]
     if not parsed:
         raise click.BadParameter("no sizes given", param_hint="--sizes")
-    result = run_bench(nodes, parsed, repeats, chunk_bytes, keep_frame_memory)
+    result = run_bench(nodes, parsed, repeats, chunk_bytes, keep_frame_memory, lanes, zmq_baseline)
     click.echo(f"allreduce, {nodes} processes on loopback, float32 sum, median of {repeats}")
     click.echo(f"{'size':>8} {'ring s':>10} {'tree s':>10} {'chaos s':>10} {'gloo s':>10} "
                f"{'ratio':>7}")  # fmt: skip
     for label, row in result["sizes"].items():
         click.echo(f"{label:>8} {row['ring_s']:10.4f} {row['tree_s']:10.4f} "
                    f"{row['chaos_s']:10.4f} {row['gloo_s']:10.4f} {row['ratio']:7.2f}")  # fmt: skip
+    if zmq_baseline:
+        click.echo(f"{'size':>8} {'ring_zmq s':>10} {'tree_zmq s':>10} {'zmq ratio':>10}")
+        for label, row in result["sizes"].items():
+            click.echo(f"{label:>8} {row['ring_zmq_s']:10.4f} {row['tree_zmq_s']:10.4f} "
+                       f"{row['zmq_ratio']:10.2f}")  # fmt: skip
     click.echo("ratio = gloo_s / chaos_s (>= 1: Chaos is faster); chaos = best of ring and tree")
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=2) + "\n")

@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING
 import torch
 import zmq
 
-from chaos.collectives.frames import Op, encode_header
+from chaos.collectives.frames import Header, Op, encode_header
 from chaos.collectives.topology import Topology
 from chaos.errors import PeerTimeout, ProtocolError
 from chaos.ops import reduce_into
 
 if TYPE_CHECKING:
     from chaos.collectives.communicator import Communicator
-    from chaos.collectives.links import Frame
+    from chaos.collectives.links import Frame, LanePayload
 
 
 def split(start: int, stop: int, parts: int) -> list[tuple[int, int]]:
@@ -101,6 +101,9 @@ class Round:
         self.esize = torch.empty(0, dtype=self.wire_dtype).element_size()
         self.chunk_elems = max(1, comm.config.chunk_bytes // self.esize)
         self.trackers: list[tuple[str, zmq.MessageTracker]] = []
+        # payloads arriving on lanes are read straight into ``acc`` (no copy) when the wire
+        # format is the accumulation dtype and the input's (see Communicator.recv's ``place``)
+        self.placing = wire is None and src.dtype == self.wire_dtype
 
     def execute(self) -> None:
         """Runs the algorithm of the topology's kind.
@@ -121,6 +124,7 @@ class Round:
                 tracker.wait(self.timeout_s)
             except zmq.NotDone:
                 raise PeerTimeout(peer, "final frames not taken", reported_by=self.me) from None
+        self.comm.drain_lanes(self.timeout_s)
 
     # ------------------------------------------------------------------ shared steps
 
@@ -146,7 +150,7 @@ class Round:
         self.wire[a:b].copy_(self.acc[a:b])
         return _bytes(self.wire[a:b])
 
-    def _combine(self, frames: list[Frame], a: int, b: int) -> zmq.Frame | None:
+    def _combine(self, frames: list[Frame], a: int, b: int) -> zmq.Frame | LanePayload | None:
         """Adds this member's values ``src[a:b]`` to the partial sums carried by ``frames``.
 
         When the wire format is the accumulation dtype, the sum is built in place in the first
@@ -165,12 +169,16 @@ class Round:
             reduce_into(acc, self._payload(f, a, b))
         return None
 
-    def _partial(self, frames: list[Frame], a: int, b: int) -> zmq.Frame | memoryview:
+    def _partial(
+        self, frames: list[Frame], a: int, b: int
+    ) -> zmq.Frame | LanePayload | memoryview:
         """The partial sum of ``[a, b)`` including this member, ready to send on."""
         combined = self._combine(frames, a, b)
         return self._to_wire(a, b) if combined is None else combined
 
-    def _final(self, frames: list[Frame], a: int, b: int) -> tuple[zmq.Frame | memoryview, bool]:
+    def _final(
+        self, frames: list[Frame], a: int, b: int
+    ) -> tuple[zmq.Frame | LanePayload | memoryview, bool]:
         """Completes ``[a, b)``: the final values are in ``acc[a:b]`` and returned to send.
 
         Returns:
@@ -182,7 +190,8 @@ class Round:
             return self._finalize(a, b), True
         if self.mean:
             torch.frombuffer(combined.buffer, dtype=self.wire_dtype).div_(self.n)
-        self.acc[a:b].copy_(torch.frombuffer(combined.buffer, dtype=self.wire_dtype))
+        if not frames[0].placed:  # a placed frame's payload already is acc[a:b]
+            self.acc[a:b].copy_(torch.frombuffer(combined.buffer, dtype=self.wire_dtype))
         return combined, False
 
     def _finalize(self, a: int, b: int) -> memoryview:
@@ -211,6 +220,19 @@ class Round:
             raise ProtocolError(f"frame from {frame.peer!r} has a truncated payload")
         return torch.frombuffer(buf, dtype=self.wire_dtype)
 
+    def _region(
+        self, table: list[list[tuple[int, int]]], h: Header, seen: set[tuple[int, int, int]]
+    ) -> memoryview | None:
+        """``acc``'s bytes for the chunk ``h`` names, to read a lane payload into; ``None``
+        (read it elsewhere, and let the algorithm refuse it) for a chunk already received, out
+        of range, or of the wrong size or dtype."""
+        if not self.placing or h.dtype != self.wire_dtype or (h.op, h.seg, h.chunk) in seen:
+            return None
+        if h.seg >= len(table) or h.chunk >= len(table[h.seg]):
+            return None
+        a, b = table[h.seg][h.chunk]
+        return _bytes(self.acc[a:b]) if h.nelem == b - a and b > a else None
+
     def _lookup(self, table: list[list[tuple[int, int]]], frame: Frame) -> tuple[int, int]:
         h = frame.header
         if h.seg >= len(table) or h.chunk >= len(table[h.seg]):
@@ -233,8 +255,15 @@ class Round:
         owned = (i + 1) % n
         expected = sum(len(c) for c in segs) * 2 - len(segs[i]) - len(segs[owned])
         seen: set[tuple[int, int, int]] = set()
+
+        def place(peer: str, h: Header) -> memoryview | None:
+            ok = (h.op == Op.RING_REDUCE_SCATTER and h.seg != i) or (
+                h.op == Op.RING_ALLGATHER and h.seg != owned
+            )
+            return self._region(segs, h, seen) if ok and peer == left else None
+
         while len(seen) < expected:
-            frame = self.comm.recv(self.key, self.timeout_s, left)
+            frame = self.comm.recv(self.key, self.timeout_s, left, place)
             h = frame.header
             if frame.peer != left or (h.op, h.seg, h.chunk) in seen:
                 raise ProtocolError(f"unexpected ring frame {h} from {frame.peer!r}")
@@ -245,7 +274,9 @@ class Round:
                 track = final and h.chunk == len(segs[owned]) - 1
                 self._ring_reduce(frame, a, b, final=final, track=track, right=right)
             elif h.op == Op.RING_ALLGATHER and h.seg != owned:
-                self.acc[a:b].copy_(self._payload(frame, a, b))
+                values = self._payload(frame, a, b)
+                if not frame.placed:
+                    self.acc[a:b].copy_(values)
                 if (i - h.seg) % n < n - 2:  # not yet back at the member before the owner
                     self.comm.send(right, frame.raw_header, frame.payload)
             else:
@@ -287,8 +318,14 @@ class Round:
                     return missing[0]
             return parent if parent is not None else children[0]
 
+        down_seen: set[tuple[int, int, int]] = set()
+
+        def place(peer: str, h: Header) -> memoryview | None:
+            ok = h.op == Op.TREE_DOWN and peer == parent and h.seg == 0
+            return self._region(table, h, down_seen) if ok else None
+
         while len(seen) < expected:
-            frame = self.comm.recv(self.key, self.timeout_s, blame)
+            frame = self.comm.recv(self.key, self.timeout_s, blame, place)
             h = frame.header
             tag = (frame.peer, int(h.op), h.chunk)
             up = h.op == Op.TREE_UP and frame.peer in children
@@ -296,6 +333,8 @@ class Round:
             if tag in seen or h.seg != 0 or not (up or down):
                 raise ProtocolError(f"unexpected tree frame {h} from {frame.peer!r}")
             seen.add(tag)
+            if down:
+                down_seen.add((int(h.op), h.seg, h.chunk))
             a, b = self._lookup(table, frame)
             if up:
                 pending[h.chunk].append(frame)
@@ -304,7 +343,9 @@ class Round:
                     pending[h.chunk] = []
                     self._tree_chunk_done(h.chunk, table, frames, parent, children)
             else:
-                self.acc[a:b].copy_(self._payload(frame, a, b))
+                values = self._payload(frame, a, b)
+                if not frame.placed:
+                    self.acc[a:b].copy_(values)
                 for c in children:
                     self.comm.send(c, frame.raw_header, frame.payload)
 

@@ -14,6 +14,7 @@ stale-frame filtering and failure handling.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -28,14 +29,17 @@ from chaos.collectives import algorithms
 from chaos.collectives.allocator import keep_frame_memory
 from chaos.collectives.config import WIRE_NAMES, CollectiveStats, CommunicatorConfig, ReduceOp
 from chaos.collectives.frames import WIRE_DTYPES, Op, decode_header, encode_header
+from chaos.collectives.lanes import InLane, Place, endpoint_host, open_lanes, read_frame, resend
 from chaos.collectives.links import (
     CaughtUp,
     Fault,
     Frame,
+    LanePayload,
     Link,
     overlaps,
     result_of,
     send_notice,
+    send_offer,
 )
 from chaos.collectives.topology import Topology
 from chaos.errors import PeerFailure, PeerTimeout, ProtocolError, RoundInterrupted
@@ -43,6 +47,8 @@ from chaos.errors import PeerFailure, PeerTimeout, ProtocolError, RoundInterrupt
 # CommunicatorConfig, CollectiveStats and ReduceOp live in chaos.collectives.config and are
 # re-exported here.
 __all__ = ["CollectiveStats", "Communicator", "CommunicatorConfig", "ReduceOp"]
+
+log = logging.getLogger("chaos.collectives")
 
 _MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 _MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
@@ -104,6 +110,11 @@ class Communicator:
         self._fault: Fault | None = None
         self._wire_cache: dict[torch.dtype, torch.Tensor] = {}
         self._closed = False
+        self._lanes = (
+            open_lanes(self.node_id, self.address, config.timeout_s, config.poll_slice_s)
+            if config.lanes
+            else None
+        )
         if topology is not None:
             self.update_topology(topology)
 
@@ -174,9 +185,13 @@ class Communicator:
         monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
         sock.connect(address)
         self._poller.register(monitor, zmq.POLLIN)
+        if self._lanes is not None:
+            send_offer(sock, (0, 0), self._lanes.offer(peer))
         return Link(peer, address, sock, monitor)
 
     def _close_link(self, link: Link) -> None:
+        if self._lanes is not None:
+            self._lanes.drop(link.peer)
         self._poller.unregister(link.monitor)
         link.socket.disable_monitor()
         link.monitor.close(linger=0)
@@ -461,6 +476,10 @@ class Communicator:
         return key
 
     def _start_round(self, key: tuple[int, int]) -> None:
+        if self._lanes is not None:
+            for peer, link in self._links.items():
+                if self._lanes.wants_offer(peer):
+                    send_offer(link.socket, key, self._lanes.offer(peer))
         self._ready.clear()
         self._newer_round = None
         self._told_newer.clear()
@@ -493,11 +512,18 @@ class Communicator:
         self,
         peer: str,
         header: bytes | zmq.Frame,
-        payload: zmq.Frame | memoryview,
+        payload: zmq.Frame | memoryview | LanePayload,
         *,
         track: bool = False,
     ) -> zmq.MessageTracker | None:
-        """Sends one frame (header, payload) zero-copy to a neighbour. Used by the algorithms.
+        """Sends one data frame (header, payload) zero-copy to a neighbour. Used by the
+        algorithms.
+
+        The frame goes over the link's payload lane when it has one (the round waits for the
+        lanes to drain before it returns, see :meth:`drain_lanes`), else through ZeroMQ.
+
+        Returns:
+            A tracker of the ZeroMQ send when ``track`` is set and the frame went that way.
 
         Raises:
             PeerTimeout: the link's queue stayed full for the whole timeout.
@@ -506,6 +532,19 @@ class Communicator:
         link = self._links.get(peer)
         if link is None:
             raise PeerFailure(peer, "no link to this peer in the current topology")
+        lane = self._lanes.out(peer) if self._lanes is not None else None
+        if lane is not None:
+            if lane.dead:
+                resend(link.socket, peer, lane.take_unsent())
+            raw = header.bytes if isinstance(header, zmq.Frame) else header
+            view = payload if isinstance(payload, memoryview) else payload.buffer
+            if lane.put(raw, view, payload):
+                self.stats.lane_frames_sent += 1
+                if self._fault is not None:
+                    self._count_fault()
+                return None
+        if isinstance(payload, LanePayload):
+            payload = payload.buffer
         try:
             link.socket.send(header, _MORE_NOBLOCK, copy=True)
             tracker = link.socket.send(payload, _NOBLOCK, copy=False, track=track)
@@ -558,7 +597,26 @@ class Communicator:
             self._notices[address] = sock
         return sock
 
+    def drain_lanes(self, timeout_s: float) -> None:
+        """Waits until every frame queued on a payload lane is written (the end of a round:
+        after it, the caller may change the buffers they were sent from).
+
+        Raises:
+            PeerTimeout: a lane's frames were not all taken within ``timeout_s``.
+        """
+        if self._lanes is None:
+            return
+        peer = self._lanes.drain(timeout_s)
+        if peer is not None:
+            raise PeerTimeout(peer, "final frames not taken", reported_by=self.node_id)
+        for peer, lane in self._lanes.outgoing.items():
+            link = self._links.get(peer)
+            if lane.dead and link is not None:
+                resend(link.socket, peer, lane.take_unsent())
+
     def _send_abort(self, key: tuple[int, int], exc: Exception) -> None:
+        if self._lanes is not None:  # the round's buffers are about to be reused
+            self._lanes.cancel(min(1.0, self.config.timeout_s))
         failed = exc.peer if isinstance(exc, PeerFailure) else self.node_id
         header = encode_header(Op.ABORT, torch.float32, 0, key[0], key[1], 0, 0)
         for link in self._links.values():
@@ -571,7 +629,11 @@ class Communicator:
     # ------------------------------------------------------------------ receiving
 
     def recv(
-        self, key: tuple[int, int], timeout_s: float, waiting_for: str | Callable[[], str]
+        self,
+        key: tuple[int, int],
+        timeout_s: float,
+        waiting_for: str | Callable[[], str],
+        place: Place | None = None,
     ) -> Frame:
         """The next frame of ``key`` from a neighbour. Used by the algorithms.
 
@@ -582,6 +644,10 @@ class Communicator:
             key: The running allreduce's (epoch, step).
             timeout_s: Longest wait for this frame.
             waiting_for: The neighbour blamed if nothing comes (or a function naming it).
+            place: For a frame of ``key`` arriving on a payload lane: ``place(peer, header)``
+                names the region of the result buffer to read its payload into (the frame is
+                then ``placed``), or ``None``. It must check the header (size, a chunk not yet
+                received) before naming a region.
 
         Raises:
             PeerFailure: a neighbour's connection dropped, was reported dead, or sent an abort.
@@ -596,24 +662,61 @@ class Communicator:
             try:
                 parts = self._router.recv_multipart(_NOBLOCK, copy=False)
             except zmq.Again:
-                self._wait(deadline, waiting_for)
+                lane = self._wait(deadline, waiting_for)
+                if lane is not None:
+                    frame = self._read_lane(lane, key, timeout_s, place)
+                    if frame is not None:
+                        return frame
                 continue
             frame = self._classify(parts, key)
             if frame is not None:
                 return frame
 
-    def _wait(self, deadline: float, waiting_for: str | Callable[[], str]) -> None:
+    def _wait(self, deadline: float, waiting_for: str | Callable[[], str]) -> InLane | None:
+        """Polls until something arrives (or a slice passes); a readable lane is returned."""
         self._check_dead()
         left = deadline - time.monotonic()
         if left <= 0:
             peer = waiting_for if isinstance(waiting_for, str) else waiting_for()
             raise PeerTimeout(peer, "no frame within the timeout", reported_by=self.node_id)
+        if self._lanes is not None:
+            self._lanes.sync_poller(self._poller)
         events = dict(self._poller.poll(max(1, int(min(left, self.config.poll_slice_s) * 1000))))
         for link in self._links.values():
             if link.monitor in events:
                 self._drain_monitor(link)
+        lane = None
+        if self._lanes is not None and events:
+            lane = self._lanes.on_readable({k for k in events if isinstance(k, int)})
         self._check_dead()
         self._check_interrupt()
+        return lane
+
+    def _read_lane(
+        self, lane: InLane, key: tuple[int, int], timeout_s: float, place: Place | None
+    ) -> Frame | None:
+        """Reads one frame from a readable lane (see :func:`~chaos.collectives.lanes.read_frame`).
+
+        A malformed header, or a stream that ends, closes the lane (the neighbour is offered a
+        new one at the next round; a peer that died is noticed on ZeroMQ).
+
+        Raises:
+            PeerTimeout: the stream stopped in the middle of a frame.
+        """
+        got = read_frame(lane, key, timeout_s, place, self.config.chunk_bytes)
+        if isinstance(got, Frame):
+            self.stats.frames_received += 1
+            self.stats.lane_frames_received += 1
+            self.stats.lane_frames_placed += got.placed
+            return self._route(got, key)
+        if self._lanes is not None:
+            self._lanes.close_incoming(lane.peer)
+        if got == "timeout":
+            raise PeerTimeout(lane.peer, "a frame stopped halfway", reported_by=self.node_id)
+        if got != "closed":
+            log.warning("lane from %s closed: %s", lane.peer, got)
+            self.stats.dropped_malformed += 1
+        return None  # the stream ended: a failure shows on ZeroMQ
 
     def _drain_monitor(self, link: Link) -> None:
         while link.monitor.poll(0):
@@ -643,12 +746,31 @@ class Communicator:
         except (ProtocolError, UnicodeDecodeError):
             self.stats.dropped_malformed += 1
             return None
+        if header.op == Op.LANE:
+            self._on_offer(peer, parts[2])
+            return None
+        return self._route(Frame(peer, header, parts[1], parts[2]), key)
+
+    def _on_offer(self, peer: str, payload: zmq.Frame) -> None:
+        """A neighbour offers a payload lane: connect to it (in the lane's own thread)."""
+        link = self._links.get(peer)
+        if self._lanes is None or link is None:
+            return
+        try:
+            self._lanes.on_offer(peer, endpoint_host(link.address), payload.buffer)
+        except ProtocolError:
+            self.stats.dropped_malformed += 1
+
+    def _route(self, frame: Frame, key: tuple[int, int]) -> Frame | None:
+        """Sorts a well-formed frame: this round's (returned), a later round's (kept), an older
+        round's (dropped, with the notices that help its sender), or a notice (applied)."""
+        peer, header = frame.peer, frame.header
         k = header.key
         if header.op == Op.NEWER:
             if k[1] == key[1] and k[0] > key[0]:
                 self._newer_round = max(self._newer_round or 0, k[0])
             elif k[1] > key[1] and len(self._early) < self.config.max_early_frames:
-                self._early.append(Frame(peer, header, parts[1], parts[2]))  # a later step's
+                self._early.append(frame)  # a later step's
             return None
         if k[1] == key[1] - 1:
             # the peer still runs the step this node completed: it never got that round's
@@ -663,7 +785,6 @@ class Communicator:
             if k[1] == key[1]:
                 self._tell_newer(peer, key)
             return None
-        frame = Frame(peer, header, parts[1], parts[2])
         if k > key:
             if k[1] == key[1] and k[0] > key[0]:
                 # A peer runs this same step under a newer epoch: it never completes (and
@@ -735,6 +856,8 @@ class Communicator:
         for link in self._links.values():
             self._close_link(link)
         self._links.clear()
+        if self._lanes is not None:
+            self._lanes.close()
         for sock in self._notices.values():
             sock.close(linger=0)
         self._notices.clear()
@@ -746,3 +869,4 @@ class Communicator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+

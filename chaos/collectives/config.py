@@ -46,6 +46,11 @@ class CommunicatorConfig:
             :mod:`chaos.collectives.allocator`; process-wide). Saves the kernel zeroing fresh
             pages for every received frame; turn it off if the process must give memory back
             to the OS eagerly.
+        lanes: Carry tensor chunks over one plain TCP connection per link direction (read
+            straight into the result, written straight from the tensor) instead of through
+            ZeroMQ; ZeroMQ still carries every notice and detects failures (see
+            :mod:`chaos.collectives.lanes`). Only for ``tcp://`` endpoints. Turn it off where
+            only the ZeroMQ port may be opened between devices.
 
     Raises:
         ValueError: an empty node id, a non-positive size or timeout, or an unknown wire dtype.
@@ -62,6 +67,7 @@ class CommunicatorConfig:
     max_early_frames: int = 4096
     poll_slice_s: float = 0.1
     keep_frame_memory: bool = True
+    lanes: bool = True
 
     def __post_init__(self) -> None:
         if not self.node_id:
@@ -99,3 +105,9 @@ class CollectiveStats:
     """Kept round results sent to a neighbour that was a step behind (:attr:`Op.RESULT`)."""
     caught_up: int = 0
     """Rounds this node completed with a neighbour's kept result instead of running them."""
+    lane_frames_sent: int = 0
+    """Data frames queued on a payload lane rather than sent through ZeroMQ."""
+    lane_frames_received: int = 0
+    """Data frames read from a payload lane (the rest came through ZeroMQ)."""
+    lane_frames_placed: int = 0
+    """Lane frames read straight into the round's result buffer (no copy)."""

@@ -27,7 +27,7 @@ import torch
 
 from chaos.errors import ProtocolError
 
-FRAME_VERSION = 1
+FRAME_VERSION = 2
 """Bumped on every incompatible change of the header layout or of the algorithms' framing."""
 
 _HEADER = struct.Struct("<BBBBIQQII")
@@ -55,6 +55,13 @@ class Op(enum.IntEnum):
     RESULT = 8
     """The result of the header's step, which the sender completed and the receiver did not
     (a member died while the result was going out): ``nelem`` elements of the header's dtype."""
+    LANE = 9
+    """The sender offers a payload lane (see :mod:`chaos.collectives.lanes`): the payload is
+    its lane port and a token; the receiver connects and sends its data frames there."""
+
+
+DATA_OPS = frozenset({Op.RING_REDUCE_SCATTER, Op.RING_ALLGATHER, Op.TREE_UP, Op.TREE_DOWN})
+"""The ops whose frames carry tensor chunks; only these travel on lanes."""
 
 
 WIRE_DTYPES: dict[torch.dtype, int] = {

@@ -19,7 +19,10 @@ import zmq
 from chaos.collectives.frames import Header, Op, encode_header
 from chaos.errors import ProtocolError
 
-__all__ = ["CaughtUp", "Fault", "Frame", "Link", "overlaps", "result_of", "send_notice"]
+__all__ = [
+    "CaughtUp", "Fault", "Frame", "LanePayload", "Link", "overlaps", "result_of", "send_notice",
+    "send_offer",
+]
 
 
 @dataclass
@@ -34,14 +37,33 @@ class Link:
     lost: bool = False
 
 
+class LanePayload:
+    """The payload of a frame read from a lane (see :mod:`chaos.collectives.lanes`): a buffer
+    of its own, or a region of the round's result buffer it was read straight into."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self, buffer: memoryview) -> None:
+        self.buffer = buffer
+
+    @property
+    def bytes(self) -> bytes:
+        return self.buffer.tobytes()
+
+
 @dataclass
 class Frame:
-    """One received frame: the sending peer, its decoded header, and the raw parts."""
+    """One received frame: the sending peer, its decoded header, and the raw parts.
+
+    ``placed`` says the payload was read straight into the round's result buffer, at the
+    region its header names (so it needs no copy there).
+    """
 
     peer: str
     header: Header
-    raw_header: zmq.Frame
-    payload: zmq.Frame
+    raw_header: zmq.Frame | bytes
+    payload: zmq.Frame | LanePayload
+    placed: bool = False
 
 
 def send_notice(sock: zmq.Socket, op: Op, key: tuple[int, int]) -> None:
@@ -51,6 +73,16 @@ def send_notice(sock: zmq.Socket, op: Op, key: tuple[int, int]) -> None:
     try:
         sock.send(header, zmq.SNDMORE | zmq.NOBLOCK)
         sock.send(b"", zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass
+
+
+def send_offer(sock: zmq.Socket, key: tuple[int, int], offer: bytes) -> None:
+    """Sends a lane offer (``Op.LANE``); best effort, like :func:`send_notice`."""
+    header = encode_header(Op.LANE, torch.float32, 0, key[0], key[1], 0, 0)
+    try:
+        sock.send(header, zmq.SNDMORE | zmq.NOBLOCK)
+        sock.send(offer, zmq.NOBLOCK)
     except zmq.ZMQError:
         pass
 
