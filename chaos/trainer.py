@@ -80,6 +80,9 @@ class TrainerConfig:
             in an allreduce. Lower reacts faster to membership changes, at a small CPU cost.
         chunk_bytes: Allreduce frame size; see :class:`CommunicatorConfig`.
         wire_dtype: ``None``, ``"float16"`` or ``"bfloat16"`` gradient wire format.
+        lanes: Send the gradient chunks over plain TCP payload lanes beside ZeroMQ (faster:
+            no copy out of ZeroMQ's buffers); turn it off where only the data endpoint's port
+            may be opened between devices. See :attr:`CommunicatorConfig.lanes`.
         daemon_args: Extra ``chaos-daemon start`` arguments for the embedded daemon.
         daemon_dir: The embedded daemon's run directory (IPC socket, event log); default: a
             fresh temporary directory.
@@ -105,6 +108,7 @@ class TrainerConfig:
     poll_interval_s: float = 0.02
     chunk_bytes: int = 1 << 20
     wire_dtype: str | None = None
+    lanes: bool = True
     daemon_args: tuple[str, ...] = ()
     daemon_dir: str | None = None
     pull_window: int = 8
@@ -321,6 +325,7 @@ class Trainer:
                 chunk_bytes=self.config.chunk_bytes,
                 timeout_s=self.config.step_timeout_s,
                 wire_dtype=self.config.wire_dtype,
+                lanes=self.config.lanes,
                 poll_slice_s=min(0.1, self.config.poll_interval_s),
             )
         )

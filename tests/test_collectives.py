@@ -54,10 +54,15 @@ def _input(name: str, numel: int, seed: int, dtype: str) -> torch.Tensor:
     return torch.randn(numel, generator=gen, dtype=torch.float32).to(getattr(torch, dtype))
 
 
-def _worker(name: str, commands: Any, replies: Any) -> None:
-    """A cluster member: runs the commands it is sent and replies with what happened."""
+def _worker(name: str, commands: Any, replies: Any, lanes: bool = True) -> None:
+    """A cluster member: runs the commands it is sent and replies with what happened.
+
+    With ``lanes``, every tensor (however small) travels on payload lanes once they are up.
+    """
     torch.set_num_threads(1)
-    comm = Communicator(CommunicatorConfig(node_id=name, chunk_bytes=CHUNK_BYTES, timeout_s=30.0))
+    config = CommunicatorConfig(node_id=name, chunk_bytes=CHUNK_BYTES, timeout_s=30.0,
+                                lanes=lanes, lane_min_bytes=0)  # fmt: skip
+    comm = Communicator(config)
     replies.put(("address", name, comm.address))
     while True:
         cmd, arg = commands.get(timeout=REPLY_TIMEOUT_S * 3)
@@ -106,15 +111,18 @@ def _allreduce(comm: Communicator, name: str, spec: dict[str, Any]) -> tuple[str
 class Cluster:
     """Drives spawned members ``n0 .. n{k-1}``; see :func:`cluster`."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, lanes: bool = True) -> None:
         ctx = mp.get_context("spawn")
         self.names = [f"n{i}" for i in range(size)]
         # One reply queue per member: a member killed mid-write (fail_at) can leave a shared
         # queue's lock held, which would silence every other member.
         self.replies = {n: ctx.Queue() for n in self.names}
         self.commands = {n: ctx.Queue() for n in self.names}
-        self.procs = {n: ctx.Process(target=_worker, args=(n, self.commands[n], self.replies[n]),
-                                     daemon=True) for n in self.names}  # fmt: skip
+        self.procs = {
+            n: ctx.Process(target=_worker, args=(n, self.commands[n], self.replies[n], lanes),
+                           daemon=True)
+            for n in self.names
+        }  # fmt: skip
         self.addresses: dict[str, str] = {}
         self.epoch = 0
 
@@ -172,8 +180,8 @@ class Cluster:
 
 
 @contextmanager
-def cluster(size: int) -> Iterator[Cluster]:
-    c = Cluster(size)
+def cluster(size: int, lanes: bool = True) -> Iterator[Cluster]:
+    c = Cluster(size, lanes)
     try:
         c.start()
         yield c
@@ -251,11 +259,14 @@ def test_stale_epoch_frames_are_dropped_and_the_step_reruns() -> None:
         assert replies["n2"][1]["stale"] >= 1  # n1's epoch-1 frames reached n2 and were dropped
 
 
+@pytest.mark.parametrize("lanes", [True, False], ids=["lanes", "zeromq"])
 @pytest.mark.parametrize(("kind", "shape", "victim"), [("ring", RING, "n2"), ("tree", TREE, "n1")])
-def test_member_killed_mid_allreduce(kind: str, shape: dict[str, Any], victim: str) -> None:
+def test_member_killed_mid_allreduce(
+    kind: str, shape: dict[str, Any], victim: str, lanes: bool
+) -> None:
     members = ["n0", "n1", "n2", "n3"]
     survivors = [m for m in members if m != victim]
-    with cluster(4) as c:
+    with cluster(4, lanes) as c:
         c.topology(members, kind, **shape)
         _check(c.allreduce(members, numel=20_000, seed=1, op="mean"),
                _reference(members, 20_000, 1, "mean", "float32"), 1e-5, 1e-5)  # fmt: skip

@@ -27,7 +27,9 @@ CHUNK = 1 << 14  # 16 KiB: a dozen chunks per member
 
 @contextmanager
 def members(n: int, **config: Any) -> Iterator[list[Communicator]]:
-    settings: dict[str, Any] = {"chunk_bytes": CHUNK, "timeout_s": 10.0, **config}
+    # lane_min_bytes=0: these small tensors take the lanes too
+    settings: dict[str, Any] = {"chunk_bytes": CHUNK, "timeout_s": 10.0, "lane_min_bytes": 0,
+                                **config}  # fmt: skip
     comms = [Communicator(CommunicatorConfig(node_id=f"m{i}", **settings)) for i in range(n)]
     try:
         yield comms
@@ -113,9 +115,30 @@ def test_half_precision_inputs_and_a_wire_format_take_the_copying_path() -> None
         assert sum(c.stats.lane_frames_placed for c in comms) == 0  # not the result's dtype
 
 
+def test_tensors_below_lane_min_bytes_go_through_zeromq_without_setting_lanes_up() -> None:
+    xs = inputs(3)  # 200 KB
+    with members(3, lane_min_bytes=NUMEL * 4 + 1) as comms:
+        install(comms, "ring", 1)
+        for _ in range(3):
+            out = results(comms, xs, op="sum")
+            assert all(torch.equal(r, out[0]) for r in out)
+        for c in comms:
+            assert c.stats.lane_frames_sent == c.stats.lane_frames_received == 0
+            assert c._lanes is None  # not even a listener
+        big = [torch.cat([x] * 2) for x in xs]  # now at the threshold: lanes from here on
+        for _ in range(2):
+            out = results(comms, big, op="sum")
+        assert sum(c.stats.lane_frames_received for c in comms) > 0
+
+
 def test_no_lanes_on_an_ipc_endpoint(tmp_path: Any) -> None:
-    comm = Communicator(CommunicatorConfig("solo", listen=f"ipc://{tmp_path}/d.sock"))
+    comm = Communicator(
+        CommunicatorConfig("solo", listen=f"ipc://{tmp_path}/d.sock", lane_min_bytes=0)
+    )
     try:
+        comm.update_topology(Topology("ring", ("solo",), {"solo": comm.address}, 1,
+                                      ring_order=("solo",)))  # fmt: skip
+        assert torch.equal(comm.allreduce(torch.ones(8), "sum"), torch.ones(8))
         assert comm._lanes is None
     finally:
         comm.close()

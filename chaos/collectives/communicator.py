@@ -29,7 +29,15 @@ from chaos.collectives import algorithms
 from chaos.collectives.allocator import keep_frame_memory
 from chaos.collectives.config import WIRE_NAMES, CollectiveStats, CommunicatorConfig, ReduceOp
 from chaos.collectives.frames import WIRE_DTYPES, Op, decode_header, encode_header
-from chaos.collectives.lanes import InLane, Place, endpoint_host, open_lanes, read_frame, resend
+from chaos.collectives.lanes import (
+    InLane,
+    Lanes,
+    Place,
+    endpoint_host,
+    open_lanes,
+    read_frame,
+    resend,
+)
 from chaos.collectives.links import (
     CaughtUp,
     Fault,
@@ -110,11 +118,9 @@ class Communicator:
         self._fault: Fault | None = None
         self._wire_cache: dict[torch.dtype, torch.Tensor] = {}
         self._closed = False
-        self._lanes = (
-            open_lanes(self.node_id, self.address, config.timeout_s, config.poll_slice_s)
-            if config.lanes
-            else None
-        )
+        self._lanes: Lanes | None = None  # opened at the first round of a large tensor
+        self._lanes_wanted = config.lanes
+        self._use_lanes = False  # this round's tensor is large enough for the lanes
         if topology is not None:
             self.update_topology(topology)
 
@@ -185,8 +191,6 @@ class Communicator:
         monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
         sock.connect(address)
         self._poller.register(monitor, zmq.POLLIN)
-        if self._lanes is not None:
-            send_offer(sock, (0, 0), self._lanes.offer(peer))
         return Link(peer, address, sock, monitor)
 
     def _close_link(self, link: Link) -> None:
@@ -353,6 +357,8 @@ class Communicator:
         acc = self._result_buffer(tensor, out, acc_dtype)
         buf = None if wire == acc_dtype else self._wire_buffer(wire, src.numel())
         run = algorithms.Round(self, topo, key, src, acc, buf, op, timeout)
+        wire_bytes = src.numel() * torch.empty(0, dtype=wire).element_size()
+        self._use_lanes = self._lanes_ready(wire_bytes)
         self._start_round(key)
         announce, self._announce = self._announce, []
         for peer in announce:
@@ -475,8 +481,18 @@ class Communicator:
             )
         return key
 
+    def _lanes_ready(self, wire_bytes: int) -> bool:
+        """Whether this round's chunks take the lanes (opening them at the first such round)."""
+        if not self._lanes_wanted or wire_bytes < self.config.lane_min_bytes:
+            return False
+        if self._lanes is None:
+            cfg = self.config
+            self._lanes = open_lanes(self.node_id, self.address, cfg.timeout_s, cfg.poll_slice_s)
+            self._lanes_wanted = self._lanes is not None  # do not try again every round
+        return self._lanes is not None
+
     def _start_round(self, key: tuple[int, int]) -> None:
-        if self._lanes is not None:
+        if self._lanes is not None and self._use_lanes:  # offered at the first large round
             for peer, link in self._links.items():
                 if self._lanes.wants_offer(peer):
                     send_offer(link.socket, key, self._lanes.offer(peer))
@@ -519,8 +535,9 @@ class Communicator:
         """Sends one data frame (header, payload) zero-copy to a neighbour. Used by the
         algorithms.
 
-        The frame goes over the link's payload lane when it has one (the round waits for the
-        lanes to drain before it returns, see :meth:`drain_lanes`), else through ZeroMQ.
+        The frame goes over the link's payload lane when it has one and the round's tensor
+        has at least :attr:`CommunicatorConfig.lane_min_bytes` (the round waits for the lanes to
+        drain before it returns, see :meth:`drain_lanes`), else through ZeroMQ.
 
         Returns:
             A tracker of the ZeroMQ send when ``track`` is set and the frame went that way.
@@ -532,7 +549,7 @@ class Communicator:
         link = self._links.get(peer)
         if link is None:
             raise PeerFailure(peer, "no link to this peer in the current topology")
-        lane = self._lanes.out(peer) if self._lanes is not None else None
+        lane = self._lanes.out(peer) if self._lanes is not None and self._use_lanes else None
         if lane is not None:
             if lane.dead:
                 resend(link.socket, peer, lane.take_unsent())
