@@ -27,8 +27,9 @@ from zmq.utils.monitor import recv_monitor_message
 
 from chaos.collectives import algorithms
 from chaos.collectives.allocator import keep_frame_memory
-from chaos.collectives.config import WIRE_NAMES, CollectiveStats, CommunicatorConfig, ReduceOp
-from chaos.collectives.frames import WIRE_DTYPES, Op, decode_header, encode_header
+from chaos.collectives.buffers import check_tensors, result_buffer
+from chaos.collectives.config import CollectiveStats, CommunicatorConfig, ReduceOp
+from chaos.collectives.frames import Op, decode_header, encode_header
 from chaos.collectives.lanes import (
     InLane,
     Lanes,
@@ -36,7 +37,6 @@ from chaos.collectives.lanes import (
     endpoint_host,
     open_lanes,
     read_frame,
-    resend,
 )
 from chaos.collectives.links import (
     CaughtUp,
@@ -44,7 +44,6 @@ from chaos.collectives.links import (
     Frame,
     LanePayload,
     Link,
-    overlaps,
     result_of,
     send_notice,
     send_offer,
@@ -349,12 +348,12 @@ class Communicator:
         timeout = self.config.timeout_s if timeout_s is None else float(timeout_s)
         if not timeout > 0:
             raise ValueError("timeout_s must be > 0")
-        acc_dtype, wire = self._check_tensors(tensor, op, out, wire_dtype)
+        acc_dtype, wire = check_tensors(tensor, op, out, wire_dtype, self.config.wire_dtype)
         key = self._next_key(topo, step)
         self._last_key = key
         self.stats.allreduces += 1
         src = tensor.detach().reshape(-1)
-        acc = self._result_buffer(tensor, out, acc_dtype)
+        acc = result_buffer(tensor, out, acc_dtype)
         buf = None if wire == acc_dtype else self._wire_buffer(wire, src.numel())
         run = algorithms.Round(self, topo, key, src, acc, buf, op, timeout)
         wire_bytes = src.numel() * torch.empty(0, dtype=wire).element_size()
@@ -390,6 +389,8 @@ class Communicator:
             try:
                 run.execute()
             except CaughtUp as done:
+                if self._lanes is not None:  # this round's own frames are stale now
+                    self._lanes.cancel(min(1.0, self.config.timeout_s))
                 caught = result_of(done.frame, tensor)  # a bad result fails the round
         except (PeerFailure, ProtocolError) as exc:
             self.stats.failures += 1
@@ -422,19 +423,6 @@ class Communicator:
         self._kept = (step, result) if keep else None
         return result
 
-    def _result_buffer(
-        self, tensor: torch.Tensor, out: torch.Tensor | None, acc_dtype: torch.dtype
-    ) -> torch.Tensor:
-        """``out`` itself when it can accumulate (right dtype, contiguous, not the input)."""
-        if (
-            out is not None
-            and out.dtype == acc_dtype
-            and out.is_contiguous()
-            and not overlaps(out, tensor)
-        ):
-            return out.view(-1)
-        return torch.empty(tensor.numel(), dtype=acc_dtype)
-
     def _wire_buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
         """A reused wire-format buffer: every send from it has left when a round ends."""
         buf = self._wire_cache.get(dtype)
@@ -447,25 +435,6 @@ class Communicator:
         if self._topology is None:
             raise ValueError("no topology yet: call update_topology() first")
         return self._topology
-
-    def _check_tensors(
-        self, tensor: torch.Tensor, op: str, out: torch.Tensor | None, wire_dtype: str | None
-    ) -> tuple[torch.dtype, torch.dtype]:
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"allreduce takes a torch.Tensor, not {type(tensor).__name__}")
-        if tensor.dtype not in WIRE_DTYPES or tensor.device.type != "cpu":
-            raise TypeError(f"allreduce supports float CPU tensors, not {tensor.dtype}")
-        if op not in ("sum", "mean"):
-            raise ValueError(f"op must be 'sum' or 'mean', not {op!r}")
-        if out is not None and (out.shape != tensor.shape or out.dtype != tensor.dtype):
-            raise ValueError("out must have the input's shape and dtype")
-        acc = torch.float64 if tensor.dtype == torch.float64 else torch.float32
-        name = wire_dtype if wire_dtype is not None else self.config.wire_dtype
-        if name is None:
-            return acc, acc
-        if name not in WIRE_NAMES:
-            raise ValueError(f"wire_dtype must be one of {sorted(WIRE_NAMES)} or None")
-        return acc, WIRE_NAMES[name]
 
     def _next_key(self, topo: Topology, step: int | None) -> tuple[int, int]:
         if step is None:
@@ -549,13 +518,9 @@ class Communicator:
         link = self._links.get(peer)
         if link is None:
             raise PeerFailure(peer, "no link to this peer in the current topology")
-        lane = self._lanes.out(peer) if self._lanes is not None and self._use_lanes else None
-        if lane is not None:
-            if lane.dead:
-                resend(link.socket, peer, lane.take_unsent())
+        if self._use_lanes and self._lanes is not None:
             raw = header.bytes if isinstance(header, zmq.Frame) else header
-            view = payload if isinstance(payload, memoryview) else payload.buffer
-            if lane.put(raw, view, payload):
+            if self._lanes.send(link.socket, peer, raw, payload):
                 self.stats.lane_frames_sent += 1
                 if self._fault is not None:
                     self._count_fault()
@@ -623,13 +588,9 @@ class Communicator:
         """
         if self._lanes is None:
             return
-        peer = self._lanes.drain(timeout_s)
+        peer = self._lanes.drain(timeout_s, {p: link.socket for p, link in self._links.items()})
         if peer is not None:
             raise PeerTimeout(peer, "final frames not taken", reported_by=self.node_id)
-        for peer, lane in self._lanes.outgoing.items():
-            link = self._links.get(peer)
-            if lane.dead and link is not None:
-                resend(link.socket, peer, lane.take_unsent())
 
     def _send_abort(self, key: tuple[int, int], exc: Exception) -> None:
         if self._lanes is not None:  # the round's buffers are about to be reused
@@ -886,4 +847,3 @@ class Communicator:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

@@ -501,11 +501,6 @@ class Lanes:
         self.outgoing[peer] = OutLane(peer, host, port, token, self.node_id,
                                       self._connect_timeout_s, self._slice_s)  # fmt: skip
 
-    def out(self, peer: str) -> OutLane | None:
-        """The outgoing lane to ``peer``, if any (ready, still connecting, or dead with frames
-        to take back)."""
-        return self.outgoing.get(peer)
-
     # ------------------------------------------------------------------ polling
 
     def poll_sockets(self) -> Iterator[Any]:
@@ -616,17 +611,46 @@ class Lanes:
         if out is not None:
             out.close()
 
-    def drain(self, timeout_s: float) -> str | None:
-        """Waits until every outgoing lane has written its queue (or died: take its unsent
-        frames back with :meth:`OutLane.take_unsent`).
+    def send(
+        self, sock: zmq.Socket, peer: str, header: bytes, payload: memoryview | Any
+    ) -> bool:
+        """Queues a data frame on the lane to ``peer`` (a ZeroMQ frame or a
+        :class:`LanePayload` is sent from its buffer and kept until written).
+
+        The frames a dead lane did not write go out through ``sock`` (the link's ZeroMQ
+        socket) first.
+
+        Returns:
+            ``False`` when there is no usable lane: send the frame through ZeroMQ.
+
+        Raises:
+            PeerTimeout: resending through ZeroMQ found the link's queue full.
+        """
+        lane = self.outgoing.get(peer)
+        if lane is None:
+            return False
+        if lane.dead:
+            resend(sock, peer, lane.take_unsent())
+        view = payload if isinstance(payload, memoryview) else payload.buffer
+        return lane.put(header, view, payload)
+
+    def drain(self, timeout_s: float, socks: dict[str, zmq.Socket]) -> str | None:
+        """Waits until every outgoing lane has written its queue; the frames of a lane that
+        died meanwhile are sent through its link's ZeroMQ socket in ``socks``.
 
         Returns:
             A neighbour whose frames were still unwritten after ``timeout_s``, or ``None``.
+
+        Raises:
+            PeerTimeout: resending through ZeroMQ found a link's queue full.
         """
         deadline = time.monotonic() + timeout_s
         for peer, lane in self.outgoing.items():
             if not lane.drain(max(0.0, deadline - time.monotonic())):
                 return peer
+            sock = socks.get(peer)
+            if lane.dead and sock is not None:
+                resend(sock, peer, lane.take_unsent())
         return None
 
     def cancel(self, timeout_s: float) -> None:
