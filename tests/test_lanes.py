@@ -19,7 +19,7 @@ import torch
 from chaos.collectives import Communicator, CommunicatorConfig, Topology
 from chaos.collectives.frames import HEADER_BYTES, Op, encode_header
 from chaos.collectives.lanes import decode_offer, encode_hello, encode_offer
-from chaos.errors import PeerFailure, ProtocolError
+from chaos.errors import PeerFailure, ProtocolError, RoundInterrupted
 
 NUMEL = 50_000
 CHUNK = 1 << 14  # 16 KiB: a dozen chunks per member
@@ -164,9 +164,13 @@ def test_a_bad_hello_is_refused_and_the_node_keeps_working(hello: bytes) -> None
     xs = inputs(3)
     with members(3) as comms:
         install(comms, "ring", 1)
-        results(comms, xs, op="sum")
-        lanes = comms[0]._lanes
-        assert lanes is not None
+        lanes = None
+        for _ in range(20):  # rounds until m0's lane from its left neighbour is up
+            results(comms, xs, op="sum")
+            lanes = comms[0]._lanes
+            if lanes is not None and "m2" in lanes.incoming:
+                break
+        assert lanes is not None and "m2" in lanes.incoming
         before = dict(lanes.incoming)
         with socket.create_connection(("127.0.0.1", _lane_port(comms[0])), timeout=5) as s:
             s.sendall(hello)
@@ -193,8 +197,13 @@ def test_a_malformed_frame_on_a_lane_closes_it_and_the_next_round_recovers(garba
         install(comms, "ring", 1)
         results(comms, xs, op="sum")
         sender = comms[2]._lanes
+        for _ in range(20):  # rounds until m2's lane to m0 (its right neighbour) is up
+            if sender is not None and "m0" in sender.outgoing and sender.outgoing["m0"].ready:
+                break
+            results(comms, xs, op="sum")
+            sender = comms[2]._lanes
         assert sender is not None
-        out_lane = sender.outgoing["m0"]  # m2 -> m0: m0's left neighbour in the ring
+        out_lane = sender.outgoing["m0"]
         sock = out_lane._sock
         assert sock is not None and out_lane.ready
         sock.sendall(garbage)
@@ -236,3 +245,32 @@ def test_a_closed_communicator_closes_its_lanes() -> None:
         comms[0].close()
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def test_a_frame_stalled_halfway_still_sees_an_interrupt_between_read_slices() -> None:
+    xs = inputs(2)
+    with members(2, poll_slice_s=0.05, timeout_s=30.0) as comms:
+        install(comms, "ring", 1)
+        sender = comms[1]._lanes
+        for _ in range(20):  # rounds until m1's lane to m0 is up
+            if sender is not None and "m0" in sender.outgoing and sender.outgoing["m0"].ready:
+                break
+            results(comms, xs, op="sum")
+            sender = comms[1]._lanes
+        assert sender is not None
+        sock = sender.outgoing["m0"]._sock
+        assert sock is not None
+        # a well-formed header of an old round, then half of its payload, then nothing
+        sock.sendall(encode_header(Op.RING_REDUCE_SCATTER, torch.float32, 0, 1, 0, 0, 64))
+        sock.sendall(b"\0" * 128)
+        calls = []
+
+        def interrupt() -> str | None:  # the first check passes; any later one interrupts
+            calls.append(1)
+            return "stop" if len(calls) > 1 else None
+
+        comms[0].set_interrupt(interrupt, every_s=1e-6)
+        with pytest.raises(RoundInterrupted):
+            comms[0].allreduce(xs[0], "sum")  # m1 never runs this round
+        lanes = comms[0]._lanes
+        assert lanes is not None and "m1" not in lanes.incoming  # the cut stream is closed

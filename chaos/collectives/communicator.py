@@ -389,10 +389,12 @@ class Communicator:
             try:
                 run.execute()
             except CaughtUp as done:
-                if self._lanes is not None:  # this round's own frames are stale now
-                    self._lanes.cancel(min(1.0, self.config.timeout_s))
+                self._cancel_lanes()  # this round's own frames are stale now
                 caught = result_of(done.frame, tensor)  # a bad result fails the round
-        except (PeerFailure, ProtocolError) as exc:
+        except BaseException as exc:
+            self._cancel_lanes()  # the round's buffers may be reused at once
+            if not isinstance(exc, (PeerFailure, ProtocolError)):
+                raise
             self.stats.failures += 1
             self._failed_step = key[1]
             if isinstance(exc, RoundInterrupted) and self._newer_round is not None:
@@ -450,6 +452,14 @@ class Communicator:
             )
         return key
 
+    def _senders(self) -> list[str]:
+        """The neighbours that send data frames to this node (the ones offered a lane)."""
+        topo = self._require_topology()
+        if topo.kind == "ring":
+            return [topo.ring_neighbours(self.node_id)[0]]
+        parent = topo.parent[self.node_id] if topo.parent is not None else None
+        return [*topo.children(self.node_id), *([parent] if parent is not None else [])]
+
     def _lanes_ready(self, wire_bytes: int) -> bool:
         """Whether this round's chunks take the lanes (opening them at the first such round)."""
         if not self._lanes_wanted or wire_bytes < self.config.lane_min_bytes:
@@ -462,8 +472,9 @@ class Communicator:
 
     def _start_round(self, key: tuple[int, int]) -> None:
         if self._lanes is not None and self._use_lanes:  # offered at the first large round
-            for peer, link in self._links.items():
-                if self._lanes.wants_offer(peer):
+            for peer in self._senders():
+                link = self._links.get(peer)
+                if link is not None and self._lanes.wants_offer(peer):
                     send_offer(link.socket, key, self._lanes.offer(peer))
         self._ready.clear()
         self._newer_round = None
@@ -525,11 +536,12 @@ class Communicator:
                 if self._fault is not None:
                     self._count_fault()
                 return None
-        if isinstance(payload, LanePayload):
-            payload = payload.buffer
         try:
             link.socket.send(header, _MORE_NOBLOCK, copy=True)
-            tracker = link.socket.send(payload, _NOBLOCK, copy=False, track=track)
+            if isinstance(payload, LanePayload):  # it may lie in the result: copy, untracked
+                tracker = link.socket.send(payload.buffer, _NOBLOCK, copy=True)
+            else:
+                tracker = link.socket.send(payload, _NOBLOCK, copy=False, track=track)
         except zmq.Again:
             raise PeerTimeout(peer, "send queue full") from None
         if self._fault is not None:
@@ -592,9 +604,12 @@ class Communicator:
         if peer is not None:
             raise PeerTimeout(peer, "final frames not taken", reported_by=self.node_id)
 
-    def _send_abort(self, key: tuple[int, int], exc: Exception) -> None:
-        if self._lanes is not None:  # the round's buffers are about to be reused
+    def _cancel_lanes(self) -> None:
+        """Drops the frames the lanes have not started to write (see :meth:`Lanes.cancel`)."""
+        if self._lanes is not None:
             self._lanes.cancel(min(1.0, self.config.timeout_s))
+
+    def _send_abort(self, key: tuple[int, int], exc: Exception) -> None:
         failed = exc.peer if isinstance(exc, PeerFailure) else self.node_id
         header = encode_header(Op.ABORT, torch.float32, 0, key[0], key[1], 0, 0)
         for link in self._links.values():
@@ -658,6 +673,7 @@ class Communicator:
             peer = waiting_for if isinstance(waiting_for, str) else waiting_for()
             raise PeerTimeout(peer, "no frame within the timeout", reported_by=self.node_id)
         if self._lanes is not None:
+            self._lanes.resend_dead(self._link_socket)
             self._lanes.sync_poller(self._poller)
         events = dict(self._poller.poll(max(1, int(min(left, self.config.poll_slice_s) * 1000))))
         for link in self._links.values():
@@ -680,8 +696,17 @@ class Communicator:
 
         Raises:
             PeerTimeout: the stream stopped in the middle of a frame.
+            PeerFailure: a neighbour was reported dead or disconnected, or the round was
+                interrupted, while the frame was being read.
         """
-        got = read_frame(lane, key, timeout_s, place, self.config.chunk_bytes)
+        deadline = time.monotonic() + timeout_s
+        try:
+            got = read_frame(lane, key, deadline, self.config.poll_slice_s, place,
+                             self.config.chunk_bytes, self._between_slices)  # fmt: skip
+        except BaseException:
+            if self._lanes is not None:  # a frame read halfway: the stream is cut
+                self._lanes.close_incoming(lane.peer)
+            raise
         if isinstance(got, Frame):
             self.stats.frames_received += 1
             self.stats.lane_frames_received += 1
@@ -695,6 +720,22 @@ class Communicator:
             log.warning("lane from %s closed: %s", lane.peer, got)
             self.stats.dropped_malformed += 1
         return None  # the stream ended: a failure shows on ZeroMQ
+
+    def _between_slices(self) -> None:
+        """While a lane frame is read: the checks a poll slice makes (a peer reported dead or
+        disconnected, an interrupt).
+
+        Raises:
+            PeerFailure: as :meth:`recv`.
+        """
+        for link in self._links.values():
+            self._drain_monitor(link)
+        self._check_dead()
+        self._check_interrupt()
+
+    def _link_socket(self, peer: str) -> zmq.Socket | None:
+        link = self._links.get(peer)
+        return None if link is None else link.socket
 
     def _drain_monitor(self, link: Link) -> None:
         while link.monitor.poll(0):

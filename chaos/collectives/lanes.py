@@ -21,7 +21,9 @@ the sender keeps using ZeroMQ; mixing the two within a round is harmless, since 
 its round, segment and chunk.
 
 Hello (little-endian): ``b"CHLN"``, u8 :data:`LANE_VERSION`, u64 token, u8 id length, the id
-(utf-8). Offer payload: u16 port, u64 token.
+(utf-8), answered by the one byte :data:`_ACK` once accepted (the sender uses the lane only
+then, so no frame is written into a connection the receiver refuses). Offer payload: u16 port,
+u64 token.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ LANE_VERSION = 1
 _MAGIC = b"CHLN"
 _HELLO = struct.Struct("<4sBQB")
 _OFFER = struct.Struct("<HQ")
+_ACK = b"\x01"
 _MAX_ID = 255
 _PENDING_LIMIT = 64
 """Accepted connections still owing their hello; beyond this the oldest is dropped."""
@@ -238,6 +241,7 @@ class OutLane:
                     return
                 self._sock = sock
             self._write(sock, [memoryview(self._hello)])
+            self._await_ack(sock)
             with self._cv:
                 self._ready = not self._closing
             while True:
@@ -266,6 +270,16 @@ class OutLane:
                 self._cv.notify_all()
             if sock is not None:
                 sock.close()
+
+    def _await_ack(self, sock: socket.socket) -> None:
+        """Waits (up to the connect timeout) for the receiver to accept the hello.
+
+        Raises:
+            OSError: refused (closed), or no answer in time.
+        """
+        _set_timeo(sock, socket.SO_RCVTIMEO, self._connect_timeout_s)
+        if sock.recv(1) != _ACK:
+            raise OSError("the receiver refused the lane")
 
     def _write(self, sock: socket.socket, views: list[memoryview]) -> None:
         """Writes all of ``views``, in slices of at most ``slice_s`` blocking each.
@@ -307,8 +321,8 @@ class _Closed(Exception):
 class InLane:
     """The receiving end of a lane: an accepted, greeted connection from a neighbour.
 
-    Reads block in the kernel (one ``recv`` with ``MSG_WAITALL`` per payload) for at most the
-    timeout given to :meth:`set_timeout`.
+    A read blocks in the kernel (one ``recv`` with ``MSG_WAITALL`` per payload, as long as the
+    bytes keep coming), in slices of at most the time given to :meth:`set_timeout`.
     """
 
     def __init__(self, peer: str, sock: socket.socket, token: int) -> None:
@@ -321,17 +335,25 @@ class InLane:
         return self.sock.fileno()
 
     def set_timeout(self, timeout_s: float) -> None:
-        """The longest wait of one read (applied to the socket only when it changes)."""
+        """The longest single blocking wait of a read (set on the socket when it changes)."""
         if timeout_s != self._timeout_s:
             _set_timeo(self.sock, socket.SO_RCVTIMEO, timeout_s)
             self._timeout_s = timeout_s
 
-    def read_into(self, view: memoryview) -> str | None:
+    def read_into(
+        self, view: memoryview, deadline: float, between: Callable[[], None]
+    ) -> str | None:
         """Fills ``view`` from the stream.
+
+        Args:
+            view: Where the bytes go.
+            deadline: ``time.monotonic()`` after which a wait for bytes gives up.
+            between: Called whenever a slice passes with no bytes (it may raise, e.g. when the
+                peer is reported dead meanwhile).
 
         Returns:
             ``None`` when filled, ``"closed"`` at the end of the stream (the peer closed or
-            died), ``"timeout"`` when the bytes did not come within the timeout.
+            died), ``"timeout"`` when the bytes did not come by the deadline.
         """
         view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
         got, n = 0, len(view)
@@ -339,7 +361,10 @@ class InLane:
             try:
                 k = self.sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
             except BlockingIOError:
-                return "timeout"
+                if time.monotonic() >= deadline:
+                    return "timeout"
+                between()
+                continue
             except OSError:
                 return "closed"
             if k == 0:
@@ -385,26 +410,35 @@ def resend(sock: zmq.Socket, peer: str, frames: list[tuple[bytes, memoryview, An
 
 
 def read_frame(
-    lane: InLane, key: tuple[int, int], timeout_s: float, place: Place | None, max_bytes: int
+    lane: InLane,
+    key: tuple[int, int],
+    deadline: float,
+    slice_s: float,
+    place: Place | None,
+    max_bytes: int,
+    between: Callable[[], None],
 ) -> Frame | str:
     """Reads one data frame from a readable lane.
 
     Args:
         lane: The lane.
         key: The running round's ``(epoch, step)``: only its frames are ``place``d.
-        timeout_s: Longest wait for the rest of the frame.
+        deadline: ``time.monotonic()`` by which the frame must be complete.
+        slice_s: Longest single blocking wait; ``between`` runs after each empty one.
         place: Names the payload's destination (see :data:`Place`); otherwise the payload gets
             a buffer of its own.
         max_bytes: Largest payload accepted (the chunk size).
+        between: The checks to make between slices (they may raise; the caller then closes
+            the lane, whose stream is cut mid-frame).
 
     Returns:
         The frame, or why there is none: ``"closed"`` (the stream ended), ``"timeout"`` (it
         stopped in the middle of a frame) or ``"malformed: ..."`` (a bad header: the stream
         cannot be trusted any more). The caller closes the lane in every case but a frame.
     """
-    lane.set_timeout(timeout_s)
+    lane.set_timeout(slice_s)
     raw = bytearray(HEADER_BYTES)
-    status = lane.read_into(memoryview(raw))
+    status = lane.read_into(memoryview(raw), deadline, between)
     if status is not None:
         return status
     try:
@@ -416,7 +450,7 @@ def read_frame(
         return f"malformed: {exc}"
     dest = place(lane.peer, header) if place is not None and header.key == key else None
     buf = dest if dest is not None else torch.empty(nbytes, dtype=torch.uint8).numpy().data
-    status = lane.read_into(buf)
+    status = lane.read_into(buf, deadline, between)
     if status is not None:
         return status
     return Frame(lane.peer, header, bytes(raw), LanePayload(buf), placed=dest is not None)
@@ -580,6 +614,11 @@ class Lanes:
             return
         self._pending.remove(pending)
         sock = pending.sock
+        try:
+            sock.send(_ACK)
+        except OSError:
+            pending.sock.close()
+            return
         sock.setblocking(True)
         _tune(sock)
         old = self.incoming.pop(peer, None)
@@ -633,6 +672,19 @@ class Lanes:
             resend(sock, peer, lane.take_unsent())
         view = payload if isinstance(payload, memoryview) else payload.buffer
         return lane.put(header, view, payload)
+
+    def resend_dead(self, sock_of: Callable[[str], zmq.Socket | None]) -> None:
+        """Sends through ZeroMQ (``sock_of(peer)``: the link's socket) the frames that lanes
+        which died did not write, so that a round never waits on them.
+
+        Raises:
+            PeerTimeout: a link's queue is full.
+        """
+        for peer, lane in self.outgoing.items():
+            if lane.dead:
+                sock = sock_of(peer)
+                if sock is not None:
+                    resend(sock, peer, lane.take_unsent())
 
     def drain(self, timeout_s: float, socks: dict[str, zmq.Socket]) -> str | None:
         """Waits until every outgoing lane has written its queue; the frames of a lane that
