@@ -98,7 +98,7 @@ class Round:
         self.n = len(topo.members)
         self.mean = op == "mean"
         self.timeout_s = timeout_s
-        self.esize = torch.empty(0, dtype=self.wire_dtype).element_size()
+        self.esize = self.wire_dtype.itemsize
         self.chunk_elems = max(1, comm.config.chunk_bytes // self.esize)
         self.trackers: list[tuple[str, zmq.MessageTracker]] = []
         # payloads arriving on lanes are read straight into ``acc`` (no copy) when the wire

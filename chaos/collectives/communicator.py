@@ -46,7 +46,6 @@ from chaos.collectives.links import (
     Link,
     result_of,
     send_notice,
-    send_offer,
 )
 from chaos.collectives.topology import Topology
 from chaos.errors import PeerFailure, PeerTimeout, ProtocolError, RoundInterrupted
@@ -356,8 +355,7 @@ class Communicator:
         acc = result_buffer(tensor, out, acc_dtype)
         buf = None if wire == acc_dtype else self._wire_buffer(wire, src.numel())
         run = algorithms.Round(self, topo, key, src, acc, buf, op, timeout)
-        wire_bytes = src.numel() * torch.empty(0, dtype=wire).element_size()
-        self._use_lanes = self._lanes_ready(wire_bytes)
+        self._use_lanes = self._lanes_ready(src.numel() * run.esize)
         self._start_round(key)
         announce, self._announce = self._announce, []
         for peer in announce:
@@ -475,7 +473,7 @@ class Communicator:
             for peer in self._senders():
                 link = self._links.get(peer)
                 if link is not None and self._lanes.wants_offer(peer):
-                    send_offer(link.socket, key, self._lanes.offer(peer))
+                    send_notice(link.socket, Op.LANE, key, self._lanes.offer(peer))
         self._ready.clear()
         self._newer_round = None
         self._told_newer.clear()
@@ -600,7 +598,7 @@ class Communicator:
         """
         if self._lanes is None:
             return
-        peer = self._lanes.drain(timeout_s, {p: link.socket for p, link in self._links.items()})
+        peer = self._lanes.drain(timeout_s, self._link_socket)
         if peer is not None:
             raise PeerTimeout(peer, "final frames not taken", reported_by=self.node_id)
 

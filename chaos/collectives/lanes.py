@@ -325,9 +325,8 @@ class InLane:
     bytes keep coming), in slices of at most the time given to :meth:`set_timeout`.
     """
 
-    def __init__(self, peer: str, sock: socket.socket, token: int) -> None:
+    def __init__(self, peer: str, sock: socket.socket) -> None:
         self.peer = peer
-        self.token = token
         self.sock = sock
         self._timeout_s = -1.0
 
@@ -443,7 +442,7 @@ def read_frame(
         return status
     try:
         header = decode_header(memoryview(raw))
-        nbytes = header.nelem * torch.empty(0, dtype=header.dtype).element_size()
+        nbytes = header.nelem * header.dtype.itemsize
         if header.op not in DATA_OPS or nbytes > max_bytes:
             raise ProtocolError(f"{header.op.name} frame of {nbytes} bytes on a lane")
     except ProtocolError as exc:
@@ -624,7 +623,7 @@ class Lanes:
         old = self.incoming.pop(peer, None)
         if old is not None:
             old.close()
-        self.incoming[peer] = InLane(peer, sock, token)
+        self.incoming[peer] = InLane(peer, sock)
 
     def _refuse(self, pending: _Pending) -> None:
         self.rejected += 1
@@ -686,9 +685,11 @@ class Lanes:
                 if sock is not None:
                     resend(sock, peer, lane.take_unsent())
 
-    def drain(self, timeout_s: float, socks: dict[str, zmq.Socket]) -> str | None:
+    def drain(
+        self, timeout_s: float, sock_of: Callable[[str], zmq.Socket | None]
+    ) -> str | None:
         """Waits until every outgoing lane has written its queue; the frames of a lane that
-        died meanwhile are sent through its link's ZeroMQ socket in ``socks``.
+        died meanwhile are sent through its link's ZeroMQ socket (see :meth:`resend_dead`).
 
         Returns:
             A neighbour whose frames were still unwritten after ``timeout_s``, or ``None``.
@@ -700,9 +701,7 @@ class Lanes:
         for peer, lane in self.outgoing.items():
             if not lane.drain(max(0.0, deadline - time.monotonic())):
                 return peer
-            sock = socks.get(peer)
-            if lane.dead and sock is not None:
-                resend(sock, peer, lane.take_unsent())
+        self.resend_dead(sock_of)
         return None
 
     def cancel(self, timeout_s: float) -> None:

@@ -21,7 +21,6 @@ from chaos.errors import ProtocolError
 
 __all__ = [
     "CaughtUp", "Fault", "Frame", "LanePayload", "Link", "overlaps", "result_of", "send_notice",
-    "send_offer",
 ]
 
 
@@ -66,23 +65,14 @@ class Frame:
     placed: bool = False
 
 
-def send_notice(sock: zmq.Socket, op: Op, key: tuple[int, int]) -> None:
-    """Sends a header-only frame (``NEWER``, ``BEHIND``); best effort: without it the peer
-    times out as it would have anyway."""
+def send_notice(sock: zmq.Socket, op: Op, key: tuple[int, int], payload: bytes = b"") -> None:
+    """Sends a notice: a header and a small payload (``NEWER``, ``BEHIND``: empty; ``LANE``:
+    the offer); best effort: without it the peer times out (or keeps ZeroMQ) as it would have
+    anyway."""
     header = encode_header(op, torch.float32, 0, key[0], key[1], 0, 0)
     try:
         sock.send(header, zmq.SNDMORE | zmq.NOBLOCK)
-        sock.send(b"", zmq.NOBLOCK)
-    except zmq.ZMQError:
-        pass
-
-
-def send_offer(sock: zmq.Socket, key: tuple[int, int], offer: bytes) -> None:
-    """Sends a lane offer (``Op.LANE``); best effort, like :func:`send_notice`."""
-    header = encode_header(Op.LANE, torch.float32, 0, key[0], key[1], 0, 0)
-    try:
-        sock.send(header, zmq.SNDMORE | zmq.NOBLOCK)
-        sock.send(offer, zmq.NOBLOCK)
+        sock.send(payload, zmq.NOBLOCK)
     except zmq.ZMQError:
         pass
 
