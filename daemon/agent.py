@@ -27,6 +27,7 @@ import msgspec
 import psutil
 from chaos.daemon.config import DaemonConfig
 
+from chaos.allocator import keep_frame_memory
 from chaos.protocol import (
     AgentReport,
     BulkAck,
@@ -138,6 +139,10 @@ class Agent:
 
     def __post_init__(self) -> None:
         self._chunk = bytes(self.cfg.bandwidth_probe_chunk_bytes)
+        if self.cfg.keep_probe_memory:
+            # ZeroMQ allocates each received probe chunk anew: reuse the memory instead of
+            # having the kernel zero 4 MiB of fresh pages per probe
+            keep_frame_memory(self.cfg.bandwidth_probe_chunk_bytes)
         psutil.cpu_percent(interval=None)  # prime the non-blocking CPU sampler
 
     # -- view ------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The frame-memory allocator setting (chaos.collectives.allocator)."""
+"""The frame-memory allocator setting (chaos.allocator)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import platform
 
 import pytest
 
-from chaos.collectives import allocator
+from chaos import allocator
 
 
 def test_bad_chunk_size_is_refused() -> None:

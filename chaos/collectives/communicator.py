@@ -25,11 +25,11 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from chaos.allocator import keep_frame_memory
 from chaos.collectives import algorithms
-from chaos.collectives.allocator import keep_frame_memory
 from chaos.collectives.buffers import check_tensors, result_buffer
 from chaos.collectives.config import CollectiveStats, CommunicatorConfig, ReduceOp
-from chaos.collectives.frames import Op, decode_header, encode_header
+from chaos.collectives.frames import Op, decode_header
 from chaos.collectives.lanes import (
     InLane,
     Lanes,
@@ -47,6 +47,7 @@ from chaos.collectives.links import (
     result_of,
     send_notice,
 )
+from chaos.collectives.notices import PeerNotices, sort_early
 from chaos.collectives.topology import Topology
 from chaos.errors import PeerFailure, PeerTimeout, ProtocolError, RoundInterrupted
 
@@ -97,13 +98,8 @@ class Communicator:
         self._topology: Topology | None = None
         self._last_key: tuple[int, int] = (-1, -1)
         self._newer_round: int | None = None
-        self._told_newer: set[tuple[str, tuple[int, int]]] = set()
-        self._notices: dict[str, zmq.Socket] = {}  # address -> notice-only DEALER
+        self._notices = PeerNotices(self._ctx, self.node_id, self.stats)
         self._failed_step: int | None = None
-        # the last completed round's step and result, for a neighbour a step behind
-        self._kept: tuple[int, torch.Tensor] | None = None
-        self._offered: set[str] = set()  # neighbours sent the kept result this round
-        self._asked: set[str] = set()  # neighbours asked for this round's result
         self._early: deque[Frame] = deque()
         self._ready: deque[Frame] = deque()
         # the previous epoch's neighbours, told of this node's first round in a new epoch
@@ -171,8 +167,7 @@ class Communicator:
             if peer not in self._links:
                 self._links[peer] = self._open_link(peer, address)
         self._topology = topology
-        for address in [a for a in self._notices if a not in topology.addresses.values()]:
-            self._notices.pop(address).close(linger=0)
+        self._notices.retain(set(topology.addresses.values()))
         with self._dead_lock:
             self._dead.clear()
         kept = deque(f for f in self._early if f.header.epoch >= topology.epoch)
@@ -420,7 +415,7 @@ class Communicator:
             if result.data_ptr() != out.data_ptr():
                 out.copy_(result)
             result = out
-        self._kept = (step, result) if keep else None
+        self._notices.keep(step, result if keep else None)
         return result
 
     def _wire_buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -450,14 +445,6 @@ class Communicator:
             )
         return key
 
-    def _senders(self) -> list[str]:
-        """The neighbours that send data frames to this node (the ones offered a lane)."""
-        topo = self._require_topology()
-        if topo.kind == "ring":
-            return [topo.ring_neighbours(self.node_id)[0]]
-        parent = topo.parent[self.node_id] if topo.parent is not None else None
-        return [*topo.children(self.node_id), *([parent] if parent is not None else [])]
-
     def _lanes_ready(self, wire_bytes: int) -> bool:
         """Whether this round's chunks take the lanes (opening them at the first such round)."""
         if not self._lanes_wanted or wire_bytes < self.config.lane_min_bytes:
@@ -470,35 +457,16 @@ class Communicator:
 
     def _start_round(self, key: tuple[int, int]) -> None:
         if self._lanes is not None and self._use_lanes:  # offered at the first large round
-            for peer in self._senders():
+            for peer in self._require_topology().senders(self.node_id):
                 link = self._links.get(peer)
                 if link is not None and self._lanes.wants_offer(peer):
                     send_notice(link.socket, Op.LANE, key, self._lanes.offer(peer))
-        self._ready.clear()
-        self._newer_round = None
-        self._told_newer.clear()
-        self._offered.clear()
-        self._asked.clear()
-        later: deque[Frame] = deque()
-        for f in self._early:
-            k = f.header.key
-            if f.header.op == Op.NEWER:  # a notice that came before its step: apply or drop
-                if k[1] == key[1] and k[0] > key[0]:
-                    self._newer_round = max(self._newer_round or 0, k[0])
-                elif k > key:
-                    later.append(f)
-                continue
-            if k == key:
-                self._ready.append(f)
-            elif k < key:
-                self.stats.dropped_stale += 1
-                if k[1] == key[1]:
-                    self._tell_newer(f.peer, key)
-            else:
-                if k[1] == key[1]:
-                    self._newer_round = max(self._newer_round or 0, k[0])
-                later.append(f)
-        self._early = later
+        self._notices.new_round()
+        early = sort_early(self._early, key)
+        self._ready, self._early, self._newer_round = early.ready, early.later, early.newer_epoch
+        self.stats.dropped_stale += early.stale
+        for peer in early.stale_peers:
+            self._tell_newer(peer, key)
 
     # ------------------------------------------------------------------ sending
 
@@ -557,37 +525,11 @@ class Communicator:
             os._exit(70)
 
     def _tell_newer(self, peer: str, key: tuple[int, int]) -> None:
-        """Tells a peer still in an older epoch of this step that we run it under ``key``.
-
-        Without this, members split across an epoch boundary can wait on each other until the
-        step timeout (e.g. a tree root in the new epoch never sends down to children in the
-        old one). Once per peer and round.
-        """
-        if (peer, key) in self._told_newer:
-            return
-        link = self._links.get(peer)
-        sock = link.socket if link is not None else self._notice_socket(peer)
-        if sock is None:
-            return
-        self._told_newer.add((peer, key))
-        send_notice(sock, Op.NEWER, key)
-
-    def _notice_socket(self, peer: str) -> zmq.Socket | None:
-        """A socket to a member that is not a neighbour in this epoch (for NEWER notices: in
-        its older epoch it may still wait on us). Its own routing id, so that it never clashes
-        with a data link."""
+        """Tells a peer still in an older epoch of this step that we run it under ``key``
+        (see :meth:`PeerNotices.tell_newer`)."""
         topo = self._topology
         address = topo.addresses.get(peer) if topo is not None else None
-        if address is None:
-            return None
-        sock = self._notices.get(address)
-        if sock is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.ROUTING_ID, f"{self.node_id}~notice".encode())
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(address)
-            self._notices[address] = sock
-        return sock
+        self._notices.tell_newer(peer, key, self._link_socket(peer), address)
 
     def drain_lanes(self, timeout_s: float) -> None:
         """Waits until every frame queued on a payload lane is written (the end of a round:
@@ -609,13 +551,7 @@ class Communicator:
 
     def _send_abort(self, key: tuple[int, int], exc: Exception) -> None:
         failed = exc.peer if isinstance(exc, PeerFailure) else self.node_id
-        header = encode_header(Op.ABORT, torch.float32, 0, key[0], key[1], 0, 0)
-        for link in self._links.values():
-            try:
-                link.socket.send(header, zmq.SNDMORE | zmq.NOBLOCK)
-                link.socket.send(failed.encode(), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                continue  # best effort: the neighbour will time out instead
+        self._notices.abort(key, failed, [link.socket for link in self._links.values()])
 
     # ------------------------------------------------------------------ receiving
 
@@ -793,7 +729,7 @@ class Communicator:
             # the peer still runs the step this node completed: it never got that round's
             # result (a member died while it was going out); send it the kept result
             self.stats.dropped_stale += 1
-            self._offer_result(peer, k)
+            self._notices.offer_result(peer, k, self._link_socket(peer))
             return None
         if header.op == Op.BEHIND:
             return None  # about a step this node did not just complete
@@ -808,7 +744,8 @@ class Communicator:
                 # never will complete) the round we are in, so nobody can; see newer_round_seen.
                 self._newer_round = max(self._newer_round or 0, k[0])
             elif k[1] == key[1] + 1:
-                self._ask_result(peer, key)  # the peer completed our step: this node missed it
+                # the peer completed our step: this node missed it
+                self._notices.ask_result(peer, key, self._link_socket(peer))
             if len(self._early) >= self.config.max_early_frames:
                 self.stats.dropped_early_overflow += 1
             else:
@@ -833,32 +770,6 @@ class Communicator:
             raise CaughtUp(frame)
         return frame
 
-    # ------------------------------------------------------------------ catching up
-
-    def _ask_result(self, peer: str, key: tuple[int, int]) -> None:
-        """Asks a neighbour a step ahead for the result of ``key``'s step (once per round)."""
-        link = self._links.get(peer)
-        if link is None or peer in self._asked:
-            return
-        self._asked.add(peer)
-        send_notice(link.socket, Op.BEHIND, key)
-
-    def _offer_result(self, peer: str, key: tuple[int, int]) -> None:
-        """Sends a neighbour still running ``key`` this node's kept result of that step."""
-        kept = self._kept
-        link = self._links.get(peer)
-        if kept is None or kept[0] != key[1] or link is None or peer in self._offered:
-            return
-        self._offered.add(peer)
-        flat = kept[1].contiguous().reshape(-1)
-        header = encode_header(Op.RESULT, flat.dtype, 0, key[0], key[1], 0, flat.numel())
-        try:
-            link.socket.send(header, zmq.SNDMORE | zmq.NOBLOCK)
-            link.socket.send(flat.view(torch.uint8).numpy().tobytes(), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            return
-        self.stats.results_sent += 1
-
     # ------------------------------------------------------------------ lifecycle
 
     def _check_open(self) -> None:
@@ -875,9 +786,7 @@ class Communicator:
         self._links.clear()
         if self._lanes is not None:
             self._lanes.close()
-        for sock in self._notices.values():
-            sock.close(linger=0)
-        self._notices.clear()
+        self._notices.close()
         self._router.close(linger=0)
         self._ctx.term()
 

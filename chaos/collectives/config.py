@@ -43,7 +43,7 @@ class CommunicatorConfig:
         poll_slice_s: Longest single poll, so that a peer reported dead from another thread
             (:meth:`Communicator.report_dead`) is noticed within this time.
         keep_frame_memory: Make glibc keep freed frame buffers mapped for reuse (see
-            :mod:`chaos.collectives.allocator`; process-wide). Saves the kernel zeroing fresh
+            :mod:`chaos.allocator`; process-wide). Saves the kernel zeroing fresh
             pages for every received frame; turn it off if the process must give memory back
             to the OS eagerly.
         lanes: Carry tensor chunks over one plain TCP connection per link direction (read

@@ -123,6 +123,18 @@ class Topology:
         n = len(self.ring_order)
         return self.ring_order[(i - 1) % n], self.ring_order[(i + 1) % n]
 
+    def senders(self, node: str) -> list[str]:
+        """The members that send data frames to ``node``: its left neighbour on a ring; its
+        children (reduce) and its parent (broadcast) in a tree.
+
+        Raises:
+            ValueError: ``node`` is not on this ring.
+        """
+        if self.kind == "ring":
+            return [self.ring_neighbours(node)[0]]
+        up = self.parent[node] if self.parent is not None else None
+        return [*self.children(node), *([up] if up is not None else [])]
+
     def neighbours(self, node: str) -> frozenset[str]:
         """The members ``node`` exchanges frames with (its overlay links in this structure).
 

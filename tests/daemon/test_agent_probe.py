@@ -12,6 +12,7 @@ import pytest
 from chaos.daemon.agent import Agent, LinkProbe
 from chaos.daemon.config import DaemonConfig
 
+from chaos.errors import ConfigError
 from chaos.protocol import BulkAck, BulkData, ConnectCommand, LinkReport, Ping, Pong
 
 CHUNK = 64 << 10
@@ -162,3 +163,24 @@ def test_a_measured_link_probes_latency_is_reused_by_a_later_bandwidth_probe() -
     _ack(agent, host.chunks())
     (report,) = [r for r in host.reports if r.op_id == "confirm-1"]
     assert report.latency_s == 0.004
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_agent_keeps_probe_memory_only_when_configured(
+    keep: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr("chaos.daemon.agent.keep_frame_memory", calls.append)
+    cfg = DaemonConfig(
+        node_id="a",
+        listen="tcp://127.0.0.1:5000",
+        bandwidth_probe_chunk_bytes=CHUNK,
+        keep_probe_memory=keep,
+    )
+    Agent(_Host(), cfg)
+    assert calls == ([CHUNK] if keep else [])
+
+
+def test_keep_probe_memory_must_be_a_bool() -> None:
+    with pytest.raises(ConfigError, match="keep_probe_memory"):
+        DaemonConfig(node_id="a", listen="tcp://127.0.0.1:5000", keep_probe_memory="yes")  # type: ignore[arg-type]

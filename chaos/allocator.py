@@ -8,10 +8,17 @@ buffer is fresh memory, and the kernel zeroes every page on first touch: ``perf`
 ``clear_page`` and page faults in the I/O thread at about 8% of an allreduce's CPU on loopback.
 
 :func:`keep_frame_memory` raises the thresholds once per process so that those buffers are reused
-instead. It changes the allocator for the whole process (a training process, which is where a
-:class:`~chaos.collectives.Communicator` lives): freed memory up to the thresholds stays mapped.
-:class:`~chaos.collectives.CommunicatorConfig` ``keep_frame_memory=False`` leaves the allocator
-alone.
+instead. It changes the allocator for the whole process: freed memory up to the thresholds stays
+mapped. Two kinds of process call it:
+
+* a training process, where a :class:`~chaos.collectives.Communicator` receives gradient frames
+  (:class:`~chaos.collectives.CommunicatorConfig` ``keep_frame_memory=False`` leaves the
+  allocator alone);
+* a daemon, which receives a new link's bandwidth probe as ``bandwidth_probe_chunk_bytes``
+  frames (:class:`~chaos.daemon.config.DaemonConfig` ``keep_probe_memory=False`` leaves it
+  alone).
+
+It imports neither torch nor ZeroMQ, so that the daemon can use it.
 """
 
 from __future__ import annotations

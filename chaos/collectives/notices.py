@@ -1,0 +1,194 @@
+"""The notices a :class:`~chaos.collectives.communicator.Communicator` sends outside a round's
+data flow, and the state that keeps each one to once per round.
+
+Internal to :mod:`chaos.collectives`. Three notices help members that are not in the same round:
+
+* ``NEWER`` tells a peer still running this step under an older epoch that this node runs it
+  under a newer one (it can then give up its round instead of waiting out the timeout). A peer
+  that is no longer a neighbour gets it through a notice-only socket of its own.
+* ``BEHIND`` asks a neighbour a step ahead for the result of the step this node is still in.
+* ``RESULT`` sends a neighbour a step behind the kept result of the step this node completed.
+
+``ABORT`` tells the neighbours that this node gave a round up. :func:`sort_early` sorts the
+frames and notices that arrived before their round started (pure: no sockets).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from chaos.collectives.config import CollectiveStats
+from chaos.collectives.frames import Op, encode_header
+from chaos.collectives.links import Frame, send_notice
+
+__all__ = ["EarlySort", "PeerNotices", "sort_early"]
+
+Key = tuple[int, int]
+
+
+@dataclass
+class EarlySort:
+    """What :func:`sort_early` made of the frames that came before a round."""
+
+    ready: deque[Frame] = field(default_factory=deque)
+    """The round's own frames, in arrival order."""
+    later: deque[Frame] = field(default_factory=deque)
+    """Frames and notices of later rounds, kept for them."""
+    newer_epoch: int | None = None
+    """The newest epoch a peer runs this same step under (then nobody completes this round)."""
+    stale_peers: list[str] = field(default_factory=list)
+    """Peers that sent this step under an older epoch (to be told of this one)."""
+    stale: int = 0
+    """Frames dropped as older than the round."""
+
+
+def sort_early(early: Iterable[Frame], key: Key) -> EarlySort:
+    """Sorts the frames kept before the round ``key`` started.
+
+    Args:
+        early: The kept frames, in arrival order.
+        key: The round's ``(epoch, step)``.
+
+    Returns:
+        The round's frames, the later ones, the newer epoch seen for this step, and the peers
+        still in an older epoch of it.
+    """
+    out = EarlySort()
+    for f in early:
+        k = f.header.key
+        if f.header.op == Op.NEWER:  # a notice that came before its step: apply or drop
+            if k[1] == key[1] and k[0] > key[0]:
+                out.newer_epoch = max(out.newer_epoch or 0, k[0])
+            elif k > key:
+                out.later.append(f)
+            continue
+        if k == key:
+            out.ready.append(f)
+        elif k < key:
+            out.stale += 1
+            if k[1] == key[1]:
+                out.stale_peers.append(f.peer)
+        else:
+            if k[1] == key[1]:
+                out.newer_epoch = max(out.newer_epoch or 0, k[0])
+            out.later.append(f)
+    return out
+
+
+class PeerNotices:
+    """Sends NEWER, BEHIND and RESULT notices, each at most once per peer and round.
+
+    Args:
+        ctx: The communicator's ZeroMQ context (for notice-only sockets).
+        node_id: This node's id (the notice sockets' routing id derives from it).
+        stats: The communicator's counters (``results_sent``).
+    """
+
+    def __init__(self, ctx: zmq.Context, node_id: str, stats: CollectiveStats) -> None:
+        self._ctx = ctx
+        self._node_id = node_id
+        self._stats = stats
+        self._sockets: dict[str, zmq.Socket] = {}  # address -> notice-only DEALER
+        self._told: set[tuple[str, Key]] = set()
+        self._offered: set[str] = set()  # neighbours sent the kept result this round
+        self._asked: set[str] = set()  # neighbours asked for this round's result
+        # the last completed round's step and result, for a neighbour a step behind
+        self._kept: tuple[int, torch.Tensor] | None = None
+
+    def new_round(self) -> None:
+        """Forgets which peers were told what: a new round starts."""
+        self._told.clear()
+        self._offered.clear()
+        self._asked.clear()
+
+    def keep(self, step: int, result: torch.Tensor | None) -> None:
+        """Keeps ``result`` of ``step`` for a neighbour that never got it (``None``: keep none)."""
+        self._kept = None if result is None else (step, result)
+
+    def tell_newer(
+        self, peer: str, key: Key, link: zmq.Socket | None, address: str | None
+    ) -> None:
+        """Tells ``peer``, still in an older epoch of this step, that this node runs ``key``.
+
+        Without this, members split across an epoch boundary can wait on each other until the
+        step timeout (e.g. a tree root in the new epoch never sends down to children in the
+        old one). Once per peer and round.
+
+        Args:
+            peer: The member to tell.
+            key: The ``(epoch, step)`` this node runs.
+            link: The data link's socket to ``peer``, if it is a neighbour.
+            address: ``peer``'s data endpoint (for a notice-only socket when ``link`` is
+                ``None``; ``None``: not a member, nothing is sent).
+        """
+        if (peer, key) in self._told:
+            return
+        sock = link if link is not None else self._notice_socket(address)
+        if sock is None:
+            return
+        self._told.add((peer, key))
+        send_notice(sock, Op.NEWER, key)
+
+    def _notice_socket(self, address: str | None) -> zmq.Socket | None:
+        """A socket to a member that is not a neighbour in this epoch (in its older epoch it
+        may still wait on us). Its own routing id, so that it never clashes with a data link."""
+        if address is None:
+            return None
+        sock = self._sockets.get(address)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.ROUTING_ID, f"{self._node_id}~notice".encode())
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self._sockets[address] = sock
+        return sock
+
+    def ask_result(self, peer: str, key: Key, link: zmq.Socket | None) -> None:
+        """Asks a neighbour a step ahead for the result of ``key``'s step (once per round)."""
+        if link is None or peer in self._asked:
+            return
+        self._asked.add(peer)
+        send_notice(link, Op.BEHIND, key)
+
+    def offer_result(self, peer: str, key: Key, link: zmq.Socket | None) -> None:
+        """Sends a neighbour still running ``key`` the kept result of that step (once per
+        round; nothing when the kept result is of another step)."""
+        kept = self._kept
+        if kept is None or kept[0] != key[1] or link is None or peer in self._offered:
+            return
+        self._offered.add(peer)
+        flat = kept[1].contiguous().reshape(-1)
+        header = encode_header(Op.RESULT, flat.dtype, 0, key[0], key[1], 0, flat.numel())
+        try:
+            link.send(header, zmq.SNDMORE | zmq.NOBLOCK)
+            link.send(flat.view(torch.uint8).numpy().tobytes(), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return
+        self._stats.results_sent += 1
+
+    def abort(self, key: Key, failed: str, links: Iterable[zmq.Socket]) -> None:
+        """Tells every neighbour that this node gave up round ``key`` because of ``failed``
+        (best effort: a neighbour that misses it times out instead)."""
+        header = encode_header(Op.ABORT, torch.float32, 0, key[0], key[1], 0, 0)
+        for sock in links:
+            try:
+                sock.send(header, zmq.SNDMORE | zmq.NOBLOCK)
+                sock.send(failed.encode(), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                continue
+
+    def retain(self, addresses: set[str]) -> None:
+        """Closes the notice sockets to endpoints not in ``addresses`` (the members left)."""
+        for address in [a for a in self._sockets if a not in addresses]:
+            self._sockets.pop(address).close(linger=0)
+
+    def close(self) -> None:
+        """Closes every notice socket."""
+        for sock in self._sockets.values():
+            sock.close(linger=0)
+        self._sockets.clear()
