@@ -17,6 +17,7 @@ the trainer asks as before.
 from __future__ import annotations
 
 import logging
+import time
 
 import zmq
 
@@ -106,6 +107,17 @@ class PolicyWatch:
         if p is None or self.paused or p.paused or p.epoch <= installed_epoch:
             return None
         return p
+
+    def restart(self, installed_epoch: int) -> PolicyReply | None:
+        """Drains the notices; the policy the latest one carried if it is newer than
+        ``installed_epoch`` and restarts the allreduce (``restart_allreduce``), else ``None``.
+
+        Never blocks: a trainer calls it while waiting in an allreduce, to give up a round that
+        the daemon has declared lost (a link found down, a failed step).
+        """
+        self.needs_fetch(installed_epoch, time.monotonic())
+        p = self.carried(installed_epoch)
+        return p if p is not None and p.restart_allreduce else None
 
     def close(self) -> None:
         """Closes the SUB socket and its context."""

@@ -486,15 +486,24 @@ class Trainer:
     def _newer_policy(self) -> str | None:
         """Interrupt check run while blocked in an allreduce.
 
-        The round is abandoned only when a peer already runs this step under a newer epoch
-        (then no member can complete it). A newer policy alone does not abort it: a planned
-        change applies after the current allreduce, and a member may already have completed
-        this round; failures abort it through :class:`PeerFailure` instead.
+        The round is abandoned when a peer already runs this step under a newer epoch (then no
+        member can complete it), or when the daemon announces a policy that restarts the
+        allreduce under a new structure (``restart_allreduce``: a link found down, a failed
+        step). Without the second, a link that drops its packets without closing the connection
+        would hold every member in the round until ``step_timeout_s``. A newer policy alone does
+        not abort it: a planned change applies after the current allreduce, and a member may
+        already have completed this round (a member that aborts then gets that result, see
+        :attr:`~chaos.collectives.frames.Op.RESULT`).
         """
+        mine = self._topo_epoch()
         seen = self._comm.newer_round_seen()
-        if seen is None or seen <= self._topo_epoch():
-            return None
-        return f"a peer runs step {self._step} under epoch {seen} (this node: {self._topo_epoch()})"
+        if seen is not None and seen > mine:
+            return f"a peer runs step {self._step} under epoch {seen} (this node: {mine})"
+        restart = self._watch.restart(self._epoch) if self._watch is not None else None
+        if restart is not None and _topo_epoch(restart) > mine:
+            self._comm.note_newer_round(_topo_epoch(restart))
+            return f"the daemon restarts the allreduce under epoch {_topo_epoch(restart)}"
+        return None
 
     def _topo_epoch(self) -> int:
         """The epoch of the installed data-plane structure (what this node's frames carry)."""

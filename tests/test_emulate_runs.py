@@ -179,6 +179,19 @@ def test_demo_runs_end_to_end_and_cleans_up(tmp_path: Path) -> None:
     assert doc["consistency"]["steps_compared"] > 0
     assert doc["consistency"]["mismatches"] == 0
     assert doc["network"] == "tc-shaped netns"
+    # the cut link drops packets without closing a connection: the daemons find it down and
+    # restart the allreduce, and the members blocked in it rerun the step at once, long before
+    # the end of the run (step_timeout_s is 60 s there)
+    cut = next(m for m in doc["metrics"] if m["kind"] == "link_cut")
+    end = next(e["t"] for e in doc["harness_events"] if e["kind"] == "end")
+    for node, recs in doc["devices"].items():
+        if not any(r.get("kind") == "step" and r["t"] > cut["t"] - 1.0 for r in recs):
+            continue  # gone before the cut
+        resumed = [r for r in recs if r.get("kind") == "step" and r["t"] > cut["t"] + 0.5]
+        assert resumed and resumed[0]["t"] < end, f"{node} did not train after the link cut"
+        # stopped at the end with a graceful leave, not killed
+        assert any(r.get("kind") == "left" for r in recs), f"{node} did not leave"
+    assert cut["stall_s"] is not None
     assert (tmp_path / "demo.png").stat().st_size > 0
     assert "scale-out" in res.stdout or "join" in res.stdout
 

@@ -229,6 +229,12 @@ class Communicator:
         """
         return self._newer_round
 
+    def note_newer_round(self, epoch: int) -> None:
+        """Marks the running step as one this node will rerun under structure epoch ``epoch``
+        (learned out of band: its daemon restarts the allreduce). When the round is then given
+        up, the neighbours are told of that epoch (a NEWER notice) instead of sent an abort."""
+        self._newer_round = max(self._newer_round or 0, epoch)
+
     def _check_interrupt(self) -> None:
         if self._interrupt is None:
             return

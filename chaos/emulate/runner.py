@@ -192,12 +192,19 @@ class Runner:
         self.close()
 
     def close(self) -> None:
-        """Stops every device (SIGTERM: a graceful leave, then SIGKILL) and the network."""
+        """Stops every device (SIGTERM to its script: a graceful leave; then SIGKILL to its
+        process group) and the network.
+
+        Only the script gets the SIGTERM: it leaves at its next step boundary and its embedded
+        daemon follows. Signalled too, the daemon would leave on its own while its trainer is
+        still in a step, and the trainer's next allreduce and leave request would wait out
+        their timeouts.
+        """
         if self._schedule is not None:
             self._schedule.stop()
         for d in self.devices.values():
             if d.proc.poll() is None:
-                _signal_group(d.proc, signal.SIGTERM)
+                d.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for d in self.devices.values():
             try:
