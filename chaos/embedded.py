@@ -29,16 +29,24 @@ class DaemonStartError(ChaosError):
 _PR_SET_PDEATHSIG = 1
 
 
-def _leave_when_parent_dies() -> None:
-    """In the child, before exec: SIGTERM (a graceful leave) when the training process dies.
+def _belong_to_parent() -> None:
+    """In the child, before exec: the embedded daemon's lifecycle follows its training process.
 
-    An embedded daemon belongs to its training process; if that process crashes, the daemon
-    leaves the cluster rather than lingering as a member with no trainer. Linux only; a no-op
-    elsewhere.
+    * Ctrl+C in a terminal sends SIGINT to the whole foreground process group, and a service
+      manager or ``kill -TERM -PGID`` sends SIGTERM to it: the daemon gets them too. It ignores
+      both (``chaos-daemon start`` keeps an ignored signal ignored). The script sees them, and
+      its ``request_node_exit()`` makes the daemon leave at a step boundary. Had the daemon
+      left on its own, it would have left under a trainer still in its step, and the script's
+      leave request would have found no daemon to answer it.
+    * SIGHUP (a graceful leave) when the training process dies: if it crashes, the daemon leaves
+      the cluster rather than lingering as a member with no trainer. Linux only; a no-op
+      elsewhere. :meth:`EmbeddedDaemon.stop` sends SIGHUP too.
     """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGHUP)
     except (OSError, AttributeError):
         pass
 
@@ -86,8 +94,12 @@ class EmbeddedDaemon:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=env,
-            preexec_fn=_leave_when_parent_dies,
+            preexec_fn=_belong_to_parent,
         )
+
+    def exited(self) -> bool:
+        """Whether the daemon process has exited (after a leave, or killed)."""
+        return self.proc.poll() is not None
 
     def kill(self) -> None:
         """``kill -9`` of the daemon (fault injection: the whole device fails at once)."""
@@ -129,13 +141,13 @@ class EmbeddedDaemon:
         raise ChaosTimeout(f"embedded daemon {self.node_id} not ready within {timeout_s} s")
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
-        """Stops the daemon (SIGTERM: a graceful leave; SIGKILL after ``timeout_s``).
+        """Stops the daemon (SIGHUP: a graceful leave; SIGKILL after ``timeout_s``).
 
         Returns:
             Its exit code.
         """
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(signal.SIGHUP)  # it ignores SIGINT and SIGTERM
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:

@@ -23,6 +23,10 @@ class ProtocolError(ChaosError):
     """A wire message is malformed, oversized, of the wrong version or otherwise refused."""
 
 
+class DaemonGone(ChaosError):
+    """The daemon exited before it answered a request (for a leave: it left on its own)."""
+
+
 class SolverError(ChaosError):
     """A reference solver (MILP) failed to produce a usable solution."""
 

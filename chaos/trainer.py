@@ -41,7 +41,14 @@ import torch
 from chaos import ops
 from chaos.collectives import Communicator, CommunicatorConfig, Topology
 from chaos.embedded import EmbeddedDaemon, free_tcp_address
-from chaos.errors import ChaosError, ChaosTimeout, ConfigError, PeerFailure, RoundInterrupted
+from chaos.errors import (
+    ChaosError,
+    ChaosTimeout,
+    ConfigError,
+    DaemonGone,
+    PeerFailure,
+    RoundInterrupted,
+)
 from chaos.policy_watch import PolicyWatch
 from chaos.protocol import PolicyReply
 from chaos.replication import (
@@ -746,9 +753,15 @@ class Trainer:
 
     def request_node_exit(self, timeout_s: float = 15.0) -> None:
         """Leaves the cluster gracefully (scale-in), then releases every resource."""
+        embedded = self._embedded
         try:
-            self._client.leave(timeout_s=timeout_s)
+            self._client.leave(timeout_s=timeout_s, gone=embedded.exited if embedded else None)
             self._event("left", epoch=self._epoch, step=self._step)
+        except DaemonGone as exc:  # the embedded daemon was signalled itself: it left on its own
+            if embedded is not None and embedded.proc.returncode == 0:
+                self._event("left", epoch=self._epoch, step=self._step)
+            else:
+                log.warning("leave request failed: %s", exc)
         except ChaosError as exc:
             log.warning("leave request failed: %s", exc)
         finally:

@@ -99,7 +99,10 @@ def start(
     metrics_port: int | None,
     replication_strategy: str | None,
 ) -> None:
-    """Run a daemon in the foreground; SIGINT/SIGTERM make it leave gracefully."""
+    """Run a daemon in the foreground; SIGINT, SIGTERM and SIGHUP make it leave gracefully.
+
+    A signal ignored when the daemon starts stays ignored.
+    """
     cli: dict[str, Any] = {
         "node_id": node_id,
         "listen": listen,
@@ -128,8 +131,12 @@ def start(
     except (ConfigError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
     signal.set_wakeup_fd(daemon.transport.wakeup_fd(), warn_on_full_buffer=False)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: daemon.request_leave())
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        # a signal ignored at start stays ignored: a background job's SIGINT, nohup's SIGHUP,
+        # and a Trainer's embedded daemon, which leaves when its script asks it to (or on SIGHUP
+        # when the script dies), not on the signals meant for the script
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, lambda *_: daemon.request_leave())
     sys.exit(daemon.run())
 
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import cast
 
 import zmq
 from chaos.daemon.config import check_daemon_endpoint
 
-from chaos.errors import ChaosTimeout, ProtocolError
+from chaos.errors import ChaosTimeout, DaemonGone, ProtocolError
 from chaos.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
     FaultCommand,
@@ -34,6 +35,9 @@ from chaos.protocol import (
     decode,
     encode,
 )
+
+_GONE_CHECK_S = 0.05
+"""How often a request given ``gone`` checks whether the daemon has exited."""
 
 
 class RequestRefused(ProtocolError):
@@ -84,18 +88,28 @@ class DaemonClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(endpoint)
 
-    def request(self, msg: Message, timeout_s: float | None = None) -> Message:
+    def request(
+        self,
+        msg: Message,
+        timeout_s: float | None = None,
+        *,
+        gone: Callable[[], bool] | None = None,
+    ) -> Message:
         """Sends one request and waits for its answer.
 
         Args:
             msg: The request.
             timeout_s: Wait at most this long (default: the client's timeout).
+            gone: Whether the daemon has exited (e.g. a Trainer's embedded daemon); checked
+                every ``_GONE_CHECK_S`` while waiting, so that a request to a daemon that is
+                gone fails at once instead of at the timeout.
 
         Returns:
             The answer (possibly a :class:`~chaos.protocol.Refusal`).
 
         Raises:
             ChaosTimeout: no answer in time.
+            DaemonGone: ``gone()`` said the daemon exited before it answered.
             ProtocolError: the answer cannot be decoded.
         """
         wait = self.timeout_s if timeout_s is None else timeout_s
@@ -105,13 +119,23 @@ class DaemonClient:
         deadline = time.monotonic() + wait
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
+            if left <= 0:
                 raise ChaosTimeout(f"no answer from {self.endpoint} within {wait:.1f} s")
-            parts = self._sock.recv_multipart()
-            return decode(parts[-1], DEFAULT_MAX_FRAME_BYTES * 4)
+            slice_s = left if gone is None else min(left, _GONE_CHECK_S)
+            if self._sock.poll(int(slice_s * 1000) + 1, zmq.POLLIN):
+                parts = self._sock.recv_multipart()
+                return decode(parts[-1], DEFAULT_MAX_FRAME_BYTES * 4)
+            if gone is not None and gone():
+                raise DaemonGone(f"the daemon at {self.endpoint} exited before it answered")
 
-    def _expect(self, msg: Message, kind: type, timeout_s: float | None = None) -> Message:
-        answer = self.request(msg, timeout_s)
+    def _expect(
+        self,
+        msg: Message,
+        kind: type,
+        timeout_s: float | None = None,
+        gone: Callable[[], bool] | None = None,
+    ) -> Message:
+        answer = self.request(msg, timeout_s, gone=gone)
         if isinstance(answer, Refusal):
             raise RequestRefused(answer.reason.value, answer.detail)
         if not isinstance(answer, kind):
@@ -126,15 +150,17 @@ class DaemonClient:
         self,
         msg: LeaveCommand | LinkCommand | TrainerRegister | TrainerEvent,
         timeout_s: float | None = None,
+        gone: Callable[[], bool] | None = None,
     ) -> OpResult:
         """Runs a primitive request; returns its result (``ok`` may be ``False``).
 
         Raises:
             ChaosTimeout: no answer in time.
+            DaemonGone: ``gone`` (see :meth:`request`) said the daemon exited first.
             RequestRefused: refused on receipt (e.g. ``paused``, ``malformed``).
             ProtocolError: an unexpected answer.
         """
-        return cast(OpResult, self._expect(msg, OpResult, timeout_s))
+        return cast(OpResult, self._expect(msg, OpResult, timeout_s, gone))
 
     def policy(self, timeout_s: float | None = None) -> PolicyReply:
         """The policies in force at this daemon (``.epoch`` is their epoch).
@@ -218,9 +244,16 @@ class DaemonClient:
         """Adds or removes this daemon's link to ``peer``."""
         return self.op(LinkCommand(peer=peer, op="connect" if add else "disconnect"), timeout_s)
 
-    def leave(self, timeout_s: float | None = None) -> OpResult:
-        """Makes the daemon leave the cluster; it exits afterwards."""
-        return self.op(LeaveCommand(), timeout_s)
+    def leave(
+        self, timeout_s: float | None = None, gone: Callable[[], bool] | None = None
+    ) -> OpResult:
+        """Makes the daemon leave the cluster; it exits afterwards.
+
+        Raises:
+            ChaosTimeout: no answer in time.
+            DaemonGone: ``gone`` (see :meth:`request`) said the daemon exited first.
+        """
+        return self.op(LeaveCommand(), timeout_s, gone)
 
     def fault(
         self, name: FaultName, peers: list[str], timeout_s: float | None = None

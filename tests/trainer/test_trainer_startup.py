@@ -95,3 +95,33 @@ def test_the_default_node_id_is_valid_whatever_the_host_name(
     monkeypatch.setattr(socket, "gethostname", lambda: "x" * 70 + ".my host")
     node_id = _default_node_id()
     assert check_node_id(node_id) == node_id and node_id.endswith(f"-{os.getpid()}")
+
+
+def test_a_request_to_a_daemon_that_exits_fails_at_once(tmp_path: Path) -> None:
+    """The daemon at the endpoint takes the request and never answers (it is gone): a request
+    given ``gone`` raises DaemonGone instead of waiting out its (long) timeout."""
+    import zmq
+    from chaos.daemon.client import DaemonClient
+
+    from chaos.errors import DaemonGone
+    from chaos.protocol import StatusRequest
+
+    endpoint = f"ipc://{tmp_path}/silent.ipc"
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind(endpoint)
+    checks: list[int] = []
+
+    def gone() -> bool:
+        checks.append(1)
+        return len(checks) >= 3  # exits while the request waits
+
+    try:
+        with DaemonClient(endpoint, timeout_s=600.0) as client:
+            with pytest.raises(DaemonGone, match="exited before it answered"):
+                client.request(StatusRequest(), gone=gone)
+        assert silent.poll(1000)  # the request did reach it
+    finally:
+        silent.close()
+        ctx.term()
