@@ -28,9 +28,7 @@ import hashlib
 import logging
 import os
 import re
-import signal
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -49,6 +47,11 @@ from chaos.errors import (
     PeerFailure,
     RoundInterrupted,
 )
+from chaos.exit_signals import (  # capture_exit_event and request_exit are part of this API
+    capture_exit_event as capture_exit_event,
+)
+from chaos.exit_signals import install_exit_handlers
+from chaos.exit_signals import request_exit as request_exit
 from chaos.policy_watch import PolicyWatch
 from chaos.protocol import PolicyReply
 from chaos.replication import (
@@ -135,37 +138,6 @@ class TrainerConfig:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
         if not isinstance(self.daemon_args, tuple):
             raise ConfigError("daemon_args must be a tuple of strings")
-
-
-# ----------------------------------------------------------------------------- exit events
-
-_EXIT = threading.Event()
-_HANDLERS_INSTALLED = False
-
-
-def _on_signal(signum: int, frame: object) -> None:
-    _EXIT.set()
-
-
-def install_exit_handlers() -> None:
-    """Makes SIGINT and SIGTERM set the exit event instead of killing the script."""
-    global _HANDLERS_INSTALLED
-    if _HANDLERS_INSTALLED or threading.current_thread() is not threading.main_thread():
-        return
-    signal.signal(signal.SIGINT, _on_signal)
-    signal.signal(signal.SIGTERM, _on_signal)
-    _HANDLERS_INSTALLED = True
-
-
-def capture_exit_event() -> bool:
-    """True once Ctrl+C, SIGTERM or :func:`request_exit` asked this script to leave."""
-    install_exit_handlers()
-    return _EXIT.is_set()
-
-
-def request_exit() -> None:
-    """The user quit signal: makes :func:`capture_exit_event` return True."""
-    _EXIT.set()
 
 
 # ----------------------------------------------------------------------------- the trainer
