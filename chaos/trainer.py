@@ -729,7 +729,7 @@ class Trainer:
         try:
             self._client.leave(timeout_s=timeout_s, gone=embedded.exited if embedded else None)
             self._event("left", epoch=self._epoch, step=self._step)
-        except DaemonGone as exc:  # the embedded daemon was signalled itself: it left on its own
+        except DaemonGone as exc:  # the embedded daemon exited first (SIGHUP, or a failure)
             if embedded is not None and embedded.proc.returncode == 0:
                 self._event("left", epoch=self._epoch, step=self._step)
             else:

@@ -195,10 +195,9 @@ class Runner:
         """Stops every device (SIGTERM to its script: a graceful leave; then SIGKILL to its
         process group) and the network.
 
-        Only the script gets the SIGTERM: it leaves at its next step boundary and its embedded
-        daemon follows. Signalled too, the daemon would leave on its own while its trainer is
-        still in a step, and the trainer's next allreduce and leave request would wait out
-        their timeouts.
+        The script leaves at its next step boundary and its embedded daemon follows (the daemon
+        ignores SIGTERM: see :mod:`chaos.embedded`). The SIGKILL, sent to what is still running
+        after ``STOP_TIMEOUT_S``, takes the daemon too.
         """
         if self._schedule is not None:
             self._schedule.stop()
