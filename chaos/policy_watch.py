@@ -81,6 +81,28 @@ class PolicyWatch:
             return True
         return self.paused or self.latest_epoch > installed_epoch
 
+    def heard(self, reply: PolicyReply, now: float) -> None:
+        """Counts the answer that gave this watch its address as a notice of its epoch.
+
+        A new watch has heard no notice: until the daemon's next periodic one (up to
+        ``notify_interval_s`` away, since the subscription misses what was published before
+        it connected) :meth:`needs_fetch` would make the trainer ask at every step boundary.
+        The answer says as much as a notice. A notice of a change published between it and the
+        subscription is still caught: the periodic notices name the epoch, and a peer already
+        in it tells this node (NEWER). If no notice ever comes, the watch is silent after
+        ``SILENCE_FACTOR`` intervals and the trainer asks at every boundary, as before.
+
+        Args:
+            reply: The daemon's answer to a policy request.
+            now: ``time.monotonic()`` when it came.
+        """
+        if reply.notify_interval_s <= 0:
+            return  # a daemon that does not say how often it notifies: ask until a notice
+        self.latest_epoch = max(self.latest_epoch, reply.epoch)
+        self.paused = reply.paused
+        self._interval_s = reply.notify_interval_s
+        self._heard_at = now
+
     def _take(self, frame: bytes, now: float) -> None:
         try:
             msg = decode(frame, self._max)

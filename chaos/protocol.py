@@ -527,6 +527,8 @@ class PolicyReply(_Base, frozen=True, tag="policy_reply"):
     restart_allreduce: bool = False
     paused: bool = False
     notify_address: Endpoint | None = None
+    notify_interval_s: Seconds = 0.0
+    """The longest gap between two notices at ``notify_address`` (0: not said)."""
 
 
 class PolicyNotice(_Base, frozen=True, tag="policy_notice"):

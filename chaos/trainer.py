@@ -449,6 +449,7 @@ class Trainer:
         self._fetched_epoch = max(self._fetched_epoch, reply.epoch)
         if self._watch is None and reply.notify_address and self.config.policy_notices:
             self._watch = PolicyWatch(reply.notify_address)
+            self._watch.heard(reply, time.monotonic())  # no asking at every step until a notice
         return self._policy_of(reply)
 
     def _policy_of(self, reply: PolicyReply) -> _Policy:

@@ -76,6 +76,7 @@ def policy_reply(d: Daemon) -> PolicyReply:
         restart_allreduce=u.restart_allreduce if u else False,
         paused=d.paused,
         notify_address=d.transport.notify_endpoint,
+        notify_interval_s=d.cfg.heartbeat_interval_s,
     )
 
 

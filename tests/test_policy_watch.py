@@ -89,6 +89,32 @@ def test_a_silent_notifier_or_a_paused_daemon_means_ask(pub: tuple) -> None:
         watch.close()
 
 
+def test_the_answer_that_gave_the_address_counts_as_a_notice(pub: tuple) -> None:
+    """A new watch does not make its trainer ask at every step until the daemon's next
+    periodic notice: the policy answer it was made from says the epoch."""
+    _sock, addr = pub
+    watch = PolicyWatch(addr)
+    try:
+        now = time.monotonic()
+        assert watch.needs_fetch(7, now)  # nothing heard
+        silent = PolicyReply(sender="n1", epoch=7, term=1, members=["n1"], sync=None)
+        watch.heard(silent, now)  # a daemon that does not say its interval: still ask
+        assert watch.needs_fetch(7, now)
+        reply = PolicyReply(sender="n1", epoch=7, term=1, members=["n1"], sync=None,
+                            notify_address=addr, notify_interval_s=INTERVAL_S)  # fmt: skip
+        watch.heard(reply, now)
+        assert not watch.needs_fetch(7, now)  # no notice yet, but nothing newer to ask for
+        assert watch.needs_fetch(6, now)  # the trainer is behind the answer
+        # no notice ever: silent after SILENCE_FACTOR intervals, then it asks at every boundary
+        assert watch.needs_fetch(7, now + SILENCE_FACTOR * INTERVAL_S * 1.1)
+        paused = PolicyReply(sender="n1", epoch=8, term=1, members=["n1"], sync=None,
+                             paused=True, notify_interval_s=INTERVAL_S)  # fmt: skip
+        watch.heard(paused, now)
+        assert watch.needs_fetch(8, now)  # paused: ask
+    finally:
+        watch.close()
+
+
 def test_garbage_and_other_messages_are_ignored_and_counted(pub: tuple) -> None:
     sock, addr = pub
     watch = PolicyWatch(addr)
