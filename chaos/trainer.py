@@ -480,9 +480,10 @@ class Trainer:
         if seen is not None and seen > mine:
             return f"a peer runs step {self._step} under epoch {seen} (this node: {mine})"
         restart = self._watch.restart(self._epoch) if self._watch is not None else None
-        if restart is not None and _topo_epoch(restart) > mine:
-            self._comm.note_newer_round(_topo_epoch(restart))
-            return f"the daemon restarts the allreduce under epoch {_topo_epoch(restart)}"
+        epoch = _topo_epoch(restart) if restart is not None else -1
+        if epoch > mine:
+            self._comm.note_newer_round(epoch)
+            return f"the daemon restarts the allreduce under epoch {epoch}"
         return None
 
     def _topo_epoch(self) -> int:

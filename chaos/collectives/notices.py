@@ -174,13 +174,8 @@ class PeerNotices:
     def abort(self, key: Key, failed: str, links: Iterable[zmq.Socket]) -> None:
         """Tells every neighbour that this node gave up round ``key`` because of ``failed``
         (best effort: a neighbour that misses it times out instead)."""
-        header = encode_header(Op.ABORT, torch.float32, 0, key[0], key[1], 0, 0)
         for sock in links:
-            try:
-                sock.send(header, zmq.SNDMORE | zmq.NOBLOCK)
-                sock.send(failed.encode(), zmq.NOBLOCK)
-            except zmq.ZMQError:
-                continue
+            send_notice(sock, Op.ABORT, key, failed.encode())
 
     def retain(self, addresses: set[str]) -> None:
         """Closes the notice sockets to endpoints not in ``addresses`` (the members left)."""
