@@ -2,7 +2,7 @@
 
 :class:`Membership` holds the join and leave requests that this daemon has in flight, resends a
 join until it is answered, and times both out. The daemon's event loop owns it, as it owns
-:class:`~chaos.daemon.trainers.TrainerRelay`, and calls it from its handlers and its
+:class:`~chaos.daemon.scheduler.trainers.TrainerRelay`, and calls it from its handlers and its
 housekeeping timer. Everything here runs on the loop's thread.
 """
 
@@ -30,7 +30,7 @@ from chaos.protocol import (
 )
 
 if TYPE_CHECKING:
-    from chaos.daemon.negotiator import Negotiator
+    from chaos.daemon.scheduler.negotiator import Negotiator
 
 log = logging.getLogger("chaos.daemon")
 

@@ -25,10 +25,10 @@ from chaos.daemon.election import Election
 from chaos.daemon.events import EventLog
 from chaos.daemon.membership import Membership
 from chaos.daemon.metrics import Metrics
-from chaos.daemon.negotiator import Negotiator
 from chaos.daemon.replies import policy_notice, policy_reply, status_reply
+from chaos.daemon.scheduler.negotiator import Negotiator
+from chaos.daemon.scheduler.trainers import TrainerRelay
 from chaos.daemon.states import DAEMON_TRANSITIONS, DaemonState, Role
-from chaos.daemon.trainers import TrainerRelay
 from chaos.daemon.transport import FaultInjector, Inbound, ReplyPath, Transport
 
 from chaos.errors import ChaosError

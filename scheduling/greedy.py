@@ -10,8 +10,8 @@ finishes with at most ``|U|`` heap steps. :func:`greedy_reference` is the litera
 kept as the executable definition that the tests compare against.
 
 For equal shards the greedy is optimal for P3 (any assignment with makespan theta has at most
-``sum_u floor((theta - l_u) / b_u)`` shards), which ``tests/test_scheduling_milp.py`` checks
-against the MILP.
+``sum_u floor((theta - l_u) / b_u)`` shards), which ``tests/scheduling/test_scheduling_milp.py``
+checks against the MILP.
 """
 
 from __future__ import annotations

@@ -196,8 +196,8 @@ class Runner:
         process group) and the network.
 
         The script leaves at its next step boundary and its embedded daemon follows (the daemon
-        ignores SIGTERM: see :mod:`chaos.embedded`). The SIGKILL, sent to what is still running
-        after ``STOP_TIMEOUT_S``, takes the daemon too.
+        ignores SIGTERM: see :mod:`chaos.trainer.embedded`). The SIGKILL, sent to what is still
+        running after ``STOP_TIMEOUT_S``, takes the daemon too.
         """
         if self._schedule is not None:
             self._schedule.stop()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from chaos.daemon.monitor import ClusterMonitor
+from chaos.daemon.scheduler.monitor import ClusterMonitor
 from chaos.daemon.states import NodeState
 
 

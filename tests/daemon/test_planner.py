@@ -1,5 +1,6 @@
-"""The scheduler's replication planning (``chaos.daemon.planner.replication_policy``): pure, no
-sockets. It turns measured links into the planner's neighbours and bounds the plan's size."""
+"""The scheduler's replication planning (``chaos.daemon.scheduler.planner.replication_policy``):
+pure, no sockets. It turns measured links into the planner's neighbours and bounds the plan's
+size."""
 
 from __future__ import annotations
 

@@ -14,7 +14,6 @@ from chaos.daemon.election import Election
 from chaos.daemon.states import Role
 from click.testing import CliRunner
 
-from chaos.embedded import EmbeddedDaemon, free_tcp_address
 from chaos.errors import ConfigError, ProtocolError
 from chaos.protocol import (
     PROTOCOL_VERSION,
@@ -36,6 +35,7 @@ from chaos.protocol import (
     encode,
     validate,
 )
+from chaos.trainer.embedded import EmbeddedDaemon, free_tcp_address
 
 CTX = ValidationContext(
     max_frame_bytes=1 << 16,

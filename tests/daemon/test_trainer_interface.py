@@ -303,7 +303,7 @@ class _Host:
 def _negotiator() -> tuple[Any, _Host]:
     """A scheduler ``a`` over the path a - b - c - d (b and c: no trainer yet)."""
     from chaos.daemon.config import DaemonConfig
-    from chaos.daemon.negotiator import Negotiator
+    from chaos.daemon.scheduler.negotiator import Negotiator
     from chaos.daemon.states import NodeState
 
     host = _Host()
@@ -481,7 +481,7 @@ def test_a_report_after_the_rebuild_that_changes_a_trainer_commits_an_epoch() ->
     """A new scheduler commits its rebuild at the deadline without the reports still missing.
     A report that comes later and says a trainer became ``training`` (it sent ``ready`` just
     before the election) commits a new epoch; the same report again commits nothing."""
-    from chaos.daemon.negotiator import Negotiator
+    from chaos.daemon.scheduler.negotiator import Negotiator
 
     from chaos.protocol import AgentReport
 
@@ -659,7 +659,7 @@ def test_failures_are_removed_one_per_commit() -> None:
 
 def test_the_daemon_publishes_its_epoch_to_trainers(cluster: Cluster) -> None:
     """A trainer learns of a new epoch from the daemon's notices, without asking."""
-    from chaos.policy_watch import PolicyWatch
+    from chaos.trainer.policy_watch import PolicyWatch
 
     n1, n2 = cluster.start(2)
     p = _policy(n2)

@@ -90,7 +90,7 @@ def test_the_default_node_id_is_valid_whatever_the_host_name(
 ) -> None:
     from chaos.daemon.config import check_node_id
 
-    from chaos.trainer import _default_node_id
+    from chaos.trainer.trainer import _default_node_id
 
     monkeypatch.setattr(socket, "gethostname", lambda: "x" * 70 + ".my host")
     node_id = _default_node_id()

@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from chaos.daemon.planner import policy_edges, same_data_plane
+from chaos.daemon.scheduler.planner import policy_edges, same_data_plane
 
 from chaos.protocol import LinkReport
 
 if TYPE_CHECKING:
-    from chaos.daemon.negotiator import Negotiator
+    from chaos.daemon.scheduler.negotiator import Negotiator
 
 _MAX_PENDING = 64
 """Confirming bandwidth probes remembered at most; the oldest (never answered: its node left or

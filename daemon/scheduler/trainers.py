@@ -21,7 +21,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
-from chaos.daemon.planner import replication_policy
+from chaos.daemon.scheduler.planner import replication_policy
 from chaos.daemon.states import NodeState, TrainerState
 from chaos.daemon.transport import ReplyPath
 
@@ -38,7 +38,7 @@ from chaos.protocol import (
 )
 
 if TYPE_CHECKING:
-    from chaos.daemon.negotiator import Negotiator
+    from chaos.daemon.scheduler.negotiator import Negotiator
 
 
 class TrainerRegistry:

@@ -1,7 +1,8 @@
 """The pure parts of a communicator's out-of-round handling (chaos.collectives.notices) and of
 its topology: which early frames a round takes, keeps or drops, and who sends data to whom.
 
-The notices on real sockets are covered by tests/test_collectives.py (split epochs, catch-up).
+The notices on real sockets are covered by tests/collectives/test_collectives.py (split epochs,
+catch-up).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from chaos.protocol import DEFAULT_MAX_FRAME_BYTES, PolicyNotice, PolicyReply, d
 
 __all__ = ["PolicyWatch"]
 
-log = logging.getLogger("chaos.policy_watch")
+log = logging.getLogger("chaos.trainer.policy_watch")
 
 SILENCE_FACTOR = 3.0
 """The notifier counts as silent after this many of its promised intervals without a notice."""

@@ -13,8 +13,8 @@ A donor serves one snapshot, consistent for one ``(epoch, step)``: it calls
 :meth:`ShardServer.publish` after the allreduce and must not step its optimizer until the joiner
 is done (the payload is read from the live tensors). Every untrusted request goes through
 :func:`validate_request`, which turns it into a request or a :class:`Refusal` with a reason code;
-the server answers and keeps serving. The messages live in :mod:`chaos.replication_wire`, the
-donor's server in :mod:`chaos.replication_server`; both are re-exported here.
+the server answers and keeps serving. The messages live in :mod:`chaos.replication.wire`, the
+donor's server in :mod:`chaos.replication.server`.
 
 :func:`pull_state` is the joiner's side; see ``docs/state.md`` for the failure handling.
 """
@@ -38,16 +38,8 @@ from chaos.errors import (  # ReplicationError re-exported for callers of pull_s
     StateLayoutError,
 )
 from chaos.protocol import ReplicationWire
-from chaos.replication_server import (
-    DIE_EXIT_CODE,
-    ServerFaults,
-    ServerStats,
-    ShardServer,
-    ShardServerConfig,
-)
-from chaos.replication_wire import (
-    MAX_REQUEST_BYTES,
-    REPLICATION_VERSION,
+from chaos.replication.state import TrainingState
+from chaos.replication.wire import (
     REPLY_DECODER,
     WIRE_ENCODER,
     ManifestReply,
@@ -58,39 +50,20 @@ from chaos.replication_wire import (
     ShardRequest,
     manifest_digest,
     shard_checksum,
-    validate_request,
 )
 from chaos.scheduling import METHODS, Neighbor, Plan, plan_replication
-from chaos.state import TrainingState
 
-log = logging.getLogger("chaos.replication")
+log = logging.getLogger("chaos.replication.pull")
 
 __all__ = [
-    "DIE_EXIT_CODE",
     "MANIFEST_GRACE_S",
-    "MAX_REQUEST_BYTES",
-    "REPLICATION_VERSION",
-    "ManifestReply",
-    "ManifestRequest",
     "PullConfig",
     "PullStats",
-    "Refusal",
-    "ReplicationError",
-    "ServerFaults",
-    "ServerStats",
-    "ShardReason",
-    "ShardReply",
-    "ShardRequest",
-    "ShardServer",
-    "ShardServerConfig",
     "fetch_manifest",
     "gather_manifests",
     "latest_manifest",
-    "manifest_digest",
     "plan_for_snapshot",
     "pull_state",
-    "shard_checksum",
-    "validate_request",
 ]
 
 

@@ -35,17 +35,17 @@ from typing import Protocol
 
 import msgspec
 from chaos.daemon.config import DaemonConfig
-from chaos.daemon.link_checks import LinkChecks
-from chaos.daemon.monitor import ClusterMonitor
-from chaos.daemon.planner import (
+from chaos.daemon.scheduler.link_checks import LinkChecks
+from chaos.daemon.scheduler.monitor import ClusterMonitor
+from chaos.daemon.scheduler.planner import (
     data_addresses,
     replication_policy,
     same_data_plane,
     sync_policy,
     to_wire,
 )
+from chaos.daemon.scheduler.trainers import TrainerRegistry
 from chaos.daemon.states import NodeState
-from chaos.daemon.trainers import TrainerRegistry
 from chaos.daemon.transport import ReplyPath
 
 from chaos.protocol import (
@@ -68,7 +68,7 @@ from chaos.protocol import (
     TimeoutNow,
 )
 
-log = logging.getLogger("chaos.daemon.negotiator")
+log = logging.getLogger("chaos.daemon.scheduler.negotiator")
 
 class SchedulerHost(Protocol):
     """What the negotiator needs from its daemon."""

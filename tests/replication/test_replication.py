@@ -28,26 +28,26 @@ from chaos.scheduling import Neighbor, Plan, plan_replication
 
 from chaos.errors import ChaosTimeout, ReplicationError, StateLayoutError
 from chaos.protocol import ReplicationWire
-from chaos.replication import (
-    DIE_EXIT_CODE,
-    MAX_REQUEST_BYTES,
-    REPLICATION_VERSION,
-    ManifestRequest,
+from chaos.replication.pull import (
     PullConfig,
-    Refusal,
-    ServerFaults,
-    ShardReply,
-    ShardRequest,
-    ShardServer,
     fetch_manifest,
     gather_manifests,
     latest_manifest,
-    manifest_digest,
     plan_for_snapshot,
     pull_state,
+)
+from chaos.replication.server import DIE_EXIT_CODE, ServerFaults, ShardServer
+from chaos.replication.state import TrainingState, state_digest
+from chaos.replication.wire import (
+    MAX_REQUEST_BYTES,
+    REPLICATION_VERSION,
+    ManifestRequest,
+    Refusal,
+    ShardReply,
+    ShardRequest,
+    manifest_digest,
     shard_checksum,
 )
-from chaos.state import TrainingState, state_digest
 
 EPOCH, STEP = 3, 4
 SHARD = 2048

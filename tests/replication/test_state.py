@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from chaos.errors import StateLayoutError
-from chaos.state import (
+from chaos.replication.state import (
     Manifest,
     TrainingState,
     decode_manifest,

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import zmq
 
-from chaos.policy_watch import SILENCE_FACTOR, PolicyWatch
 from chaos.protocol import Ping, PolicyNotice, PolicyReply, encode
+from chaos.trainer.policy_watch import SILENCE_FACTOR, PolicyWatch
 
 INTERVAL_S = 0.5
 

@@ -11,7 +11,7 @@ import math
 from typing import TYPE_CHECKING
 
 from chaos.daemon.config import DaemonConfig
-from chaos.daemon.monitor import ClusterMonitor
+from chaos.daemon.scheduler.monitor import ClusterMonitor
 from chaos.scheduling.sync_policy import SyncPolicy, build_sync_policy, retain_structure
 
 from chaos.protocol import DonorLink, ReplicationWire, SyncPolicyWire
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 MAX_PLAN_SHARDS = 16_384
 """A plan with more shards is re-planned at a larger fixed shard size (bounds the update's size)."""
 
-log = logging.getLogger("chaos.daemon.planner")
+log = logging.getLogger("chaos.daemon.scheduler.planner")
 
 _METHODS = {"chaos": "chaos", "even": "even", "single-source": "single-source",
             "multi-source": "even"}  # fmt: skip

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from chaos import ops
 from chaos.errors import ChaosTimeout
 
-NATIVE_DIR = Path(__file__).resolve().parents[1] / "native"
+NATIVE_DIR = Path(__file__).resolve().parents[2] / "native"
 P = (1 << 32) - 5
 ROW_BYTES = 8 * (1 << 15)  # one checksum row; sizes around it cross the parallel split
 

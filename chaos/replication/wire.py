@@ -1,4 +1,4 @@
-"""Wire messages of state replication (see :mod:`chaos.replication`).
+"""Wire messages of state replication (see :mod:`chaos.replication.pull`).
 
 Every message is a typed, versioned msgspec schema (tag field ``"type"``), msgpack-encoded, never
 pickled. Requests are one frame; a :class:`ManifestReply` or :class:`ShardReply` header frame is

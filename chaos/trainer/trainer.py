@@ -17,9 +17,9 @@ The trainer owns the data plane (see ``docs/trainer.md`` and
 ``docs/trainer-daemon-interface.md``): it allreduces gradients over the sync policy's topology,
 serves state shards to joiners, and, when it joins, pulls the state from several neighbours at
 once. The local daemon owns the control plane: it publishes a notice whenever its epoch changes
-(:mod:`chaos.policy_watch`), and the trainer asks it for the policy at a step boundary only when
-a notice names a newer epoch (or the notices fall silent), and, while it waits in an allreduce,
-every ``poll_interval_s``.
+(:mod:`chaos.trainer.policy_watch`), and the trainer asks it for the policy at a step boundary
+only when a notice names a newer epoch (or the notices fall silent), and, while it waits in an
+allreduce, every ``poll_interval_s``.
 """
 
 from __future__ import annotations
@@ -38,34 +38,28 @@ import torch
 
 from chaos import ops
 from chaos.collectives import Communicator, CommunicatorConfig, Topology
-from chaos.embedded import EmbeddedDaemon, free_tcp_address
 from chaos.errors import (
     ChaosError,
     ChaosTimeout,
     ConfigError,
     DaemonGone,
     PeerFailure,
+    ReplicationError,
     RoundInterrupted,
 )
-from chaos.exit_signals import (  # capture_exit_event and request_exit are part of this API
-    capture_exit_event as capture_exit_event,
-)
-from chaos.exit_signals import install_exit_handlers
-from chaos.exit_signals import request_exit as request_exit
-from chaos.policy_watch import PolicyWatch
 from chaos.protocol import PolicyReply
-from chaos.replication import (
-    PullConfig,
-    ReplicationError,
-    ShardServer,
-    ShardServerConfig,
-    gather_manifests,
-    plan_for_snapshot,
-    pull_state,
-)
+from chaos.replication.pull import PullConfig, gather_manifests, plan_for_snapshot, pull_state
+from chaos.replication.server import ShardServer, ShardServerConfig
+from chaos.replication.state import TrainingState
 from chaos.scheduling import Neighbor
 from chaos.scheduling.bounds import lower_bound
-from chaos.state import TrainingState
+from chaos.trainer.embedded import EmbeddedDaemon, free_tcp_address
+from chaos.trainer.exit_signals import (  # capture_exit_event and request_exit are part of this API
+    capture_exit_event as capture_exit_event,
+)
+from chaos.trainer.exit_signals import install_exit_handlers
+from chaos.trainer.exit_signals import request_exit as request_exit
+from chaos.trainer.policy_watch import PolicyWatch
 
 log = logging.getLogger("chaos.trainer")
 
@@ -226,7 +220,7 @@ class Trainer:
     Raises:
         ConfigError: bad options, or a malformed endpoint or node id (checked before anything
             starts).
-        chaos.embedded.DaemonStartError: the embedded daemon could not start or join.
+        chaos.trainer.embedded.DaemonStartError: the embedded daemon could not start or join.
         ChaosTimeout: the join or the state pull did not finish in time.
         ReplicationError: the state could not be pulled from any neighbour.
     """

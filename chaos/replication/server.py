@@ -1,12 +1,10 @@
 """The donor's side of state replication: a :class:`ShardServer` serves shards of its state.
 
 A donor binds one ROUTER socket and answers, on its own thread, the joiners' requests for the
-manifest and for shards of one published snapshot (see :mod:`chaos.replication` for the wire
-and the joiner's side, :mod:`chaos.replication_wire` for the messages). Every untrusted request
-goes through :func:`~chaos.replication_wire.validate_request`; a bad one is answered with a
-:class:`~chaos.replication_wire.Refusal` and the server keeps serving.
-
-Everything public here is re-exported by :mod:`chaos.replication`.
+manifest and for shards of one published snapshot (see :mod:`chaos.replication.pull` for the wire
+and the joiner's side, :mod:`chaos.replication.wire` for the messages). Every untrusted request
+goes through :func:`~chaos.replication.wire.validate_request`; a bad one is answered with a
+:class:`~chaos.replication.wire.Refusal` and the server keeps serving.
 """
 
 from __future__ import annotations
@@ -20,7 +18,8 @@ from typing import Any
 import zmq
 
 from chaos.errors import ChaosTimeout, ConfigError
-from chaos.replication_wire import (
+from chaos.replication.state import TrainingState
+from chaos.replication.wire import (
     WIRE_ENCODER,
     ManifestReply,
     ManifestRequest,
@@ -34,10 +33,9 @@ from chaos.replication_wire import (
     shard_checksum,
     validate_request,
 )
-from chaos.state import TrainingState
 
 # The server logs under the replication logger, as it did when it lived in chaos.replication.
-log = logging.getLogger("chaos.replication")
+log = logging.getLogger("chaos.replication.server")
 
 __all__ = [
     "DIE_EXIT_CODE",

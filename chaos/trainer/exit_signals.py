@@ -3,7 +3,7 @@
 ``capture_exit_event()`` (re-exported by :mod:`chaos.trainer`, where scripts import it) turns
 SIGINT and SIGTERM into a flag the script checks at each step boundary, so that it leaves with
 ``Trainer.request_node_exit()`` instead of dying in the middle of a step. A ``Trainer``'s embedded
-daemon ignores both signals (see :mod:`chaos.embedded`): only the script reacts to them.
+daemon ignores both signals (see :mod:`chaos.trainer.embedded`): only the script reacts to them.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from chaos.emulate.runner import RunResult
 from chaos.emulate.scenario import Scenario, demo_scenario, load_scenario, scenario_from_dict
 from chaos.errors import ConfigError
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "scenarios"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "scenarios"
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
     reason="runs devices in network namespaces on tc-shaped links: needs root and iproute2 "

@@ -1,0 +1,17 @@
+"""The trainer runtime: the :class:`Trainer` a PyTorch script uses, and what it runs on.
+
+Modules:
+
+* :mod:`chaos.trainer.trainer`: the :class:`Trainer` (step, install, state dict, close) and
+  :class:`TrainerConfig`;
+* :mod:`chaos.trainer.policy_watch`: the notices the local daemon publishes;
+* :mod:`chaos.trainer.embedded`: the daemon a script starts for itself;
+* :mod:`chaos.trainer.exit_signals`: the exit event (``capture_exit_event``).
+
+Importing this package imports torch; the daemon never imports it.
+"""
+
+from chaos.trainer.exit_signals import capture_exit_event, request_exit
+from chaos.trainer.trainer import Trainer, TrainerConfig, TrainingStalled
+
+__all__ = ["Trainer", "TrainerConfig", "TrainingStalled", "capture_exit_event", "request_exit"]
