@@ -1,0 +1,111 @@
+"""The package boundaries, checked: no import cycles, and the daemon never imports torch.
+
+The import graph is read from the source with :mod:`ast`, so an import under ``TYPE_CHECKING`` or
+inside a function counts like any other: a cycle hidden behind ``TYPE_CHECKING`` is still a cycle
+in the design. An import of a package counts as an edge to its ``__init__``; the parent packages
+that Python imports on the way are not counted.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parents[1]
+# folder -> import name, as pyproject.toml maps them
+PACKAGES = {
+    "chaos": "chaos",
+    "daemon": "chaos.daemon",
+    "scheduling": "chaos.scheduling",
+    "native": "chaos._native",
+}
+
+
+def _module_of(path: Path, root: Path) -> tuple[str, str]:
+    """Return (module name, the package that relative imports start from) of a source file."""
+    rel = path.relative_to(root).with_suffix("")
+    parts = [PACKAGES[rel.parts[0]], *rel.parts[1:]]
+    if parts[-1] == "__init__":
+        name = ".".join(parts[:-1])
+        return name, name
+    name = ".".join(parts)
+    return name, name.rsplit(".", 1)[0]
+
+
+def _resolve(node: ast.ImportFrom, package: str) -> str:
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")
+    if node.level > 1:
+        base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def import_graph(root: Path = ROOT) -> nx.DiGraph:
+    """Every project module under ``root`` and the project modules it imports, anywhere."""
+    files = [p for top in PACKAGES for p in (root / top).rglob("*.py")]
+    names = {name for name, _pkg in (_module_of(p, root) for p in files)}
+    graph = nx.DiGraph()
+    for path in files:
+        me, package = _module_of(path, root)
+        graph.add_node(me)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                mod = _resolve(node, package)
+                # `from pkg import sub` imports the submodule when there is one
+                subs = [f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in names]
+                targets = subs or [mod]
+            for target in targets:
+                if target in names and target != me:
+                    graph.add_edge(me, target)
+    return graph
+
+
+def test_the_import_graph_has_no_cycles() -> None:
+    graph = import_graph()
+    cycles = list(nx.simple_cycles(graph))
+    shown = ["  " + " -> ".join([*c, c[0]]) for c in sorted(cycles, key=len)[:20]]
+    if cycles:
+        raise AssertionError(f"{len(cycles)} import cycles, e.g.:\n" + "\n".join(shown))
+
+
+def test_the_graph_reader_sees_type_checking_imports(tmp_path: Path) -> None:
+    """The check above must not be blind to the imports it is meant to catch."""
+    pkg = tmp_path / "chaos" / "sub"
+    pkg.mkdir(parents=True)
+    (tmp_path / "chaos" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("from chaos.sub.a import A\n")
+    (pkg / "a.py").write_text("from .b import B\nclass A: ...\n")
+    (pkg / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from chaos.sub import a\n"
+    )
+    graph = import_graph(tmp_path)
+    assert graph.has_edge("chaos.sub.a", "chaos.sub.b")
+    assert graph.has_edge("chaos.sub.b", "chaos.sub.a")  # under TYPE_CHECKING, via the package
+    assert graph.has_edge("chaos.sub", "chaos.sub.a")
+    assert ["chaos.sub.a", "chaos.sub.b"] in [sorted(c) for c in nx.simple_cycles(graph)]
+    # and on the real tree it sees the daemon's module-level imports
+    assert import_graph().has_edge("chaos.daemon.node", "chaos.daemon.config")
+
+
+def test_the_daemon_and_the_planner_never_import_torch() -> None:
+    """A daemon starts fast on a weak device: neither it nor the shard planner loads torch."""
+    code = (
+        "import sys\n"
+        "import chaos.daemon.node, chaos.daemon.cli, chaos.daemon.client, chaos.scheduling\n"
+        "import chaos.protocol\n"
+        "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
+        "print(len(bad))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0", "torch was imported by the daemon's modules"
