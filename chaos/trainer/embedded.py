@@ -7,12 +7,9 @@ directory; the trainer talks to it over its IPC endpoint like to any other local
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -20,42 +17,11 @@ from pathlib import Path
 
 from chaos.daemon.config import ipc_endpoint_for
 from chaos.errors import ChaosError, ChaosTimeout
+from chaos.launch import daemon_command, spawn_daemon
 
 
 class DaemonStartError(ChaosError):
     """The embedded daemon exited or refused to start (bad arguments, join refused)."""
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _belong_to_parent() -> None:
-    """In the child, before exec: the embedded daemon's lifecycle follows its training process.
-
-    * Ctrl+C in a terminal sends SIGINT to the whole foreground process group, and a service
-      manager or ``kill -TERM -PGID`` sends SIGTERM to it: the daemon gets them too. It ignores
-      both (``chaos-daemon start`` keeps an ignored signal ignored). The script sees them, and
-      its ``request_node_exit()`` makes the daemon leave at a step boundary. Had the daemon
-      left on its own, it would have left under a trainer still in its step, and the script's
-      leave request would have found no daemon to answer it.
-    * SIGHUP (a graceful leave) when the training process dies: if it crashes, the daemon leaves
-      the cluster rather than lingering as a member with no trainer. Linux only; a no-op
-      elsewhere. :meth:`EmbeddedDaemon.stop` sends SIGHUP too.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGHUP)
-    except (OSError, AttributeError):
-        pass
-
-
-def free_tcp_address(host: str = "127.0.0.1") -> str:
-    """A ``tcp://HOST:PORT`` address whose port is free right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return f"tcp://{host}:{s.getsockname()[1]}"
 
 
 class EmbeddedDaemon:
@@ -83,18 +49,12 @@ class EmbeddedDaemon:
         Path(self.run_dir).mkdir(parents=True, exist_ok=True)
         self.endpoint = ipc_endpoint_for(self.run_dir)
         self.log_path = Path(self.run_dir) / "daemon.log"
-        argv = [sys.executable, "-m", "chaos.daemon.cli", "start", "--id", node_id]
-        argv += ["--listen", listen, *extra_args]
-        if join is not None:
-            argv += ["--join", join]
-        env = dict(os.environ, CHAOS_DAEMON_DIR=self.run_dir)
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            argv,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            preexec_fn=_belong_to_parent,
+        # it ignores SIGINT/SIGTERM and leaves on its parent's death (chaos.launch)
+        self.proc = spawn_daemon(
+            daemon_command(node_id, listen, join=join, extra_args=extra_args),
+            self.run_dir,
+            log_path=self.log_path,
+            follow_parent=True,
         )
 
     def exited(self) -> bool:
@@ -153,7 +113,6 @@ class EmbeddedDaemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._log.close()
         return self.proc.returncode
 
     def wait_exit(self, timeout_s: float) -> int | None:
@@ -162,5 +121,4 @@ class EmbeddedDaemon:
             self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             return self.stop(timeout_s=2.0)
-        self._log.close()
         return self.proc.returncode

@@ -47,13 +47,14 @@ from chaos.errors import (
     ReplicationError,
     RoundInterrupted,
 )
+from chaos.launch import free_tcp_address
 from chaos.protocol import PolicyReply
 from chaos.replication.pull import PullConfig, gather_manifests, plan_for_snapshot, pull_state
 from chaos.replication.server import ShardServer, ShardServerConfig
 from chaos.replication.state import TrainingState
 from chaos.scheduling import Neighbor
 from chaos.scheduling.bounds import lower_bound
-from chaos.trainer.embedded import EmbeddedDaemon, free_tcp_address
+from chaos.trainer.embedded import EmbeddedDaemon
 from chaos.trainer.exit_signals import (  # capture_exit_event and request_exit are part of this API
     capture_exit_event as capture_exit_event,
 )
