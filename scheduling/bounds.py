@@ -47,7 +47,7 @@ def water_level(starts: Sequence[float], rates: Sequence[float], amount: float) 
 
 
 def lower_bound(state_bytes: int, neighbors: Sequence[Neighbor]) -> float:
-    """The continuous lower bound theta of BRIEF section 5, with no per-shard cost.
+    """The continuous lower bound theta (docs/scheduling.md), with no per-shard cost.
 
     Args:
         state_bytes: Size of the training state in bytes.

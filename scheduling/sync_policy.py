@@ -1,4 +1,4 @@
-"""The model synchronization policy: a reduction structure over overlay links (BRIEF section 6).
+"""The model synchronization policy: a reduction structure over overlay links (docs/daemon.md).
 
 Pure: no I/O. Two candidates are built from the overlay graph and its measured link bandwidths:
 

@@ -47,7 +47,7 @@ class Instance:
 
 
 def random_neighbors(rng: random.Random, count: int) -> list[Neighbor]:
-    """Neighbours drawn from the paper's setting (Mbit/s, ms and tau ranges of issue 2)."""
+    """Neighbours drawn from the paper's setting (the ranges listed in docs/scheduling.md)."""
     return [
         Neighbor.from_bandwidth(
             f"n{i}",

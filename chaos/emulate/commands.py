@@ -281,7 +281,7 @@ def _median(xs: list[float | None]) -> float | None:
 
 
 def compare_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over repeats per strategy and size, and the issue's headline ratios."""
+    """Medians over repeats per strategy and size, and the headline ratios of the results."""
     table: dict[str, dict[str, dict[str, float | None]]] = {}
     for r in runs:
         key = f"{r['from_nodes']}->{r['to_nodes']}"

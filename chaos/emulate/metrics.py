@@ -1,4 +1,4 @@
-"""The metrics of BRIEF section 8, derived from a run's records (pure: no I/O).
+"""The emulation metrics (docs/emulation-runs.md), derived from a run's records (pure: no I/O).
 
 * **scale-out delay**: from the scheduler receiving the join (its ``scale_out_started`` event) to
   the new node being ready with the full state (its ``scale_out_complete`` event).

@@ -4,7 +4,7 @@ Each device is a real training process (:mod:`chaos.emulate.device`) with its em
 ``chaos-daemon``, started inside its own network namespace. Links are veth pairs shaped with tc;
 new devices link to ``degree`` random running devices, as in the paper. Events are applied at
 their times; every device's step records, trainer events and daemon event log are collected,
-and :mod:`chaos.emulate.metrics` turns them into the BRIEF section 8 metrics.
+and :mod:`chaos.emulate.metrics` turns them into the metrics of docs/emulation-runs.md.
 
 Without root, or with ``shaped=False``, the devices run on loopback with no shaping and every
 result is labelled ``"network": "loopback (unshaped)"``.

@@ -1,4 +1,4 @@
-"""The training state as one canonical, ordered byte stream (BRIEF section 5, issue 4 section 2).
+"""The training state as one canonical, ordered byte stream (docs/state.md).
 
 The stream is the concatenation, in this order, of:
 

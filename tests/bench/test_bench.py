@@ -67,7 +67,7 @@ def test_shard_cost_fits_a_finite_cost(tmp_path: Path) -> None:
 
 
 def test_control_writes_schema(tmp_path: Path) -> None:
-    """``chaos-bench control`` with real daemons, tiny settings: the JSON keys the issue names,
+    """``chaos-bench control`` with real daemons, tiny settings: the JSON keys of docs/daemon.md,
     plus the client round trip and the scheduler-side figures. No timing is asserted."""
     import os
     import signal
