@@ -40,7 +40,7 @@ part of the stall the primitive adds beyond that bias.
 **Control path** (``control_ms``): for the link primitives, the client's request to the daemon's
 answer (sent once the new policy is acknowledged by every member); for scale-in, the leaver's
 ``request_node_exit()`` from its call to the daemon's answer to the leave. This runs while the
-members train, so it is not a stall; BRIEF §8's primitive delay is the stall plus this.
+members train, so it is not a stall; the emulation's primitive delay is the stall plus this.
 ``reruns`` counts the allreduce rounds the members aborted and reran while the primitives were
 applied.
 

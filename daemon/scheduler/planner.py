@@ -153,7 +153,7 @@ def replication_policy(
 
     Returns:
         The replication policy, or one with ``skipped`` set when the state size is unknown (the
-        trainer reports it in a later issue) or planning failed.
+        joiner's trainer has not reported it yet) or planning failed.
     """
     sizes = tensor_sizes if tensor_sizes else ([state_bytes] if state_bytes else None)
     if not sizes or sum(sizes) <= 0:
