@@ -94,6 +94,11 @@ def test_the_path_reader_sees_links_paths_braces_and_globs(tmp_path: Path) -> No
     )
     (tmp_path / "daemon.md").write_text("", encoding="utf-8")
     assert _expand_braces("a_{1..3}_{x,y}") == [
-        "a_1_x", "a_1_y", "a_2_x", "a_2_y", "a_3_x", "a_3_y",
+        "a_1_x",
+        "a_1_y",
+        "a_2_x",
+        "a_2_y",
+        "a_3_x",
+        "a_3_y",
     ]
     assert _missing_in(doc) == ["path chaos/nowhere.py", "path docs/figures/bench/nothing_*.json"]
