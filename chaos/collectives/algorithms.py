@@ -22,19 +22,62 @@ buffer are tracked and waited for before the result is handed back.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import zmq
 
+from chaos.collectives.config import CommunicatorConfig
 from chaos.collectives.frames import Header, Op, encode_header
+from chaos.collectives.links import Frame, LanePayload
 from chaos.collectives.topology import Topology
 from chaos.errors import PeerTimeout, ProtocolError
 from chaos.ops import reduce_into
 
-if TYPE_CHECKING:
-    from chaos.collectives.communicator import Communicator
-    from chaos.collectives.links import Frame, LanePayload
+__all__ = ["Round", "RoundTransport", "chunks", "split"]
+
+
+class RoundTransport(Protocol):
+    """What a :class:`Round` needs of its communicator (a
+    :class:`~chaos.collectives.communicator.Communicator` is one): its id and settings, and the
+    sending and receiving of data frames."""
+
+    @property
+    def node_id(self) -> str:
+        """This member's id."""
+        ...
+
+    @property
+    def config(self) -> CommunicatorConfig:
+        """The settings (the round reads ``chunk_bytes``)."""
+        ...
+
+    def send(
+        self,
+        peer: str,
+        header: bytes | zmq.Frame,
+        payload: zmq.Frame | memoryview | LanePayload,
+        *,
+        track: bool = False,
+    ) -> zmq.MessageTracker | None:
+        """Sends one data frame to a neighbour (a tracker when ``track`` is honoured)."""
+        ...
+
+    def recv(
+        self,
+        key: tuple[int, int],
+        timeout_s: float,
+        waiting_for: str | Callable[[], str],
+        place: Callable[[str, Header], memoryview | None] | None = None,
+    ) -> Frame:
+        """The next frame of round ``key`` from a neighbour (``place`` names where a lane
+        payload is read to)."""
+        ...
+
+    def drain_lanes(self, timeout_s: float) -> None:
+        """Waits until the frames queued on payload lanes are written."""
+        ...
 
 
 def split(start: int, stop: int, parts: int) -> list[tuple[int, int]]:
@@ -64,7 +107,7 @@ class Round:
     """One allreduce on one member.
 
     Args:
-        comm: The communicator (sockets, receive loop).
+        comm: The communicator (sending and the receive loop).
         topo: The topology it runs on.
         key: ``(epoch, step)`` of the frames.
         src: This member's values, flat and contiguous; only read (and sent zero-copy when it is
@@ -78,7 +121,7 @@ class Round:
 
     def __init__(
         self,
-        comm: Communicator,
+        comm: RoundTransport,
         topo: Topology,
         key: tuple[int, int],
         src: torch.Tensor,

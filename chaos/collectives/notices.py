@@ -16,8 +16,9 @@ frames and notices that arrived before their round started (pure: no sockets).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import zmq
@@ -26,7 +27,7 @@ from chaos.collectives.config import CollectiveStats
 from chaos.collectives.frames import Op, encode_header
 from chaos.collectives.links import Frame, send_notice
 
-__all__ = ["EarlySort", "PeerNotices", "sort_early"]
+__all__ = ["EarlySort", "LinkSockets", "PeerNotices", "sort_early"]
 
 Key = tuple[int, int]
 
@@ -80,25 +81,45 @@ def sort_early(early: Iterable[Frame], key: Key) -> EarlySort:
     return out
 
 
+class LinkSockets(Protocol):
+    """The data links :class:`PeerNotices` sends through (a
+    :class:`~chaos.collectives.peers.PeerSockets` is one)."""
+
+    def socket(self, peer: str) -> zmq.Socket | None:
+        """The data link's socket to ``peer``, or ``None`` when it is not a neighbour."""
+        ...
+
+    def sockets(self) -> list[zmq.Socket]:
+        """Every data link's socket."""
+        ...
+
+
 class PeerNotices:
-    """Sends NEWER, BEHIND and RESULT notices, each at most once per peer and round.
+    """Sends NEWER, BEHIND, RESULT and ABORT notices, each at most once per peer and round.
 
     Args:
         ctx: The communicator's ZeroMQ context (for notice-only sockets).
         node_id: This node's id (the notice sockets' routing id derives from it).
         stats: The communicator's counters (``results_sent``).
+        links: The data links to the neighbours.
     """
 
-    def __init__(self, ctx: zmq.Context, node_id: str, stats: CollectiveStats) -> None:
+    def __init__(
+        self, ctx: zmq.Context, node_id: str, stats: CollectiveStats, links: LinkSockets
+    ) -> None:
         self._ctx = ctx
         self._node_id = node_id
         self._stats = stats
+        self._links = links
+        self._addresses: Mapping[str, str] = {}  # the members' data endpoints
         self._sockets: dict[str, zmq.Socket] = {}  # address -> notice-only DEALER
         self._told: set[tuple[str, Key]] = set()
         self._offered: set[str] = set()  # neighbours sent the kept result this round
         self._asked: set[str] = set()  # neighbours asked for this round's result
         # the last completed round's step and result, for a neighbour a step behind
         self._kept: tuple[int, torch.Tensor] | None = None
+        # the previous epoch's neighbours, told of this node's first round in a new epoch
+        self._announce: list[str] = []
 
     def new_round(self) -> None:
         """Forgets which peers were told what: a new round starts."""
@@ -110,25 +131,24 @@ class PeerNotices:
         """Keeps ``result`` of ``step`` for a neighbour that never got it (``None``: keep none)."""
         self._kept = None if result is None else (step, result)
 
-    def tell_newer(
-        self, peer: str, key: Key, link: zmq.Socket | None, address: str | None
-    ) -> None:
+    def tell_newer(self, peer: str, key: Key) -> None:
         """Tells ``peer``, still in an older epoch of this step, that this node runs ``key``.
 
         Without this, members split across an epoch boundary can wait on each other until the
         step timeout (e.g. a tree root in the new epoch never sends down to children in the
         old one). Once per peer and round.
 
+        A neighbour is told through its data link, another member through a notice-only
+        socket; a peer that is not a member is told nothing.
+
         Args:
             peer: The member to tell.
             key: The ``(epoch, step)`` this node runs.
-            link: The data link's socket to ``peer``, if it is a neighbour.
-            address: ``peer``'s data endpoint (for a notice-only socket when ``link`` is
-                ``None``; ``None``: not a member, nothing is sent).
         """
         if (peer, key) in self._told:
             return
-        sock = link if link is not None else self._notice_socket(address)
+        link = self._links.socket(peer)
+        sock = link if link is not None else self._notice_socket(self._addresses.get(peer))
         if sock is None:
             return
         self._told.add((peer, key))
@@ -148,16 +168,18 @@ class PeerNotices:
             self._sockets[address] = sock
         return sock
 
-    def ask_result(self, peer: str, key: Key, link: zmq.Socket | None) -> None:
+    def ask_result(self, peer: str, key: Key) -> None:
         """Asks a neighbour a step ahead for the result of ``key``'s step (once per round)."""
+        link = self._links.socket(peer)
         if link is None or peer in self._asked:
             return
         self._asked.add(peer)
         send_notice(link, Op.BEHIND, key)
 
-    def offer_result(self, peer: str, key: Key, link: zmq.Socket | None) -> None:
+    def offer_result(self, peer: str, key: Key) -> None:
         """Sends a neighbour still running ``key`` the kept result of that step (once per
         round; nothing when the kept result is of another step)."""
+        link = self._links.socket(peer)
         kept = self._kept
         if kept is None or kept[0] != key[1] or link is None or peer in self._offered:
             return
@@ -171,15 +193,33 @@ class PeerNotices:
             return
         self._stats.results_sent += 1
 
-    def abort(self, key: Key, failed: str, links: Iterable[zmq.Socket]) -> None:
+    def abort(self, key: Key, failed: str) -> None:
         """Tells every neighbour that this node gave up round ``key`` because of ``failed``
         (best effort: a neighbour that misses it times out instead)."""
-        for sock in links:
+        for sock in self._links.sockets():
             send_notice(sock, Op.ABORT, key, failed.encode())
 
-    def retain(self, addresses: set[str]) -> None:
-        """Closes the notice sockets to endpoints not in ``addresses`` (the members left)."""
-        for address in [a for a in self._sockets if a not in addresses]:
+    def announce_later(self, peers: Iterable[str]) -> None:
+        """Keeps ``peers`` (the previous epoch's neighbours) to be told of this node's first
+        round in the new epoch (see :meth:`announce`)."""
+        self._announce = sorted(peers)
+
+    def announce(self, key: Key) -> None:
+        """Tells the peers kept by :meth:`announce_later` that this node runs ``key`` (once).
+
+        Members still in the old epoch may wait on this node there, and frames may never cross
+        between the two trees (a node waiting for children sends nothing).
+        """
+        announce, self._announce = self._announce, []
+        for peer in announce:
+            self.tell_newer(peer, key)
+
+    def retain(self, addresses: Mapping[str, str]) -> None:
+        """Takes the members' data endpoints (``addresses``: member -> endpoint) and closes
+        the notice sockets to the endpoints of members that left."""
+        self._addresses = addresses
+        kept = set(addresses.values())
+        for address in [a for a in self._sockets if a not in kept]:
             self._sockets.pop(address).close(linger=0)
 
     def close(self) -> None:

@@ -124,7 +124,7 @@ def test_tensors_below_lane_min_bytes_go_through_zeromq_without_setting_lanes_up
             assert all(torch.equal(r, out[0]) for r in out)
         for c in comms:
             assert c.stats.lane_frames_sent == c.stats.lane_frames_received == 0
-            assert c._lanes is None  # not even a listener
+            assert c._lanes.lanes is None  # not even a listener
         big = [torch.cat([x] * 2) for x in xs]  # now at the threshold: lanes from here on
         for _ in range(2):
             out = results(comms, big, op="sum")
@@ -139,13 +139,13 @@ def test_no_lanes_on_an_ipc_endpoint(tmp_path: Any) -> None:
         comm.update_topology(Topology("ring", ("solo",), {"solo": comm.address}, 1,
                                       ring_order=("solo",)))  # fmt: skip
         assert torch.equal(comm.allreduce(torch.ones(8), "sum"), torch.ones(8))
-        assert comm._lanes is None
+        assert comm._lanes.lanes is None
     finally:
         comm.close()
 
 
 def _lane_port(comm: Communicator) -> int:
-    lanes = comm._lanes
+    lanes = comm._lanes.lanes
     if lanes is None:
         raise AssertionError("lanes are off")
     return lanes.port
@@ -167,7 +167,7 @@ def test_a_bad_hello_is_refused_and_the_node_keeps_working(hello: bytes) -> None
         lanes = None
         for _ in range(20):  # rounds until m0's lane from its left neighbour is up
             results(comms, xs, op="sum")
-            lanes = comms[0]._lanes
+            lanes = comms[0]._lanes.lanes
             if lanes is not None and "m2" in lanes.incoming:
                 break
         assert lanes is not None and "m2" in lanes.incoming
@@ -196,12 +196,12 @@ def test_a_malformed_frame_on_a_lane_closes_it_and_the_next_round_recovers(garba
     with members(3, timeout_s=3.0) as comms:
         install(comms, "ring", 1)
         results(comms, xs, op="sum")
-        sender = comms[2]._lanes
+        sender = comms[2]._lanes.lanes
         for _ in range(20):  # rounds until m2's lane to m0 (its right neighbour) is up
             if sender is not None and "m0" in sender.outgoing and sender.outgoing["m0"].ready:
                 break
             results(comms, xs, op="sum")
-            sender = comms[2]._lanes
+            sender = comms[2]._lanes.lanes
         assert sender is not None
         out_lane = sender.outgoing["m0"]
         sock = out_lane._sock
@@ -210,7 +210,8 @@ def test_a_malformed_frame_on_a_lane_closes_it_and_the_next_round_recovers(garba
         first = run_all(comms, xs, op="sum")  # frames after the garbage are lost with the lane
         receiver = comms[0]
         assert receiver.stats.dropped_malformed >= 1
-        assert "m2" not in (receiver._lanes.incoming if receiver._lanes else {}) or all(
+        lanes = receiver._lanes.lanes
+        assert "m2" not in (lanes.incoming if lanes else {}) or all(
             isinstance(r, torch.Tensor) for r in first
         )
         if not all(isinstance(r, torch.Tensor) for r in first):
@@ -251,12 +252,12 @@ def test_a_frame_stalled_halfway_still_sees_an_interrupt_between_read_slices() -
     xs = inputs(2)
     with members(2, poll_slice_s=0.05, timeout_s=30.0) as comms:
         install(comms, "ring", 1)
-        sender = comms[1]._lanes
+        sender = comms[1]._lanes.lanes
         for _ in range(20):  # rounds until m1's lane to m0 is up
             if sender is not None and "m0" in sender.outgoing and sender.outgoing["m0"].ready:
                 break
             results(comms, xs, op="sum")
-            sender = comms[1]._lanes
+            sender = comms[1]._lanes.lanes
         assert sender is not None
         sock = sender.outgoing["m0"]._sock
         assert sock is not None
@@ -272,5 +273,5 @@ def test_a_frame_stalled_halfway_still_sees_an_interrupt_between_read_slices() -
         comms[0].set_interrupt(interrupt, every_s=1e-6)
         with pytest.raises(RoundInterrupted):
             comms[0].allreduce(xs[0], "sum")  # m1 never runs this round
-        lanes = comms[0]._lanes
+        lanes = comms[0]._lanes.lanes
         assert lanes is not None and "m1" not in lanes.incoming  # the cut stream is closed

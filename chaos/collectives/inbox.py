@@ -1,0 +1,157 @@
+"""Where each received frame goes: the running round, a later round, or away.
+
+Internal to :mod:`chaos.collectives`. :class:`Inbox` keeps the frames that came before their
+round (``early``), hands the running round its own frames, drops older rounds' frames (sending
+the notices that help their senders), and remembers the newest epoch in which a peer already
+runs the current step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+from chaos.collectives.config import CollectiveStats, CommunicatorConfig
+from chaos.collectives.frames import Op
+from chaos.collectives.links import CaughtUp, Frame
+from chaos.collectives.notices import PeerNotices, sort_early
+from chaos.errors import PeerFailure
+
+__all__ = ["Inbox", "Neighbours"]
+
+Key = tuple[int, int]
+
+
+class Neighbours(Protocol):
+    """The current neighbours (see :class:`~chaos.collectives.peers.PeerSockets`)."""
+
+    def __contains__(self, peer: object) -> bool:
+        """Whether ``peer`` is a neighbour (has a data link)."""
+        ...
+
+
+class Inbox:
+    """Sorts the well-formed frames of a communicator by round.
+
+    Args:
+        config: The communicator's settings (``max_early_frames``).
+        stats: The communicator's counters (the ``dropped_*`` and ``early_buffered`` ones).
+        notices: Sends the notices that help a peer in another round.
+        neighbours: The current neighbours (frames of others are dropped).
+    """
+
+    def __init__(
+        self,
+        config: CommunicatorConfig,
+        stats: CollectiveStats,
+        notices: PeerNotices,
+        neighbours: Neighbours,
+    ) -> None:
+        self._max_early = config.max_early_frames
+        self._stats = stats
+        self._notices = notices
+        self._neighbours = neighbours
+        self._early: deque[Frame] = deque()
+        self._ready: deque[Frame] = deque()
+        self.newer_round: int | None = None
+        """The newest epoch in which a peer runs the current round's step, if any (see
+        :meth:`Communicator.newer_round_seen
+        <chaos.collectives.communicator.Communicator.newer_round_seen>`)."""
+
+    def note_newer(self, epoch: int) -> None:
+        """Records that the current step runs (also) under the newer epoch ``epoch``."""
+        self.newer_round = max(self.newer_round or 0, epoch)
+
+    def drop_older_than(self, epoch: int) -> None:
+        """Drops the kept frames of epochs before ``epoch`` (a new topology came)."""
+        kept = deque(f for f in self._early if f.header.epoch >= epoch)
+        self._stats.dropped_stale += len(self._early) - len(kept)
+        self._early = kept
+
+    def start_round(self, key: Key) -> None:
+        """Takes in the frames kept for round ``key`` (see
+        :func:`~chaos.collectives.notices.sort_early`) and tells the peers still in an older
+        epoch of this step that this node runs it under ``key``."""
+        early = sort_early(self._early, key)
+        self._ready, self._early, self.newer_round = early.ready, early.later, early.newer_epoch
+        self._stats.dropped_stale += early.stale
+        for peer in early.stale_peers:
+            self._notices.tell_newer(peer, key)
+
+    def next_ready(self) -> Frame | None:
+        """The next kept frame of the running round from a neighbour, or ``None``.
+
+        Raises:
+            PeerFailure, CaughtUp: as :meth:`accept`.
+        """
+        while self._ready:  # frames that came before this round started
+            frame = self.accept(self._ready.popleft())
+            if frame is not None:
+                return frame
+        return None
+
+    def route(self, frame: Frame, key: Key) -> Frame | None:
+        """Sorts a well-formed frame: this round's (returned), a later round's (kept), an older
+        round's (dropped, with the notices that help its sender), or a notice (applied).
+
+        Raises:
+            PeerFailure, CaughtUp: as :meth:`accept`.
+        """
+        peer, header = frame.peer, frame.header
+        k = header.key
+        if header.op == Op.NEWER:
+            if k[1] == key[1] and k[0] > key[0]:
+                self.note_newer(k[0])
+            elif k[1] > key[1] and len(self._early) < self._max_early:
+                self._early.append(frame)  # a later step's
+            return None
+        if k[1] == key[1] - 1:
+            # the peer still runs the step this node completed: it never got that round's
+            # result (a member died while it was going out); send it the kept result
+            self._stats.dropped_stale += 1
+            self._notices.offer_result(peer, k)
+            return None
+        if header.op == Op.BEHIND:
+            return None  # about a step this node did not just complete
+        if k < key:
+            self._stats.dropped_stale += 1
+            if k[1] == key[1]:
+                self._notices.tell_newer(peer, key)
+            return None
+        if k > key:
+            self._keep_later(frame, key)
+            return None
+        return self.accept(frame)
+
+    def _keep_later(self, frame: Frame, key: Key) -> None:
+        """Keeps a frame of a later round than ``key`` for it (or counts it dropped)."""
+        k = frame.header.key
+        if k[1] == key[1] and k[0] > key[0]:
+            # A peer runs this same step under a newer epoch: it never completes (and
+            # never will complete) the round we are in, so nobody can; see newer_round.
+            self.note_newer(k[0])
+        elif k[1] == key[1] + 1:
+            # the peer completed our step: this node missed it
+            self._notices.ask_result(frame.peer, key)
+        if len(self._early) >= self._max_early:
+            self._stats.dropped_early_overflow += 1
+        else:
+            self._stats.early_buffered += 1
+            self._early.append(frame)
+
+    def accept(self, frame: Frame) -> Frame | None:
+        """A frame of the running round: dropped if not from a neighbour; an abort raises.
+
+        Raises:
+            PeerFailure: the frame is a neighbour's abort of this round.
+            CaughtUp: the frame is a neighbour's kept result of this round.
+        """
+        if frame.peer not in self._neighbours:
+            self._stats.dropped_unknown_peer += 1
+            return None
+        if frame.header.op == Op.ABORT:
+            failed = frame.payload.bytes.decode(errors="replace")[:64] or frame.peer
+            raise PeerFailure(failed, "aborted by a neighbour", reported_by=frame.peer)
+        if frame.header.op == Op.RESULT:
+            raise CaughtUp(frame)
+        return frame
