@@ -20,13 +20,10 @@ next step boundary.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
-import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +33,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+from chaos.errors import ChaosTimeout
+from chaos.launch import free_tcp_address, kill_and_reap, signal_group, spawn_worker, wait_until
 
 # ----------------------------------------------------------------------------- worker side
 
@@ -109,20 +109,6 @@ class EventPrinter:
 # ----------------------------------------------------------------------------- launcher side
 
 _STEP_LINE = re.compile(r"^\[(?P<node>[^\]]+)\] step\s+(?P<step>\d+)")
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_launcher() -> None:
-    """In a worker, before exec: SIGTERM (a graceful leave) if the launcher dies. Linux only."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def free_tcp_address(host: str = "127.0.0.1") -> str:
-    """A ``tcp://HOST:PORT`` address whose port is free right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return f"tcp://{host}:{s.getsockname()[1]}"
 
 
 class LaunchError(RuntimeError):
@@ -170,15 +156,11 @@ class Launcher:
     def start(self, node_id: str, join: str | None) -> _Worker:
         """Starts one worker; ``join`` is a member's address, or ``None`` for a new cluster."""
         address = free_tcp_address()
-        env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=self._tmp)
-        proc = subprocess.Popen(
+        proc = spawn_worker(  # a text pipe; SIGTERM (a graceful leave) if the launcher dies
             self.worker_argv(node_id, address, join),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            start_new_session=True,
-            preexec_fn=_die_with_launcher,
+            log_path=None,
+            env={"PYTHONUNBUFFERED": "1", "TMPDIR": self._tmp},
+            term_on_parent_death=True,
         )
         worker = _Worker(node_id, address, proc)
         worker.reader = threading.Thread(target=self._pump, args=(worker,), daemon=True)
@@ -206,16 +188,20 @@ class Launcher:
         Raises:
             LaunchError: a worker exited with an error, or ``timeout_s`` passed.
         """
-        deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
+
+        def done() -> bool:
             if pred():
-                return
+                return True
             for w in self.workers.values():
                 code = w.proc.poll()
                 if code not in (None, 0):
                     raise LaunchError(f"{w.node_id} exited with code {code}")
-            time.sleep(0.05)
-        raise LaunchError(f"timed out after {self.timeout_s:.0f} s waiting for {what}")
+            return False
+
+        try:
+            wait_until(done, self.timeout_s, what)
+        except ChaosTimeout as exc:
+            raise LaunchError(f"timed out after {self.timeout_s:.0f} s waiting for {what}") from exc
 
     def leave(self, node_ids: Sequence[str], timeout_s: float = 30.0) -> None:
         """Asks workers to leave (SIGTERM: a graceful scale-in) and waits for them to exit.
@@ -252,7 +238,7 @@ class Launcher:
                 if w.ready:
                     w.proc.send_signal(signal.SIGTERM)  # a member: leave gracefully
                 else:
-                    os.killpg(w.proc.pid, signal.SIGKILL)  # still joining: nothing to hand over
+                    signal_group(w.proc, signal.SIGKILL)  # still joining: nothing to hand over
         deadline = time.monotonic() + timeout_s
         for w in self.workers.values():
             try:
@@ -260,9 +246,7 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 pass
             # The worker's group holds its embedded daemon; make sure nothing is left.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(w.proc.pid, signal.SIGKILL)
-            w.proc.wait(timeout=10.0)
+            kill_and_reap([w.proc], group=True, timeout_s=10.0)
             if w.reader is not None:
                 w.reader.join(timeout=5.0)  # print what the worker said last
         shutil.rmtree(self._tmp, ignore_errors=True)

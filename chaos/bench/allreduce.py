@@ -14,7 +14,6 @@ import json
 import multiprocessing as mp
 import queue
 import re
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ import click
 import torch
 
 from chaos.collectives import Communicator, CommunicatorConfig, Topology
+from chaos.launch import free_port
 
 _UNITS = {"B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
 ALGOS = ("ring", "tree", "gloo")
@@ -49,12 +49,6 @@ def parse_size(text: str) -> int:
     if n % 4:
         raise click.BadParameter(f"size {text!r} is not a whole number of float32 values")
     return n
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _topologies(n: int, addrs: dict[str, dict[str, str]]) -> dict[str, Topology]:
@@ -153,7 +147,7 @@ def run_bench(
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     algos = ALGOS + (ZMQ_ALGOS if zmq_baseline else ())
     args = (nodes, port, sizes, repeats, chunk_bytes, keep_memory, lanes, algos, results)
     procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(nodes)]

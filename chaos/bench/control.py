@@ -35,12 +35,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import os
 import signal
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -53,7 +50,14 @@ import psutil
 from chaos.daemon.client import DaemonClient
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.events import read_events
-from chaos.errors import ChaosError, ChaosTimeout
+from chaos.errors import ChaosError
+from chaos.launch import (
+    daemon_command,
+    free_tcp_address,
+    kill_and_reap,
+    spawn_daemon,
+    wait_until,
+)
 from chaos.protocol import OpResult, StatusReply
 
 _POLL_S = 0.02
@@ -62,23 +66,13 @@ CPU_WINDOW_S = 0.5
 connect-link's measurement on loopback, tens of milliseconds)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wait(pred: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            v = pred()
-        except (ChaosError, OSError):
-            v = None
-        if v:
-            return v
-        time.sleep(_POLL_S)
-    raise ChaosTimeout(f"timed out after {timeout_s:.0f} s waiting for {what}")
+    """Polls ``pred`` (a daemon that does not answer yet counts as not yet).
+
+    Raises:
+        ChaosTimeout: it did not hold within ``timeout_s``.
+    """
+    return wait_until(pred, timeout_s, what, poll_s=_POLL_S, tolerate=(ChaosError, OSError))
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -107,25 +101,13 @@ class _Bench:
 
     def spawn(self, nid: str, join: str | None, neighbors: list[str]) -> None:
         run_dir = self.root / nid
-        run_dir.mkdir(exist_ok=True)
-        self.addr.setdefault(nid, f"tcp://127.0.0.1:{_free_port()}")
-        args = [
-            sys.executable,
-            "-m",
-            "chaos.daemon.cli",
-            "start",
-            "--id",
-            nid,
-            "--listen",
-            self.addr[nid],
-        ]
-        if join:
-            args += ["--join", self.addr[join]]
-        for n in neighbors:
-            args += ["--neighbor", n]
-        env = {**os.environ, "CHAOS_DAEMON_DIR": str(run_dir), "CHAOS_DAEMON_LOG_LEVEL": "ERROR"}
-        with open(run_dir / "stderr.log", "ab") as log:
-            self.procs[nid] = subprocess.Popen(args, env=env, stdout=log, stderr=log)
+        self.addr.setdefault(nid, free_tcp_address())
+        argv = daemon_command(
+            nid, self.addr[nid], join=self.addr[join] if join else None, neighbors=neighbors
+        )
+        self.procs[nid] = spawn_daemon(
+            argv, run_dir, log_path=run_dir / "stderr.log", log_level="ERROR"
+        )
 
     def status(self, nid: str) -> StatusReply:
         with DaemonClient(self.addr[nid], timeout_s=2.0) as c:
@@ -152,11 +134,7 @@ class _Bench:
         return t
 
     def close(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
-        for p in self.procs.values():
-            p.wait(timeout=10)
+        kill_and_reap(self.procs.values(), timeout_s=10.0)
 
 
 def _done_at(b: _Bench, sched: str, primitive: str, since: float) -> float:

@@ -62,9 +62,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -85,7 +83,14 @@ from chaos.bench.stall import (
     span,
     summary_ms,
 )
-from chaos.errors import ChaosError, ChaosTimeout, ConfigError
+from chaos.errors import ChaosError, ConfigError
+from chaos.launch import (
+    LOG_LEVEL_ENV,
+    free_tcp_address,
+    kill_and_reap,
+    spawn_worker,
+    wait_until,
+)
 
 PRIMITIVES = ("scale_in", "connect_link", "disconnect_link")
 WORKER_STEP_TIMEOUT_S = 10.0
@@ -93,12 +98,6 @@ WORKER_STEP_TIMEOUT_S = 10.0
 cluster is given up on quickly."""
 WORKER_POLICY_TIMEOUT_S = 5.0
 _POLL_S = 0.05
-
-
-def _free_address() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 # ----------------------------------------------------------------------------- the cluster
@@ -154,17 +153,14 @@ class _Cluster:
     windows: list[tuple[float, float]] = field(default_factory=list)
 
     def start(self, nid: str, join: str | None) -> _Member:
-        address = _free_address()
+        address = free_tcp_address()
         out = self.root / f"{nid}.jsonl"
         logfile = self.root / f"{nid}.log"
         argv = [sys.executable, "-m", "chaos.bench.primitives_worker", "--id", nid]
         argv += ["--listen", address, "--out", str(out), *self.worker_args]
         argv += ["--join", join] if join else []
-        env = dict(os.environ, TMPDIR=str(self.root), CHAOS_DAEMON_LOG_LEVEL="WARNING")
-        with logfile.open("wb") as log:
-            proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
+        env = {"TMPDIR": str(self.root), LOG_LEVEL_ENV: "WARNING"}
+        proc = spawn_worker(argv, log_path=logfile, env=env, append=False)
         member = _Member(nid, address, proc, _Log(out), logfile)
         self.members[nid] = member
         return member
@@ -174,18 +170,25 @@ class _Cluster:
         return [m.id for m in self.members.values() if m.proc.poll() is None]
 
     def wait(self, pred: Callable[[], bool], what: str) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        while time.monotonic() < deadline:
+        """Waits until ``pred()`` holds.
+
+        Raises:
+            ChaosError: a worker exited with an error.
+            ChaosTimeout: ``timeout_s`` passed.
+        """
+
+        def done() -> bool:
             if pred():
-                return
+                return True
             for m in self.members.values():
                 code = m.proc.poll()
                 if code not in (None, 0):
                     lines = m.logfile.read_text(errors="replace").strip().splitlines()
                     last = lines[-1] if lines else "(no output)"
                     raise ChaosError(f"worker {m.id} exited with code {code}: {last}")
-            time.sleep(_POLL_S)
-        raise ChaosTimeout(f"timed out after {self.timeout_s:.0f} s waiting for {what}")
+            return False
+
+        wait_until(done, self.timeout_s, what, poll_s=_POLL_S)
 
     def settled(self, ids: list[str], world: int, newer_than: int, steps: int) -> int | None:
         """The common epoch once every member of ``ids`` ran ``steps`` steps under it with
@@ -226,11 +229,7 @@ class _Cluster:
         self.windows.append((t0, time.time()))
 
     def close(self) -> None:
-        for m in self.members.values():
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(m.proc.pid, signal.SIGKILL)
-        for m in self.members.values():
-            m.proc.wait(timeout=30)
+        kill_and_reap([m.proc for m in self.members.values()], group=True)
 
 
 # ----------------------------------------------------------------------------- primitives

@@ -21,15 +21,20 @@ that each compute on their own hardware, which is what the control path overlaps
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 from typing import TextIO
 
 import torch
 
 from chaos.trainer import Trainer, capture_exit_event
+from chaos.trainer.worker import (
+    EventTail,
+    add_member_arguments,
+    local_data,
+    start_member,
+    write_record,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,29 +48,24 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model = _model(args.width)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    gen = torch.Generator().manual_seed(sum(map(ord, args.id)))
-    xs, ys = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
-    trainer = Trainer(
+    xs, ys = local_data(args.id, 32, 64, 10)
+    trainer = start_member(
+        args,
         model,
         opt,
-        join=args.join,
-        node_id=args.id,
-        listen=args.listen,
         step_timeout_s=args.step_timeout_s,
         policy_timeout_s=args.policy_timeout_s,
-        daemon_args=tuple(args.daemon_arg),
         policy_notices=not args.no_policy_notices,
     )
     with args.out.open("a") as out:
         ready = {"ready": True, "step": trainer.step, "epoch": trainer.epoch, "t": time.time()}
-        out.write(json.dumps(ready) + "\n")
-        out.flush()
+        write_record(out, ready)
         _train(trainer, model, opt, (xs, ys), args, out)
         t_leave = time.time()
         trainer.request_node_exit()
         left = [e["t"] for e in trainer.events if e["event"] == "left"]
         done = {"left": True, "t_leave": t_leave, "t_left": left[-1] if left else None}
-        out.write(json.dumps(done) + "\n")
+        write_record(out, done)
     return 0
 
 
@@ -82,16 +82,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         SystemExit: a usage error (``--help`` too).
     """
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--id", required=True)
-    ap.add_argument("--listen", required=True)
-    ap.add_argument("--join", default=None)
-    ap.add_argument("--out", required=True, type=Path)
+    add_member_arguments(ap)
     ap.add_argument("--compute-s", type=float, default=0.02)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--max-steps", type=int, default=1_000_000)
     ap.add_argument("--step-timeout-s", type=float, default=30.0)
     ap.add_argument("--policy-timeout-s", type=float, default=10.0)
-    ap.add_argument("--daemon-arg", action="append", default=[])
     ap.add_argument("--no-policy-notices", action="store_true", help="ask at every boundary")
     args = ap.parse_args(argv)
     if args.compute_s < 0 or args.width < 1:
@@ -139,7 +135,7 @@ def _train(
         out: The open output file (flushed after every step).
     """
     xs, ys = batch
-    seen = len(trainer.events)
+    events = EventTail(trainer)
     while trainer.step < args.max_steps and not capture_exit_event():
         t0 = time.time()
         opt.zero_grad()
@@ -151,11 +147,9 @@ def _train(
         trainer.check_state_replication()
         t1 = time.time()
         rec = {"step": trainer.step, "epoch": trainer.epoch, "world": trainer.world_size}
-        for ev in trainer.events[seen:]:
-            out.write(json.dumps({"trainer_event": ev["event"], **ev}, default=str) + "\n")
-        seen = len(trainer.events)
-        out.write(json.dumps({**rec, "t0": t0, "tu": tu, "t1": t1}) + "\n")
-        out.flush()
+        for ev in events.new():
+            write_record(out, {"trainer_event": ev["event"], **ev})
+        write_record(out, {**rec, "t0": t0, "tu": tu, "t1": t1})
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import logging
 import sys
 import time
@@ -33,6 +32,15 @@ from typing import Any, TextIO
 import torch
 
 from chaos.models import model_summary
+from chaos.trainer import capture_exit_event
+from chaos.trainer.worker import (
+    EventTail,
+    add_member_arguments,
+    local_data,
+    start_member,
+    wait_for_world,
+    write_record,
+)
 
 HEAD_IN = 32
 HEAD_HIDDEN = 64
@@ -131,23 +139,14 @@ def _fetch_checkpoint(store: str) -> tuple[dict[str, Any], float]:
     return torch.load(io.BytesIO(data), weights_only=True), took  # no pickle from the wire
 
 
-def _write(out: TextIO, rec: dict[str, Any]) -> None:
-    out.write(json.dumps(rec) + "\n")
-    out.flush()
-
-
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m chaos.emulate.device")
-    ap.add_argument("--id", required=True)
-    ap.add_argument("--listen", required=True, help="the embedded daemon's tcp://IP:PORT")
+    add_member_arguments(ap, listen_help="the embedded daemon's tcp://IP:PORT")
     ap.add_argument("--host", required=True, help="address the data plane binds")
-    ap.add_argument("--join", default=None)
     ap.add_argument("--model", default="synthetic:8")
     ap.add_argument("--scale", type=float, default=1.0)
-    ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--step-time", type=float, default=0.05, help="emulated compute, seconds")
     ap.add_argument("--daemon-dir", default=None)
-    ap.add_argument("--daemon-arg", action="append", default=[])
     ap.add_argument("--resume", type=Path, default=None, help="stop-resume checkpoint to load")
     ap.add_argument("--resume-from", default=None, metavar="HOST:PORT",
                     help="read the stop-resume checkpoint from this store")  # fmt: skip
@@ -162,15 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     """Runs the device until it is asked to leave or checkpoint, or is killed."""
     args = _parse(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from chaos.trainer import Trainer, capture_exit_event
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     model = StandInModel(store_bytes_for(args.model, args.scale))
     opt = torch.optim.SGD(model.head.parameters(), lr=0.01, momentum=0.9)
-    gen = torch.Generator().manual_seed(sum(map(ord, args.id)) + args.seed)
-    xs = torch.randn(512, HEAD_IN, generator=gen)  # this device's own local data
-    ys = torch.randint(0, HEAD_OUT, (512,), generator=gen)
+    xs, ys = local_data(args.id, 512, HEAD_IN, HEAD_OUT, args.seed)  # this device's own data
     started = time.time()
     fetch_s = None
     if args.resume_from is not None:
@@ -182,14 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         opt.load_state_dict(state["optimizer"])
     if args.gate is not None:
         _wait_gate(args.gate)
-    trainer = Trainer(
+    trainer = start_member(
+        args,
         model,
         opt,
-        join=args.join,
-        node_id=args.id,
-        listen=args.listen,
         host=args.host,
-        daemon_args=tuple(args.daemon_arg),
         daemon_dir=args.daemon_dir,
         step_timeout_s=60.0,
         policy_timeout_s=30.0,
@@ -198,13 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.resume is not None or args.resume_from is not None:
         trainer.load_state_dict(state)  # the checkpoint's step and RNG
-        trainer.wait_world(max(1, args.wait_world), 300.0)
+        wait_for_world(trainer, args.wait_world, 300.0)
     leave_flag = args.out.with_suffix(".leave")
     ckpt_flag = args.out.with_suffix(".checkpoint")
     with args.out.open("a") as out:
-        _write(out, {"kind": "ready", "t": time.time(), "started": started, "step": trainer.step,
-                     "epoch": trainer.epoch, "events": list(trainer.events),
-                     "checkpoint_fetch_s": fetch_s})  # fmt: skip
+        write_record(out, {"kind": "ready", "t": time.time(), "started": started,
+                           "step": trainer.step, "epoch": trainer.epoch,
+                           "events": list(trainer.events),
+                           "checkpoint_fetch_s": fetch_s})  # fmt: skip
         return _train(args, trainer, model, opt, xs, ys, out, leave_flag, ckpt_flag,
                       capture_exit_event)  # fmt: skip
 
@@ -221,7 +215,7 @@ def _train(
     ckpt_flag: Path,
     exit_event: Any,
 ) -> int:
-    seen_events = len(trainer.events)
+    events = EventTail(trainer)
     while True:
         t0 = time.time()
         i = trainer.step % 64
@@ -234,26 +228,25 @@ def _train(
         trainer.update()
         serving = trainer.check_state_replication()
         t2 = time.time()
-        _write(out, {"kind": "step", "t": t2, "step": trainer.step, "epoch": trainer.epoch,
-                     "world": trainer.world_size, "dur_s": t2 - t0, "update_s": t2 - t1,
-                     "serving": serving, "loss": float(loss.detach()),
-                     "digest": state_digest(model, opt)})  # fmt: skip
-        if len(trainer.events) > seen_events:
-            for ev in trainer.events[seen_events:]:
-                _write(out, {"kind": "trainer_event", **ev})
-            seen_events = len(trainer.events)
+        write_record(out, {"kind": "step", "t": t2, "step": trainer.step, "epoch": trainer.epoch,
+                           "world": trainer.world_size, "dur_s": t2 - t0,
+                           "update_s": t2 - t1, "serving": serving,
+                           "loss": float(loss.detach()),
+                           "digest": state_digest(model, opt)})  # fmt: skip
+        for ev in events.new():
+            write_record(out, {"kind": "trainer_event", **ev})
         if ckpt_flag.exists():
             path = ckpt_flag.with_suffix(".pt")
             save = ckpt_flag.read_text().strip() != "stop"  # only the store device writes
             if save:
                 torch.save(trainer.state_dict(), path)
-            _write(out, {"kind": "checkpointed", "t": time.time(), "step": trainer.step,
-                         "path": str(path) if save else None})  # fmt: skip
+            write_record(out, {"kind": "checkpointed", "t": time.time(), "step": trainer.step,
+                               "path": str(path) if save else None})  # fmt: skip
             trainer.close()
             return 0
         if leave_flag.exists() or exit_event():
             trainer.request_node_exit()
-            _write(out, {"kind": "left", "t": time.time(), "step": trainer.step})
+            write_record(out, {"kind": "left", "t": time.time(), "step": trainer.step})
             return 0
 
 

@@ -12,9 +12,9 @@ result is labelled ``"network": "loopback (unshaped)"``.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-import os
 import random
 import shutil
 import signal
@@ -33,6 +33,7 @@ from chaos.emulate.network import LinkSpec, Network, NetworkConfig
 from chaos.emulate.scenario import Event, Scenario
 from chaos.emulate.schedule import BandwidthSchedule, ScheduleConfig, random_overlay
 from chaos.errors import ChaosTimeout
+from chaos.launch import daemon_cli, signal_group, spawn_worker
 
 log = logging.getLogger("chaos.emulate.runner")
 
@@ -209,9 +210,9 @@ class Runner:
             try:
                 d.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _signal_group(d.proc, signal.SIGKILL)
+                signal_group(d.proc, signal.SIGKILL)
                 d.proc.wait(timeout=10)
-            _signal_group(d.proc, signal.SIGKILL)  # its daemon, if it outlived it
+            signal_group(d.proc, signal.SIGKILL)  # its daemon, if it outlived it
         self._collect()
         if self._net is not None and self.shaped:
             self._net.close()
@@ -312,10 +313,8 @@ class Runner:
         if gate is not None:
             argv += ["--gate", str(gate)]
         argv += [f"--daemon-arg=--config={self._daemon_toml()}"]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        with open(ddir / "device.log", "ab") as logf:
-            proc = self._net.popen(name, argv, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                   start_new_session=True)  # fmt: skip
+        proc = spawn_worker(argv, log_path=ddir / "device.log", env={"OMP_NUM_THREADS": "1"},
+                            popen=functools.partial(self._net.popen, name))  # fmt: skip
         dev = Device(name, proc, out, ddir, self._endpoint(name), time.time())
         self.devices[name] = dev
         via = f" (links to {', '.join(neighbors)})" if neighbors else ""
@@ -400,7 +399,7 @@ class Runner:
         d.gone = "kill"
         rec["node"] = d.name
         rec["t"] = time.time()
-        _signal_group(d.proc, signal.SIGKILL)  # the trainer and its daemon: the device dies
+        signal_group(d.proc, signal.SIGKILL)  # the trainer and its daemon: the device dies
         d.proc.wait(timeout=10)
 
     def stop_resume_join(self, name: str) -> dict[str, Any]:
@@ -486,9 +485,8 @@ class Runner:
         listen = f"{self._net.address(store)}:{STORE_PORT}"
         argv = [sys.executable, "-m", "chaos.emulate.ckpt_store", "--file", str(ckpt),
                 "--listen", listen, "--ready", str(ready)]  # fmt: skip
-        with open(self.out_dir / "store.log", "ab") as logf:
-            proc = self._net.popen(store, argv, stdout=logf, stderr=subprocess.STDOUT,
-                                   start_new_session=True)  # fmt: skip
+        proc = spawn_worker(argv, log_path=self.out_dir / "store.log",
+                            popen=functools.partial(self._net.popen, store))  # fmt: skip
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not ready.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -564,7 +562,7 @@ class Runner:
         return str(a), str(b)
 
     def _daemon_cli(self, node: str, *args: str) -> tuple[int, float, str]:
-        argv = [sys.executable, "-m", "chaos.daemon.cli", *args, "--connect", self._endpoint(node)]
+        argv = daemon_cli(*args, "--connect", self._endpoint(node))
         t0 = time.monotonic()
         res = self._net.exec(node, argv, timeout_s=60.0, check=False)
         return res.returncode, time.monotonic() - t0, (res.stderr or "")[-300:]
@@ -618,20 +616,13 @@ class Runner:
             res.link_rates = {f"{a}-{b}": s.bandwidth_bps for (a, b), s in links}
 
 
-def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     """Terminates a helper process group (the checkpoint store) and reaps it."""
-    _signal_group(proc, signal.SIGTERM)
+    signal_group(proc, signal.SIGTERM)
     try:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
-        _signal_group(proc, signal.SIGKILL)
+        signal_group(proc, signal.SIGKILL)
         proc.wait(timeout=5)
 
 

@@ -6,12 +6,8 @@ Tests poll ``status`` with generous deadlines and never assert timing.
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +17,16 @@ from chaos.daemon.client import DaemonClient
 from chaos.daemon.config import ipc_endpoint_for
 from chaos.daemon.events import read_events
 
-from chaos.errors import ChaosError
+from chaos import launch
+from chaos.errors import ChaosError, ChaosTimeout
+from chaos.launch import (
+    daemon_cli,
+    daemon_command,
+    daemon_env,
+    free_port,
+    kill_and_reap,
+    spawn_daemon,
+)
 from chaos.protocol import StatusReply
 
 # Fast but safe settings for tests (CLI flags and a TOML file, as a user would).
@@ -37,31 +42,15 @@ bandwidth_probe_chunk_bytes = 65536
 resource_interval_s = 1.0
 """
 DEADLINE_S = 30.0
-
-
-def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+LOG_LEVEL = "WARNING"
 
 
 def wait_until(pred: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S) -> Any:
     """Polls ``pred`` until it returns a truthy value; fails the test at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = pred()
-        except (ChaosError, OSError) as exc:
-            last = exc
-            result = None
-        else:
-            result = last
-        if result:
-            return result
-        time.sleep(0.05)
-    pytest.fail(f"timed out waiting for {what}; last: {last!r}")
+    try:
+        return launch.wait_until(pred, timeout_s, what, tolerate=(ChaosError, OSError))
+    except ChaosTimeout as exc:
+        pytest.fail(str(exc))
 
 
 class Node:
@@ -106,12 +95,6 @@ class Cluster:
         self.config = tmp / "test.toml"
         self.config.write_text(TEST_TOML)
 
-    def env(self, run_dir: Path) -> dict[str, str]:
-        env = dict(os.environ)
-        env["CHAOS_DAEMON_DIR"] = str(run_dir)
-        env["CHAOS_DAEMON_LOG_LEVEL"] = "WARNING"
-        return env
-
     def spawn(
         self,
         node_id: str,
@@ -122,31 +105,17 @@ class Cluster:
     ) -> Node:
         port = free_port()
         run_dir = self.tmp / node_id
-        run_dir.mkdir(exist_ok=True)
-        args = [
-            sys.executable,
-            "-m",
-            "chaos.daemon.cli",
-            "start",
-            "--id",
+        argv = daemon_command(
             node_id,
-            "--listen",
             f"tcp://127.0.0.1:{port}",
-            "--config",
-            str(self.config),
-            "--heartbeat-interval",
-            str(HB_S),
-            "--failure-timeout",
-            str(FT_S),
-        ]
-        if join is not None:
-            args += ["--join", join.address]
-        for n in neighbors:
-            args += ["--neighbor", n]
-        args += list(extra)
-        log = open(run_dir / "stderr.log", "ab")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen(args, env=self.env(run_dir), stdout=log, stderr=log)
-        log.close()
+            join=join.address if join is not None else None,
+            neighbors=neighbors,
+            config=self.config,
+            heartbeat_interval_s=HB_S,
+            failure_timeout_s=FT_S,
+            extra_args=extra,
+        )
+        proc = spawn_daemon(argv, run_dir, log_path=run_dir / "stderr.log", log_level=LOG_LEVEL)
         self.procs.append(proc)
         node = Node(node_id, port, proc, run_dir)
         self.nodes[node_id] = node
@@ -175,8 +144,8 @@ class Cluster:
     ) -> subprocess.CompletedProcess[str]:
         """Runs a ``chaos-daemon`` client command against ``node``'s local IPC endpoint."""
         return subprocess.run(
-            [sys.executable, "-m", "chaos.daemon.cli", *args],
-            env=self.env(node.run_dir),
+            daemon_cli(*args),
+            env=daemon_env(node.run_dir, LOG_LEVEL),
             capture_output=True,
             text=True,
             timeout=timeout_s,
@@ -188,14 +157,7 @@ class Cluster:
         node.proc.wait(timeout=10)
 
     def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
-                pass
+        kill_and_reap(self.procs, timeout_s=10.0)
 
 
 def scheduler_of(node: Node) -> str | None:

@@ -21,12 +21,7 @@ from chaos.emulate.ckpt_store import (
     StoreTimeout,
     fetch,
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from chaos.launch import free_port
 
 
 @pytest.fixture
@@ -34,7 +29,7 @@ def store(tmp_path: Path) -> Iterator[tuple[int, bytes]]:
     payload = bytes(range(256)) * 4096 + b"tail"
     ckpt = tmp_path / "ckpt.pt"
     ckpt.write_bytes(payload)
-    port, ready = _free_port(), tmp_path / "ready"
+    port, ready = free_port(), tmp_path / "ready"
     proc = subprocess.Popen([sys.executable, "-m", "chaos.emulate.ckpt_store", "--file", str(ckpt),
                              "--listen", f"127.0.0.1:{port}", "--ready", str(ready)])  # fmt: skip
     try:

@@ -11,27 +11,20 @@ conditions with generous deadlines, and every process group is killed and reaped
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from chaos.errors import ChaosTimeout
+from chaos.launch import daemon_cli, free_port, kill_and_reap, spawn_worker, wait_until
+
 WORKER = Path(__file__).with_name("worker.py")
 DEADLINE_S = 120.0
 DAEMON_ARGS = ("--heartbeat-interval", "0.2", "--failure-timeout", "1.0")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Member:
@@ -72,7 +65,7 @@ class Cluster:
         self.members: dict[str, Member] = {}
 
     def start(self, node_id: str, join: Member | None = None, *extra: str) -> Member:
-        port = _free_port()
+        port = free_port()
         out = self.tmp / f"{node_id}.jsonl"
         argv = [sys.executable, str(WORKER), "--id", node_id, "--out", str(out)]
         argv += ["--listen", f"tcp://127.0.0.1:{port}", *extra]
@@ -80,37 +73,29 @@ class Cluster:
             argv.append(f"--daemon-arg={arg}")
         if join is not None:
             argv += ["--join", join.address]
-        log = open(out.with_suffix(".log"), "wb")  # noqa: SIM115 - closed right after Popen
-        try:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # fmt: skip
-        finally:
-            log.close()
+        proc = spawn_worker(argv, log_path=out.with_suffix(".log"), append=False)
         member = Member(node_id, out, proc, port)
         self.members[node_id] = member
         return member
 
     def wait(self, pred: Callable[[], Any], what: str) -> Any:
-        deadline = time.monotonic() + DEADLINE_S
-        while time.monotonic() < deadline:
+        def done() -> Any:
             result = pred()
             if result:
                 return result
             for m in self.members.values():
                 if m.proc.poll() not in (None, 0) and m.proc.returncode != 70:
                     pytest.fail(f"{m.id} exited with {m.proc.returncode}:\n{m.log()}")
-            time.sleep(0.1)
-        logs = "\n".join(f"--- {m.id}\n{m.log()}" for m in self.members.values())
-        pytest.fail(f"timed out waiting for {what}\n{logs}")
+            return result
+
+        try:
+            return wait_until(done, DEADLINE_S, what, poll_s=0.1)
+        except ChaosTimeout as exc:
+            logs = "\n".join(f"--- {m.id}\n{m.log()}" for m in self.members.values())
+            pytest.fail(f"{exc}\n{logs}")
 
     def close(self) -> None:
-        for m in self.members.values():
-            try:
-                os.killpg(m.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for m in self.members.values():
-            m.proc.wait(timeout=30)
+        kill_and_reap([m.proc for m in self.members.values()], group=True)
 
 
 @pytest.fixture
@@ -185,8 +170,7 @@ def test_member_killed_mid_allreduce_survivors_stay_equal(cluster: Cluster) -> N
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "chaos.daemon.cli", *args],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    return subprocess.run(daemon_cli(*args), capture_output=True, text=True, timeout=60)
 
 
 def test_link_removal_changes_the_policy_and_training_goes_on(cluster: Cluster) -> None:

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from chaos.trainer import Trainer
+from chaos.trainer.worker import add_member_arguments, local_data, start_member, write_record
 
 
 def model_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> str:
@@ -38,10 +36,7 @@ def model_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step:
 
 def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--id", required=True)
-    ap.add_argument("--listen", required=True)
-    ap.add_argument("--join", default=None)
-    ap.add_argument("--out", required=True, type=Path)
+    add_member_arguments(ap)
     ap.add_argument("--max-steps", type=int, default=10_000)
     ap.add_argument("--step-time", type=float, default=0.02)
     ap.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
@@ -49,7 +44,6 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--die-after", type=int, default=None, help="kill -9 mid-allreduce, N steps after joining"
     )
-    ap.add_argument("--daemon-arg", action="append", default=[], help="chaos-daemon start arg")
     return ap.parse_args()
 
 
@@ -68,25 +62,13 @@ def _build(args: argparse.Namespace) -> tuple[torch.nn.Module, torch.optim.Optim
 def main() -> int:
     args = _parse_args()
     model, opt = _build(args)
-    gen = torch.Generator().manual_seed(sum(map(ord, args.id)))  # this device's local data
-    xs = torch.randn(256, 16, generator=gen)
-    ys = torch.randint(0, 4, (256,), generator=gen)
-
-    trainer = Trainer(
-        model,
-        opt,
-        join=args.join,
-        node_id=args.id,
-        listen=args.listen,
-        step_timeout_s=20.0,
-        daemon_args=tuple(args.daemon_arg),
-    )
+    xs, ys = local_data(args.id, 256, 16, 4)  # this device's local data
+    trainer = start_member(args, model, opt, step_timeout_s=20.0)
     if args.die_after is not None:
         trainer.fail_at(trainer.step + args.die_after)
     leave_flag = args.out.with_suffix(".leave")
     with args.out.open("a") as out:
-        out.write(json.dumps({"ready": True, "step": trainer.step, "epoch": trainer.epoch}) + "\n")
-        out.flush()
+        write_record(out, {"ready": True, "step": trainer.step, "epoch": trainer.epoch})
         while trainer.step < args.max_steps:
             i = trainer.step % 32
             x, y = xs[i * 8 : i * 8 + 8], ys[i * 8 : i * 8 + 8]
@@ -103,14 +85,13 @@ def main() -> int:
                 "loss": float(loss.detach()),
                 "digest": model_digest(model, opt, trainer.step),
             }
-            out.write(json.dumps(rec) + "\n")
-            out.flush()
+            write_record(out, rec)
             if leave_flag.exists():
                 trainer.request_node_exit()
-                out.write(json.dumps({"left": True, "step": trainer.step}) + "\n")
+                write_record(out, {"left": True, "step": trainer.step})
                 return 0
         trainer.request_node_exit()
-        out.write(json.dumps({"left": True, "step": trainer.step}) + "\n")
+        write_record(out, {"left": True, "step": trainer.step})
     return 0
 
 
