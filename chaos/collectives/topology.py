@@ -13,12 +13,40 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Literal
-
-if TYPE_CHECKING:  # chaos.scheduling pulls in networkx; the converter only reads attributes
-    from chaos.scheduling.sync_policy import SyncPolicy
+from typing import Literal, Protocol
 
 Kind = Literal["ring", "tree"]
+
+
+class SyncPolicyView(Protocol):
+    """What :func:`topology_from_sync_policy` reads of a sync policy (a
+    :class:`chaos.scheduling.sync_policy.SyncPolicy` is one; the data plane does not import the
+    scheduler, which pulls in networkx)."""
+
+    @property
+    def kind(self) -> str:
+        """``"ring"``, ``"tree"`` or ``"single"``."""
+        ...
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """The nodes it covers, sorted."""
+        ...
+
+    @property
+    def parents(self) -> tuple[tuple[str, str | None], ...]:
+        """The tree's (node, parent) pairs."""
+        ...
+
+    @property
+    def ring(self) -> tuple[str, ...]:
+        """The ring order."""
+        ...
+
+    @property
+    def connected(self) -> bool:
+        """Whether the overlay is connected."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -154,7 +182,7 @@ class Topology:
 
 
 def topology_from_sync_policy(
-    policy: SyncPolicy, addresses: Mapping[str, str], epoch: int
+    policy: SyncPolicyView, addresses: Mapping[str, str], epoch: int
 ) -> Topology:
     """Converts the scheduler's sync policy into the data plane's topology.
 
