@@ -3,8 +3,13 @@
 Modules:
 
 * :mod:`chaos.trainer.trainer`: the :class:`Trainer` (step, install, state dict, close) and
-  :class:`TrainerConfig`;
+  :class:`TrainerConfig`; it wires the three collaborators below;
+* :mod:`chaos.trainer.session`: the session with the local daemon (registration, the policy,
+  waiting for one, reports);
 * :mod:`chaos.trainer.policy_watch`: the notices the local daemon publishes;
+* :mod:`chaos.trainer.dataplane`: the allreduce communicator and the shard server;
+* :mod:`chaos.trainer.donor`: the training state's layout, the donor's snapshots, the joiner's
+  pull;
 * :mod:`chaos.trainer.embedded`: the daemon a script starts for itself;
 * :mod:`chaos.trainer.exit_signals`: the exit event (``capture_exit_event``).
 

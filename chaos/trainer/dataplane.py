@@ -1,0 +1,159 @@
+"""The trainer's data plane: the allreduce communicator and the shard server.
+
+A :class:`DataPlane` opens both endpoints on ephemeral ports of one host (the trainer registers
+them with its daemon), installs a policy's allreduce topology at a step boundary, runs the step's
+allreduce, and publishes the snapshot a donor serves. It knows nothing of the daemon: the
+interrupt check it runs while blocked in an allreduce is handed to it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from chaos.collectives import Communicator, CommunicatorConfig, Topology
+from chaos.replication.server import ShardServer, ShardServerConfig
+from chaos.replication.state import TrainingState
+
+__all__ = ["DataPlane"]
+
+log = logging.getLogger("chaos.trainer")
+
+
+class DataPlane:
+    """The allreduce communicator and the shard server of one trainer.
+
+    Args:
+        node_id: This node's id.
+        host: Interface both endpoints bind to (and advertise).
+        chunk_bytes: Allreduce frame size; see :class:`CommunicatorConfig`.
+        step_timeout_s: Longest wait for the next allreduce frame.
+        wire_dtype: Gradient wire format (``None``, ``"float16"`` or ``"bfloat16"``).
+        lanes: Send gradient chunks over plain TCP payload lanes beside ZeroMQ.
+        poll_interval_s: How often ``interrupt`` runs while blocked in an allreduce.
+        interrupt: Run while blocked in an allreduce; a reason string abandons the round
+            (:class:`~chaos.errors.RoundInterrupted`), ``None`` goes on waiting.
+
+    Raises:
+        zmq.ZMQError: an endpoint could not be bound.
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        host: str,
+        *,
+        chunk_bytes: int,
+        step_timeout_s: float,
+        wire_dtype: str | None,
+        lanes: bool,
+        poll_interval_s: float,
+        interrupt: Callable[[], str | None],
+    ) -> None:
+        comm = Communicator(
+            CommunicatorConfig(
+                node_id,
+                listen=f"tcp://{host}:*",
+                chunk_bytes=chunk_bytes,
+                timeout_s=step_timeout_s,
+                wire_dtype=wire_dtype,
+                lanes=lanes,
+                poll_slice_s=min(0.1, poll_interval_s),
+            )
+        )
+        comm.set_interrupt(interrupt, poll_interval_s)
+        try:
+            server = ShardServer(ShardServerConfig(listen=f"tcp://{host}:*"))
+        except BaseException:
+            comm.close()
+            raise
+        self._comm = comm
+        self._server = server
+
+    @property
+    def address(self) -> str:
+        """The allreduce endpoint."""
+        return self._comm.address
+
+    @property
+    def shard_address(self) -> str:
+        """The shard server's endpoint."""
+        return self._server.address
+
+    @property
+    def topology(self) -> Topology | None:
+        """The installed allreduce topology."""
+        return self._comm.topology
+
+    @property
+    def topology_epoch(self) -> int:
+        """The epoch of the installed data-plane structure (what this node's frames carry);
+        ``-1`` before the first install."""
+        topo = self._comm.topology
+        return topo.epoch if topo is not None else -1
+
+    def install(self, topology: Topology) -> None:
+        """Installs a policy's topology at a step boundary (sockets edited in place).
+
+        An epoch that kept the structure (same topology) leaves the sockets and any round in
+        flight alone.
+        """
+        if topology != self._comm.topology:
+            self._comm.update_topology(topology)
+
+    # ------------------------------------------------------------------ the allreduce
+
+    def allreduce(self, flat: torch.Tensor, step: int) -> tuple[torch.Tensor, bool]:
+        """Averages ``flat`` over the members for ``step``.
+
+        ``keep_result``: a member that never got this step's result (a member died while it was
+        going out) completes the step with it, so the survivors stay equal.
+
+        Returns:
+            The mean, and whether this node caught up with a result a peer kept.
+
+        Raises:
+            RoundInterrupted: the interrupt check abandoned the round.
+            PeerFailure: a neighbour failed or timed out.
+        """
+        caught_up = self._comm.stats.caught_up
+        out = self._comm.allreduce(flat, "mean", step=step, keep_result=True)
+        return out, self._comm.stats.caught_up > caught_up
+
+    def newer_round_seen(self) -> int | None:
+        """The newest epoch in which a peer already runs the current allreduce's step, if any."""
+        return self._comm.newer_round_seen()
+
+    def note_newer_round(self, epoch: int) -> None:
+        """Marks the running step as one this node will rerun under structure epoch ``epoch``
+        (learned out of band: its daemon restarts the allreduce)."""
+        self._comm.note_newer_round(epoch)
+
+    def fail_at(self, step: int, after_frames: int, before_exit: Callable[[], None] | None) -> None:
+        """Fault injection: exit abruptly mid-allreduce of ``step``
+        (:meth:`Communicator.fail_at`).
+
+        Raises:
+            ValueError: a negative step or frame count.
+        """
+        self._comm.fail_at(step, after_frames, before_exit)
+
+    # ------------------------------------------------------------------ snapshots
+
+    def publish(self, state: TrainingState, epoch: int, step: int) -> None:
+        """Serves ``state`` as the snapshot of ``(epoch, step)`` to joiners."""
+        self._server.publish(state, epoch, step)
+
+    def retire(self) -> None:
+        """Stops serving the snapshot (the state is about to change)."""
+        self._server.retire()
+
+    def close(self) -> None:
+        """Closes the shard server, then the communicator (best effort)."""
+        for part in (self._server, self._comm):
+            try:
+                part.close()
+            except Exception as exc:  # noqa: BLE001 - best effort on shutdown
+                log.debug("close: %s", exc)

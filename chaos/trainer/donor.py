@@ -1,0 +1,244 @@
+"""The trainer's training state as replication sees it: the donor's snapshots, the joiner's pull.
+
+A :class:`Donor` captures the model's and optimizer's state: its tensor layout (which the
+trainer registers with the scheduler, again when the optimizer creates its state), the digest of
+a restored checkpoint, and the snapshot a donor serves to a joiner at a step boundary. As a
+joiner it pulls the state from several donors at once and loads it into the model and optimizer.
+It publishes its snapshots through a :class:`SnapshotServer` (the data plane's shard server).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import time
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from chaos.errors import ReplicationError
+from chaos.protocol import ReplicationWire
+from chaos.replication.pull import PullConfig, gather_manifests, plan_for_snapshot, pull_state
+from chaos.replication.state import TrainingState
+from chaos.scheduling import Neighbor
+from chaos.scheduling.bounds import lower_bound
+
+__all__ = ["Donor", "EventSink", "SnapshotServer"]
+
+log = logging.getLogger("chaos.trainer")
+
+
+class SnapshotServer(Protocol):
+    """Where a donor publishes the snapshot joiners pull (a shard server)."""
+
+    def publish(self, state: TrainingState, epoch: int, step: int) -> None:
+        """Serves ``state`` as the snapshot of ``(epoch, step)``."""
+
+    def retire(self) -> None:
+        """Stops serving the snapshot."""
+
+
+class EventSink(Protocol):
+    """Records a trainer event (``kind`` and its fields)."""
+
+    def __call__(self, kind: str, **fields: Any) -> None:
+        """Records one event."""
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's bytes, as laid out in memory once contiguous (for digests)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+class Donor:
+    """Captures, serves and pulls one trainer's training state.
+
+    Args:
+        model: The model.
+        optimizer: Its optimizer.
+        node_id: This node's id.
+        snapshots: Where the served snapshots are published.
+        event: Records the ``serving`` and ``replication_done`` events.
+        join_timeout_s: Longest wait for the donors' manifests when joining.
+        poll_interval_s: Pause between two manifest requests.
+        replication_timeout_s: Limit on pulling the whole state.
+        pull_window: Outstanding shard requests per donor.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        node_id: str,
+        snapshots: SnapshotServer,
+        event: EventSink,
+        *,
+        join_timeout_s: float,
+        poll_interval_s: float,
+        replication_timeout_s: float,
+        pull_window: int,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.node_id = node_id
+        self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._snapshots = snapshots
+        self._event = event
+        self._join_timeout_s = join_timeout_s
+        self._poll_interval_s = poll_interval_s
+        self._replication_timeout_s = replication_timeout_s
+        self._pull_window = pull_window
+        self._layout: list[int] | None = None
+        self._published: tuple[int, int] | None = None
+
+    # ------------------------------------------------------------------ layout
+
+    def _capture(self, step: int, epoch: int) -> TrainingState:
+        return TrainingState.capture(self.model, self.optimizer, step=step, epoch=max(0, epoch))
+
+    def initial_layout(self, has_state: bool) -> list[int] | None:
+        """The tensor sizes the trainer registers with (``None`` for a joiner without state);
+        remembered for :meth:`layout_change`."""
+        sizes = self._capture(0, -1).tensor_sizes() if has_state else None
+        self._layout = sizes
+        return sizes
+
+    def layout_change(self, step: int, epoch: int) -> list[int] | None:
+        """The new tensor sizes if the layout changed since it was last registered, else
+        ``None`` (Adam creates its state on the first step)."""
+        sizes = None
+        if self._layout is not None and len(self._layout) != self._state_tensor_count():
+            sizes = self._capture(step, epoch).tensor_sizes()
+        elif self._layout is None:
+            sizes = self._capture(step, epoch).tensor_sizes()
+        if sizes is not None and sizes != self._layout:
+            self._layout = sizes
+            return sizes
+        return None
+
+    def _state_tensor_count(self) -> int:
+        n = len(self.model.state_dict())
+        for st in self.optimizer.state.values():
+            n += sum(1 for v in st.values() if isinstance(v, torch.Tensor))
+        return n + 1
+
+    def restored_digest(self) -> str:
+        """SHA-256 over the model's and optimizer's tensors (not the per-device RNG)."""
+        h = hashlib.sha256()
+        for name, t in self.model.state_dict().items():
+            h.update(name.encode())
+            h.update(_raw_bytes(t))
+        for p in self._params:
+            for key, v in sorted(self.optimizer.state.get(p, {}).items()):
+                if isinstance(v, torch.Tensor):
+                    h.update(key.encode())
+                    h.update(_raw_bytes(v))
+        return h.hexdigest()
+
+    # ------------------------------------------------------------------ serving
+
+    @property
+    def serving(self) -> bool:
+        """A snapshot is published for a joiner now."""
+        return self._published is not None
+
+    def serve(self, replication: ReplicationWire | None, epoch: int, step: int) -> None:
+        """Takes the donor role a policy gives this node, at a step boundary.
+
+        A later epoch at the same step keeps the snapshot a joiner may be pulling.
+
+        Args:
+            replication: The policy's replication part.
+            epoch: The policy's epoch.
+            step: The step the state is at.
+        """
+        rep = replication
+        if rep is None or rep.target == self.node_id or self.node_id not in rep.donor_addresses:
+            return
+        key = (epoch, step)
+        if self._published is None or self._published[1] != step:
+            self._snapshots.publish(self._capture_for_serving(step, epoch), *key)
+            self._published = key
+            self._event("serving", joiner=rep.target, epoch=epoch, step=step)
+
+    def retire(self) -> None:
+        """Stops serving the published snapshot, if any (the state is about to change)."""
+        if self._published is not None:
+            self._snapshots.retire()
+            self._published = None
+
+    def _capture_for_serving(self, step: int, epoch: int) -> TrainingState:
+        """The state a donor serves. Every donor must serve the same bytes, but each device's
+        RNG stream is its own; so the RNG states handed to a joiner are a cluster-wide seed
+        derived from the step, and this device's own RNG states are restored afterwards."""
+        saved = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+        try:
+            seed = 0x9E3779B97F4A7C15 ^ step
+            torch.manual_seed(seed & 0xFFFFFFFF)
+            random.seed(seed)
+            np.random.seed(seed & 0xFFFFFFFF)
+            return TrainingState.capture(self.model, self.optimizer, step=step, epoch=0)
+        finally:
+            torch.set_rng_state(saved[0])
+            random.setstate(saved[1])
+            np.random.set_state(saved[2])
+
+    # ------------------------------------------------------------------ joining
+
+    def pull(self, replication: ReplicationWire | None, epoch: int) -> int:
+        """Pulls the state from the donors a policy names and loads it (the joiner's side).
+
+        Args:
+            replication: The policy's replication part.
+            epoch: The policy's epoch.
+
+        Returns:
+            The step of the state pulled.
+
+        Raises:
+            ReplicationError: the policy names no donor for this node, or no donor could serve.
+            ChaosTimeout: the pull did not finish in time.
+        """
+        rep = replication
+        if rep is None or rep.target != self.node_id or not rep.donor_addresses:
+            raise ReplicationError(
+                f"the policy of epoch {epoch} names no donor for {self.node_id}: "
+                f"{getattr(rep, 'skipped', '') or 'no replication policy'}"
+            )
+        t0 = time.monotonic()
+        manifest, keys = gather_manifests(
+            dict(rep.donor_addresses), epoch, self._join_timeout_s, self._poll_interval_s
+        )
+        t_manifest = time.monotonic()
+        step = next(iter(keys.values()))[1]
+        state = TrainingState.for_joiner(self.model, self.optimizer, manifest)
+        neighbors = [Neighbor(d.id, d.prop_s, d.trans_s_per_byte, d.sync_s) for d in rep.donors
+                     if d.id in keys]  # fmt: skip
+        plan = plan_for_snapshot(state, rep, neighbors)
+        stats = pull_state(
+            plan,
+            {d: a for d, a in rep.donor_addresses.items() if d in keys},
+            state,
+            {d: e for d, (e, _) in keys.items()},
+            step,
+            self._replication_timeout_s,
+            neighbors=neighbors,
+            config=PullConfig(window=self._pull_window),
+        )
+        t_pulled = time.monotonic()
+        runtime = state.apply()
+        self._event(
+            "replication_done",
+            elapsed_s=time.monotonic() - t0,
+            wait_donors_s=t_manifest - t0,
+            transfer_s=t_pulled - t_manifest,
+            planned_s=plan.makespan_s,
+            lower_bound_s=lower_bound(state.total_bytes, neighbors),
+            bytes=state.total_bytes,
+            donors=stats.bytes_per_donor,
+            replans=stats.replans,
+            checksum_failures=stats.checksum_failures,
+        )
+        return runtime.step

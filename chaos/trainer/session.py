@@ -1,0 +1,302 @@
+"""The trainer's session with its local daemon: registration, the sync policy, notices.
+
+A :class:`DaemonSession` is the trainer's only link to the control plane. It registers the
+trainer's data-plane endpoints, fetches the policy in force, waits for a policy that satisfies a
+condition, and follows the notices the daemon publishes (:mod:`chaos.trainer.policy_watch`) so
+that the trainer asks for the policy only when a notice names a newer epoch (or the notices fall
+silent). It reports the trainer's events (``ready``, ``step_failed``) and the graceful leave to
+the daemon. It neither installs a policy nor touches the data plane: it hands the trainer a
+:class:`Policy`, and the trainer decides what to do with it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from chaos.collectives import Topology
+from chaos.daemon.client import DaemonClient
+from chaos.errors import ChaosError, ChaosTimeout
+from chaos.protocol import PolicyReply, ReplicationWire
+from chaos.trainer.policy_watch import PolicyWatch
+
+__all__ = ["DaemonSession", "Policy", "TrainingStalled", "topology_epoch", "topology_of"]
+
+log = logging.getLogger("chaos.trainer")
+
+
+class TrainingStalled(ChaosError):
+    """A step could not be completed: no new policy came after a failure within the timeout."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The part of a daemon's :class:`~chaos.protocol.PolicyReply` a trainer acts on.
+
+    Args:
+        epoch: The policy's membership epoch.
+        topo_epoch: The epoch of its data-plane structure (``SyncPolicyWire.topology_epoch``),
+            which the allreduce frames carry; at most ``epoch``.
+        members: The members taking part in the allreduce.
+        topology: This node's allreduce topology; ``None`` when the node is not a member or the
+            overlay is split.
+        replication: The state replication policy for a joiner, if any.
+        paused: The daemon holds training (no step may run under this policy).
+        raw: The reply it was read from.
+    """
+
+    epoch: int
+    topo_epoch: int
+    members: tuple[str, ...]
+    topology: Topology | None
+    replication: ReplicationWire | None
+    paused: bool
+    raw: PolicyReply | None = field(repr=False, default=None)
+
+
+def topology_epoch(reply: PolicyReply) -> int:
+    """The epoch the allreduce frames of this policy carry (see ``topology_epoch``)."""
+    sync = reply.sync
+    return int(sync.topology_epoch) if sync is not None and sync.topology_epoch else reply.epoch
+
+
+def topology_of(reply: PolicyReply, me: str) -> Topology | None:
+    """Node ``me``'s allreduce topology under a policy.
+
+    Args:
+        reply: The daemon's policy.
+        me: This node's id.
+
+    Returns:
+        The ring or tree of the sync policy; a ring of ``me`` alone for a single-node policy;
+        ``None`` when ``me`` is not a member or the overlay is split (then the trainer waits for
+        a policy that joins it up).
+    """
+    sync = reply.sync
+    if sync is None or me not in sync.nodes or not sync.connected:
+        return None  # not a member, or a split overlay: wait for a policy that joins it up
+    addresses = dict(sync.addresses)
+    epoch = topology_epoch(reply)
+    if sync.kind == "ring" and sync.ring:
+        return Topology("ring", tuple(sync.nodes), addresses, epoch, ring_order=tuple(sync.ring))
+    if sync.kind == "tree" and sync.parents:
+        return Topology("tree", tuple(sync.nodes), addresses, epoch, parent=dict(sync.parents))
+    return Topology(
+        "ring", (me,), {me: addresses.get(me, "tcp://127.0.0.1:1")}, epoch, ring_order=(me,)
+    )
+
+
+class DaemonSession:
+    """A trainer's connection to its local daemon.
+
+    Args:
+        address: The daemon's endpoint (``ipc://...`` or ``tcp://HOST:PORT``).
+        node_id: This node's id (the daemon's).
+        poll_interval_s: Pause between two policy requests while waiting for a policy.
+        policy_timeout_s: Longest silence of the daemon that a step boundary tolerates.
+        policy_notices: Follow the daemon's policy notices (``False``: ask at every boundary).
+        contact_since: ``time.monotonic()`` from which the daemon's silence is counted, until
+            :meth:`poll` first hears from it.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        node_id: str,
+        *,
+        poll_interval_s: float,
+        policy_timeout_s: float,
+        policy_notices: bool,
+        contact_since: float,
+    ) -> None:
+        self.node_id = node_id
+        self._poll_interval_s = poll_interval_s
+        self._policy_timeout_s = policy_timeout_s
+        self._policy_notices = policy_notices
+        self._last_contact = contact_since  # last answer from the local daemon
+        self._watch: PolicyWatch | None = None
+        self._fetched_epoch = -1  # the newest epoch a fetch returned (carried ones never older)
+        self._client = DaemonClient(address, timeout_s=5.0)
+
+    # ------------------------------------------------------------------ requests
+
+    def register(
+        self,
+        data_address: str,
+        shard_address: str,
+        *,
+        has_state: bool,
+        tensor_sizes: list[int] | None,
+        timeout_s: float,
+        state_digest: str = "",
+    ) -> None:
+        """Registers the trainer's endpoints and state layout with the scheduler.
+
+        Args:
+            data_address: The allreduce endpoint.
+            shard_address: The shard server's endpoint.
+            has_state: The trainer holds a training state (``False``: it joins and pulls one).
+            tensor_sizes: The state's tensor sizes (``None`` without a state).
+            timeout_s: Longest wait for the daemon's answer.
+            state_digest: The digest of a restored state (stop-resume), else ``""``.
+
+        Raises:
+            ChaosTimeout: no answer in time.
+            ProtocolError: refused or an unexpected answer.
+        """
+        self._client.register_trainer(
+            data_address=data_address,
+            shard_address=shard_address,
+            has_state=has_state,
+            tensor_sizes=tensor_sizes,
+            timeout_s=timeout_s,
+            state_digest=state_digest,
+        )
+
+    def report_ready(self, elapsed_s: float, detail: str) -> None:
+        """Tells the scheduler the trainer's state is in place.
+
+        Raises:
+            ChaosTimeout: no answer in time.
+        """
+        self._client.trainer_event("ready", elapsed_s, detail, timeout_s=5.0)
+
+    def report_step_failed(self, peer: str, epoch: int) -> None:
+        """Tells the scheduler this node's step failed, so that a restart epoch comes even when
+        nobody failed (e.g. a round that timed out); best effort."""
+        try:
+            self._client.trainer_event(
+                "step_failed",
+                detail=peer,
+                epoch=epoch,
+                timeout_s=min(2.0, self._policy_timeout_s),
+            )
+        except ChaosError as exc:
+            log.debug("step_failed report not taken: %s", exc)
+
+    def neighbors(self) -> list[str]:
+        """This node's overlay neighbours, as the daemon knows them."""
+        st = self._client.status()
+        mine = next((n for n in st.nodes if n.id == self.node_id), None)
+        return sorted(mine.neighbors) if mine else []
+
+    def leave(self, timeout_s: float, gone: Callable[[], bool] | None) -> None:
+        """Makes the daemon leave the cluster (it exits afterwards).
+
+        Raises:
+            ChaosTimeout: no answer in time.
+            DaemonGone: ``gone`` said the daemon exited first.
+        """
+        self._client.leave(timeout_s=timeout_s, gone=gone)
+
+    # ------------------------------------------------------------------ policy
+
+    def fetch(self, timeout_s: float = 5.0) -> Policy:
+        """Asks the daemon for the policy in force (and starts following its notices).
+
+        Raises:
+            ChaosTimeout: no answer in time.
+        """
+        reply = self._client.policy(timeout_s=timeout_s)
+        self._fetched_epoch = max(self._fetched_epoch, reply.epoch)
+        if self._watch is None and reply.notify_address and self._policy_notices:
+            self._watch = PolicyWatch(reply.notify_address)
+            self._watch.heard(reply, time.monotonic())  # no asking at every step until a notice
+        return self.policy_of(reply)
+
+    def policy_of(self, reply: PolicyReply) -> Policy:
+        """The :class:`Policy` of a daemon's reply, as this node sees it."""
+        return Policy(
+            epoch=reply.epoch,
+            topo_epoch=topology_epoch(reply),
+            members=tuple(reply.members if reply.sync is None else reply.sync.nodes),
+            topology=topology_of(reply, self.node_id),
+            replication=reply.replication,
+            paused=reply.paused,
+            raw=reply,
+        )
+
+    def wait(self, ok: Callable[[Policy], bool], timeout_s: float, what: str) -> Policy:
+        """Asks the daemon until it has an unpaused policy that satisfies ``ok``.
+
+        Args:
+            ok: The condition.
+            timeout_s: Longest wait.
+            what: What is waited for (for the error message).
+
+        Raises:
+            ChaosTimeout: no such policy after ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        last: Policy | None = None
+        while time.monotonic() < deadline:
+            try:
+                last = self.fetch()
+            except ChaosTimeout:
+                continue
+            if ok(last) and not last.paused:
+                return last
+            time.sleep(self._poll_interval_s)
+        raise ChaosTimeout(f"timed out after {timeout_s} s waiting for {what}; last: {last}")
+
+    def poll(self, installed_epoch: int) -> Policy | None:
+        """The newer policy to install at this step boundary, if the daemon has one.
+
+        The notices decide whether to ask; a notice that carried its policy saves the round
+        trip. A daemon that is slow to answer (a busy or starved device) is not fatal: training
+        goes on under the current policy, until the daemon has been silent for
+        ``policy_timeout_s``.
+
+        Args:
+            installed_epoch: The epoch of the policy the trainer runs.
+
+        Returns:
+            A newer, unpaused policy that includes this node, or ``None``.
+
+        Raises:
+            TrainingStalled: no answer from the daemon for ``policy_timeout_s``.
+        """
+        if self._watch is not None:
+            now = time.monotonic()
+            if not self._watch.needs_fetch(installed_epoch, now):
+                self._last_contact = now  # it heard from the daemon, nothing newer
+                return None
+            carried = self._watch.carried(max(installed_epoch, self._fetched_epoch - 1))
+            if carried is not None:  # the notice brought the policy: no round trip
+                self._last_contact = now
+                p = self.policy_of(carried)
+                if p.topology is not None:
+                    return p
+        try:
+            p = self.fetch()
+        except ChaosTimeout as exc:
+            silent = time.monotonic() - self._last_contact
+            if silent > self._policy_timeout_s:
+                raise TrainingStalled(f"the daemon did not answer for {silent:.0f} s") from exc
+            log.warning("daemon slow (%s); keeping the policy of epoch %d", exc, installed_epoch)
+            return None
+        self._last_contact = time.monotonic()
+        if p.epoch > installed_epoch and p.topology is not None and not p.paused:
+            return p
+        return None
+
+    def restart_epoch(self, installed_epoch: int) -> int:
+        """The structure epoch of a policy a notice announced as restarting the allreduce
+        (``restart_allreduce``), newer than ``installed_epoch``; ``-1`` when there is none.
+
+        Never blocks: the trainer calls it while waiting in an allreduce.
+        """
+        restart = self._watch.restart(installed_epoch) if self._watch is not None else None
+        return topology_epoch(restart) if restart is not None else -1
+
+    def close(self) -> None:
+        """Closes the daemon connection and the notice subscription (best effort)."""
+        for part in (self._client, self._watch):
+            if part is None:
+                continue
+            try:
+                part.close()
+            except Exception as exc:  # noqa: BLE001 - best effort on shutdown
+                log.debug("close: %s", exc)
