@@ -33,8 +33,7 @@ import click
 import msgspec
 from chaos.daemon.client import DaemonClient
 from chaos.daemon.config import (
-    check_node_id,
-    check_tcp_endpoint,
+    REPLICATION_STRATEGIES,
     default_run_dir,
     ipc_endpoint_for,
     load_config,
@@ -42,6 +41,7 @@ from chaos.daemon.config import (
 
 from chaos.errors import ChaosError, ChaosTimeout, ConfigError
 from chaos.protocol import FaultName, StatusReply
+from chaos.protocol.ids import NODE_ID_RULE, check_node_id, check_tcp_endpoint
 
 _ENV_DIR = "CHAOS_DAEMON_DIR"
 _ENV_LOG = "CHAOS_DAEMON_LOG_LEVEL"
@@ -70,7 +70,7 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--id", "node_id", help="Unique node id (A-Za-z0-9_.:-, at most 64).")
+@click.option("--id", "node_id", help=f"Unique node id ({NODE_ID_RULE}).")
 @click.option("--listen", help="TCP endpoint to bind, tcp://HOST:PORT.")
 @click.option("--join", help="A member's endpoint; without it a new cluster starts.")
 @click.option("--neighbor", "neighbors", multiple=True, help="Wanted overlay neighbour (repeat).")
@@ -85,7 +85,7 @@ def main() -> None:
 @click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port.")
 @click.option(
     "--replication-strategy",
-    type=click.Choice(["chaos", "even", "single-source", "multi-source"]),
+    type=click.Choice(list(REPLICATION_STRATEGIES)),
     help="How a joiner's state is sourced (chaos).",
 )
 def start(

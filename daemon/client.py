@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import cast
 
 import zmq
-from chaos.daemon.config import check_daemon_endpoint
+from chaos.protocol.ids import check_daemon_endpoint
 
 from chaos.errors import ChaosTimeout, DaemonGone, ProtocolError
 from chaos.protocol import (

@@ -24,69 +24,14 @@ from typing import Any
 
 from chaos.errors import ConfigError
 from chaos.protocol import DEFAULT_MAX_FRAME_BYTES
+from chaos.protocol.ids import check_node_id, check_tcp_endpoint
 
-_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
-_TCP_RE = re.compile(r"^tcp://([^\s:/]+|\[[0-9a-fA-F:]+\]):(\d{1,5})$")
 
 
 def default_run_dir() -> str:
     """The default run directory: ``$TMPDIR/chaos-<uid>`` (one daemon per run directory)."""
     base = os.environ.get("TMPDIR", "/tmp")
     return str(Path(base) / f"chaos-{os.getuid()}")
-
-
-def check_node_id(value: str, what: str = "node id") -> str:
-    """Checks a node id (1-64 characters of ``A-Za-z0-9_.:-``).
-
-    Args:
-        value: The id.
-        what: What the id is, for the error message.
-
-    Returns:
-        The id.
-
-    Raises:
-        ConfigError: the id is invalid.
-    """
-    if not isinstance(value, str) or not _ID_RE.match(value):
-        raise ConfigError(f"invalid {what} {value!r}: use 1-64 characters of A-Za-z0-9_.:-")
-    return value
-
-
-def check_tcp_endpoint(value: str, what: str = "endpoint") -> str:
-    """Checks a ``tcp://HOST:PORT`` endpoint with a port in 1..65535.
-
-    Args:
-        value: The endpoint.
-        what: What the endpoint is, for the error message.
-
-    Returns:
-        The endpoint.
-
-    Raises:
-        ConfigError: the endpoint is invalid.
-    """
-    m = _TCP_RE.match(value) if isinstance(value, str) else None
-    if m is None or not 1 <= int(m.group(2)) <= 65535:
-        raise ConfigError(f"invalid {what} {value!r}: expected tcp://HOST:PORT, port 1-65535")
-    return value
-
-
-def check_daemon_endpoint(value: str) -> str:
-    """Checks a daemon's control endpoint: ``ipc://PATH`` or ``tcp://HOST:PORT``.
-
-    Args:
-        value: The endpoint.
-
-    Returns:
-        The endpoint.
-
-    Raises:
-        ConfigError: the endpoint is neither.
-    """
-    if not (isinstance(value, str) and value.startswith("ipc://")):
-        check_tcp_endpoint(value, "daemon endpoint (ipc://PATH or tcp://HOST:PORT)")
-    return value
 
 
 def _positive(name: str, value: object) -> None:

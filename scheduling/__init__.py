@@ -8,11 +8,12 @@ Public API::
 from chaos.scheduling.bounds import lower_bound, shard_lower_bound, water_level
 from chaos.scheduling.layout import LAYOUTS, candidate_shard_sizes, cut_shards
 from chaos.scheduling.model import Neighbor, Plan, finish_times, makespan
-from chaos.scheduling.plan import METHODS, plan_replication
+from chaos.scheduling.plan import METHODS, PlanMethod, plan_replication
 
 __all__ = [
     "LAYOUTS",
     "METHODS",
+    "PlanMethod",
     "Neighbor",
     "Plan",
     "candidate_shard_sizes",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 import operator
 import time
@@ -23,7 +24,24 @@ from chaos.scheduling.search import (
     single_source,
 )
 
-METHODS = ("chaos", "scan", "milp", "even", "single-source")
+
+class PlanMethod(str, enum.Enum):
+    """The shard planner's methods (also the names the replication policy carries on the wire).
+
+    ``chaos`` is Algorithms 1 and 2 (binary search over the shard size, greedy inside), ``scan``
+    tries every candidate shard size, ``milp`` is the PuLP/CBC reference (slow: benchmarks and
+    tests only), ``even`` and ``single-source`` are the baselines.
+    """
+
+    CHAOS = "chaos"
+    SCAN = "scan"
+    MILP = "milp"
+    EVEN = "even"
+    SINGLE_SOURCE = "single-source"
+
+
+METHODS: tuple[str, ...] = tuple(m.value for m in PlanMethod)
+"""Every :class:`PlanMethod`'s name."""
 
 _Problem = tuple[list[int], Sequence[Neighbor], float, str]
 """``(tensor_sizes, neighbors, per_shard_cost_s, layout)``: the arguments every method takes."""

@@ -20,17 +20,14 @@ Layout (little-endian, 32 bytes)::
 from __future__ import annotations
 
 import enum
-import struct
 from dataclasses import dataclass
 
 import torch
 
 from chaos.errors import ProtocolError
+from chaos.wire import FRAME_HEADER as _HEADER
+from chaos.wire import FRAME_VERSION
 
-FRAME_VERSION = 2
-"""Bumped on every incompatible change of the header layout or of the algorithms' framing."""
-
-_HEADER = struct.Struct("<BBBBIQQII")
 HEADER_BYTES = _HEADER.size
 
 _U32 = (1 << 32) - 1

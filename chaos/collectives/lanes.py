@@ -46,6 +46,10 @@ import zmq
 from chaos.collectives.frames import DATA_OPS, HEADER_BYTES, Header, decode_header
 from chaos.collectives.links import Frame, LanePayload
 from chaos.errors import PeerTimeout, ProtocolError
+from chaos.wire import LANE_HELLO as _HELLO
+from chaos.wire import LANE_MAGIC as _MAGIC
+from chaos.wire import LANE_OFFER as _OFFER
+from chaos.wire import LANE_VERSION
 
 __all__ = [
     "LANE_VERSION", "InLane", "Lanes", "OutLane", "Place", "decode_offer", "encode_offer",
@@ -58,11 +62,6 @@ Place = Callable[[str, Header], "memoryview | None"]
 
 log = logging.getLogger("chaos.collectives")
 
-LANE_VERSION = 1
-"""Bumped on every incompatible change of the hello or of the offer."""
-_MAGIC = b"CHLN"
-_HELLO = struct.Struct("<4sBQB")
-_OFFER = struct.Struct("<HQ")
 _ACK = b"\x01"
 _MAX_ID = 255
 _PENDING_LIMIT = 64

@@ -8,7 +8,8 @@ disk, and every other restarted device, the joiner included, reads it over the e
 
 Wire format (one version, no pickle): on connect the store sends a fixed header and then the
 file. The header is ``MAGIC`` (4 bytes), the version (uint16), the payload size (uint64) and the
-payload's SHA-256 (32 bytes), big-endian. The reader checks all four and refuses anything else.
+payload's SHA-256 (32 bytes), little-endian (see :mod:`chaos.wire`). The reader checks all four
+and refuses anything else.
 
 Run the store with ``python -m chaos.emulate.ckpt_store --file PATH --listen HOST:PORT
 --ready FLAG``; it serves every connection until it is stopped.
@@ -19,19 +20,18 @@ from __future__ import annotations
 import argparse
 import hashlib
 import socket
-import struct
 import sys
 import threading
 import time
 from pathlib import Path
 
 from chaos.errors import ChaosError, ChaosTimeout
+from chaos.wire import CHECKPOINT_HEADER as HEADER
+from chaos.wire import CHECKPOINT_MAGIC as MAGIC
+from chaos.wire import CHECKPOINT_VERSION as VERSION
 
 __all__ = ["CheckpointFetchError", "StoreTimeout", "fetch", "serve"]
 
-MAGIC = b"CKPT"
-VERSION = 1
-HEADER = struct.Struct(">4sHQ32s")
 MAX_CHECKPOINT_BYTES = 64 << 30
 CHUNK_BYTES = 1 << 20
 DEFAULT_TIMEOUT_S = 600.0

@@ -38,14 +38,13 @@ from chaos.errors import (  # ReplicationError re-exported for callers of pull_s
     StateLayoutError,
 )
 from chaos.protocol import ReplicationWire
+from chaos.protocol.messages import Reason, Refusal
 from chaos.replication.state import TrainingState
 from chaos.replication.wire import (
     REPLY_DECODER,
     WIRE_ENCODER,
     ManifestReply,
     ManifestRequest,
-    Refusal,
-    ShardReason,
     ShardReply,
     ShardRequest,
     manifest_digest,
@@ -531,7 +530,7 @@ class _Puller:
         d.last_progress = time.monotonic()
         if isinstance(head, Refusal):
             d.queue.appendleft(shard)
-            if head.reason == ShardReason.NOT_PUBLISHED and self._still_waiting(d):
+            if head.reason == Reason.NOT_PUBLISHED and self._still_waiting(d):
                 return  # it publishes at its next step boundary: ask again shortly
             self._fail_donor(d, head.reason)
             return

@@ -18,16 +18,15 @@ from typing import Any
 import zmq
 
 from chaos.errors import ChaosTimeout, ConfigError
+from chaos.protocol.messages import Reason, Refusal
 from chaos.replication.state import TrainingState
 from chaos.replication.wire import (
     WIRE_ENCODER,
     ManifestReply,
     ManifestRequest,
-    Refusal,
-    ShardReason,
+    Reply,
     ShardReply,
     ShardRequest,
-    WireMessage,
     manifest_digest,
     refusal,
     shard_checksum,
@@ -232,7 +231,7 @@ class ShardServer:
         finally:
             self._sock.close(linger=0)
 
-    def _send(self, ident: bytes, header: WireMessage, payload: Any = None) -> None:
+    def _send(self, ident: bytes, header: Reply, payload: Any = None) -> None:
         """Sends a reply header (and its payload frame, if any, zero-copy) to ``ident``."""
         frames: list[Any] = [ident, WIRE_ENCODER.encode(header)]
         if payload is not None:
@@ -251,7 +250,7 @@ class ShardServer:
             self._maybe_die()
             if self._stalled:
                 return
-        reply: WireMessage
+        reply: Reply
         payload: Any = None
         with self._lock:
             snap = self._snapshot
@@ -260,7 +259,7 @@ class ShardServer:
         elif isinstance(req, ManifestRequest):
             refused = self._check_snapshot(snap, req)
             if refused is not None or snap is None:
-                reply = refused or refusal(req.req_id, ShardReason.NOT_PUBLISHED, "")
+                reply = refused or refusal(req.req_id, Reason.NOT_PUBLISHED, "")
             else:
                 reply = ManifestReply(
                     req_id=req.req_id, epoch=snap.epoch, step=snap.step, digest=snap.digest
@@ -294,7 +293,7 @@ class ShardServer:
     ) -> Refusal | None:
         """A refusal if nothing is published or the request names another snapshot."""
         if snap is None:
-            return refusal(req.req_id, ShardReason.NOT_PUBLISHED, "no state is published")
+            return refusal(req.req_id, Reason.NOT_PUBLISHED, "no state is published")
         step = snap.step if isinstance(req, ManifestRequest) and req.step is None else req.step
         epoch = req.epoch
         if isinstance(req, ManifestRequest) and req.newer_ok and snap.epoch >= req.epoch:
@@ -302,28 +301,28 @@ class ShardServer:
         if (epoch, step) != (snap.epoch, snap.step):
             return refusal(
                 req.req_id,
-                ShardReason.STALE_STATE,
+                Reason.STALE_STATE,
                 f"asked for (epoch {req.epoch}, step {req.step}), "
                 f"serving (epoch {snap.epoch}, step {snap.step})",
             )
         return None
 
-    def _shard(self, snap: _Snapshot | None, req: ShardRequest) -> tuple[WireMessage, Any]:
+    def _shard(self, snap: _Snapshot | None, req: ShardRequest) -> tuple[Reply, Any]:
         """The reply to a shard request and its payload (``None`` with a refusal)."""
         refused = self._check_snapshot(snap, req)
         if refused is not None or snap is None:
-            return refused or refusal(req.req_id, ShardReason.NOT_PUBLISHED, ""), None
+            return refused or refusal(req.req_id, Reason.NOT_PUBLISHED, ""), None
         state = snap.state
         if req.fingerprint != state.layout_fingerprint():
-            return refusal(req.req_id, ShardReason.LAYOUT_MISMATCH, "other state layout"), None
+            return refusal(req.req_id, Reason.LAYOUT_MISMATCH, "other state layout"), None
         if req.digest != snap.digest:
-            return refusal(req.req_id, ShardReason.MANIFEST_MISMATCH, "other manifest"), None
+            return refusal(req.req_id, Reason.MANIFEST_MISMATCH, "other manifest"), None
         if req.length > self.config.max_shard_bytes:
             detail = f"{req.length} bytes > max_shard_bytes {self.config.max_shard_bytes}"
-            return refusal(req.req_id, ShardReason.TOO_LARGE, detail), None
+            return refusal(req.req_id, Reason.TOO_LARGE, detail), None
         if req.length == 0 or req.offset + req.length > state.total_bytes:
             detail = f"[{req.offset}, +{req.length}) of a {state.total_bytes}-byte stream"
-            return refusal(req.req_id, ShardReason.OUT_OF_RANGE, detail), None
+            return refusal(req.req_id, Reason.OUT_OF_RANGE, detail), None
         payload: Any = state.read(req.offset, req.length)
         checksum = shard_checksum(payload)
         payload = self._maybe_corrupt(req.offset, payload)

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from chaos.errors import StateLayoutError
+from chaos.wire import STATE_FORMAT_VERSION
 
 __all__ = [
     "STATE_FORMAT_VERSION",
@@ -50,9 +51,6 @@ __all__ = [
     "state_digest",
     "state_equal",
 ]
-
-STATE_FORMAT_VERSION = 1
-"""Bumped on every incompatible change of the stream or the manifest."""
 
 MAX_MANIFEST_BYTES = 64 << 20
 """Largest encoded manifest a joiner accepts (64 MiB: far above any real model's header)."""

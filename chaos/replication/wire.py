@@ -3,25 +3,25 @@
 Every message is a typed, versioned msgspec schema (tag field ``"type"``), msgpack-encoded, never
 pickled. Requests are one frame; a :class:`ManifestReply` or :class:`ShardReply` header frame is
 followed by one payload frame. Untrusted requests are checked in one place,
-:func:`validate_request`, which returns a :class:`Refusal` with a reason code instead of raising.
+:func:`validate_request`, which returns a :class:`~chaos.protocol.messages.Refusal` (the one refusal
+of every msgpack channel, with a :class:`~chaos.protocol.messages.Reason` code) instead of raising.
 """
 
 from __future__ import annotations
 
-import enum
 import hashlib
 from collections.abc import Sequence
-from typing import Annotated, Literal, Union
+from typing import Annotated, Union
 
 import msgspec
 
+from chaos.protocol.messages import Reason, Refusal
+from chaos.wire import REPLICATION_VERSION
+
 __all__ = [
     "MAX_REQUEST_BYTES",
-    "REPLICATION_VERSION",
     "ManifestReply",
     "ManifestRequest",
-    "Refusal",
-    "ShardReason",
     "ShardReply",
     "ShardRequest",
     "manifest_digest",
@@ -29,8 +29,6 @@ __all__ = [
     "validate_request",
 ]
 
-REPLICATION_VERSION = 1
-"""Bumped on every incompatible change of the replication messages."""
 
 MAX_REQUEST_BYTES = 4096
 """Largest request frame a server decodes; anything bigger is refused as ``too_large``."""
@@ -53,33 +51,6 @@ def manifest_digest(manifest_bytes: bytes | memoryview) -> str:
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Hex = Annotated[str, msgspec.Meta(max_length=64)]
-
-
-class ShardReason(str, enum.Enum):
-    """Reason codes of a :class:`Refusal`."""
-
-    BAD_VERSION = "bad_version"
-    MALFORMED = "malformed"
-    TOO_LARGE = "too_large"
-    NOT_PUBLISHED = "not_published"
-    STALE_STATE = "stale_state"
-    LAYOUT_MISMATCH = "layout_mismatch"
-    MANIFEST_MISMATCH = "manifest_mismatch"
-    OUT_OF_RANGE = "out_of_range"
-    INTERNAL = "internal"
-
-
-ShardReasonCode = Literal[
-    "bad_version",
-    "malformed",
-    "too_large",
-    "not_published",
-    "stale_state",
-    "layout_mismatch",
-    "manifest_mismatch",
-    "out_of_range",
-    "internal",
-]
 
 
 class WireMessage(msgspec.Struct, kw_only=True, frozen=True, tag_field="type"):
@@ -131,13 +102,6 @@ class ShardReply(WireMessage, frozen=True, tag="shard"):
     checksum: NonNeg
 
 
-class Refusal(WireMessage, frozen=True, tag="refusal"):
-    """A refused request, with a reason code and a human-readable detail."""
-
-    reason: ShardReasonCode
-    detail: Annotated[str, msgspec.Meta(max_length=1024)] = ""
-
-
 Request = Union[ManifestRequest, ShardRequest]
 Reply = Union[ManifestReply, ShardReply, Refusal]
 
@@ -145,8 +109,19 @@ WIRE_ENCODER = msgspec.msgpack.Encoder()
 REPLY_DECODER = msgspec.msgpack.Decoder(Reply)
 
 
-def refusal(req_id: int, reason: ShardReason, detail: str) -> Refusal:
-    return Refusal(req_id=req_id, reason=reason.value, detail=detail[:1024])
+def refusal(req_id: int, reason: Reason, detail: str) -> Refusal:
+    """The refusal a shard server answers a request with.
+
+    Args:
+        req_id: The refused request's id (0 when it could not be read).
+        reason: Why.
+        detail: In words (cut to 1,024 characters).
+
+    Returns:
+        The control plane's :class:`~chaos.protocol.messages.Refusal`, stamped with this wire's
+        version.
+    """
+    return Refusal(v=REPLICATION_VERSION, req_id=req_id, reason=reason, detail=detail[:1024])
 
 
 def validate_request(frames: Sequence[bytes]) -> Request | Refusal:
@@ -156,23 +131,23 @@ def validate_request(frames: Sequence[bytes]) -> Request | Refusal:
         The decoded request, or a :class:`Refusal` saying why it is refused (never raises).
     """
     if len(frames) != 1:
-        return refusal(0, ShardReason.MALFORMED, f"expected 1 request frame, got {len(frames)}")
+        return refusal(0, Reason.MALFORMED, f"expected 1 request frame, got {len(frames)}")
     body = frames[0]
     if len(body) > MAX_REQUEST_BYTES:
-        return refusal(0, ShardReason.TOO_LARGE, f"request of {len(body)} bytes")
+        return refusal(0, Reason.TOO_LARGE, f"request of {len(body)} bytes")
     try:
         raw = msgspec.msgpack.decode(body)
     except msgspec.DecodeError as exc:
-        return refusal(0, ShardReason.MALFORMED, f"not msgpack: {exc}")
+        return refusal(0, Reason.MALFORMED, f"not msgpack: {exc}")
     if not isinstance(raw, dict):
-        return refusal(0, ShardReason.MALFORMED, "request is not a map")
+        return refusal(0, Reason.MALFORMED, "request is not a map")
     req_id = raw.get("req_id", 0)
     req_id = req_id if isinstance(req_id, int) and 0 <= req_id < 1 << 63 else 0
     if raw.get("v") != REPLICATION_VERSION:
         return refusal(
-            req_id, ShardReason.BAD_VERSION, f"version {raw.get('v')!r}, want {REPLICATION_VERSION}"
+            req_id, Reason.BAD_VERSION, f"version {raw.get('v')!r}, want {REPLICATION_VERSION}"
         )
     try:
         return msgspec.convert(raw, Request)
     except msgspec.ValidationError as exc:
-        return refusal(req_id, ShardReason.MALFORMED, str(exc))
+        return refusal(req_id, Reason.MALFORMED, str(exc))

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 import networkx as nx
-from chaos.daemon.states import NODE_TRANSITIONS, TRAINER_TRANSITIONS, NodeState, TrainerState
+from chaos.protocol.states import NODE_TRANSITIONS, TRAINER_TRANSITIONS, NodeState, TrainerState
 from chaos.scheduling.sync_policy import LinkEstimate
 
 from chaos.errors import ChaosError

@@ -45,7 +45,7 @@ from chaos.daemon.scheduler.planner import (
     to_wire,
 )
 from chaos.daemon.scheduler.trainers import TrainerRegistry
-from chaos.daemon.states import NodeState
+from chaos.protocol.states import NodeState
 from chaos.daemon.transport import ReplyPath
 
 from chaos.protocol import (

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.scheduler.monitor import ClusterMonitor
+from chaos.scheduling.plan import PlanMethod
 from chaos.scheduling.sync_policy import SyncPolicy, build_sync_policy, retain_structure
 
 from chaos.protocol import DonorLink, ReplicationWire, SyncPolicyWire
@@ -24,8 +25,8 @@ MAX_PLAN_SHARDS = 16_384
 
 log = logging.getLogger("chaos.daemon.scheduler.planner")
 
-_METHODS = {"chaos": "chaos", "even": "even", "single-source": "single-source",
-            "multi-source": "even"}  # fmt: skip
+_METHODS = {"chaos": PlanMethod.CHAOS, "even": PlanMethod.EVEN,
+            "single-source": PlanMethod.SINGLE_SOURCE, "multi-source": PlanMethod.EVEN}  # fmt: skip
 """``plan_replication`` method of each replication strategy (multi-source differs from even
 in its donors: every training member instead of the joiner's neighbours)."""
 
@@ -180,7 +181,7 @@ def replication_policy(
             for n in neighbors
         ],
         tensor_sizes=list(sizes) if tensor_sizes else [],
-        method=_METHODS[cfg.replication_strategy],  # type: ignore[arg-type]
+        method=_METHODS[cfg.replication_strategy],
     )
 
 

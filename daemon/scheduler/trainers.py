@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 from chaos.daemon.scheduler.planner import replication_policy
-from chaos.daemon.states import NodeState, TrainerState
+from chaos.protocol.states import NodeState, TrainerState
 from chaos.daemon.transport import ReplyPath
 
 from chaos.protocol import (
@@ -34,7 +34,6 @@ from chaos.protocol import (
     TrainerEvent,
     TrainerInfo,
     TrainerRegister,
-    TrainerStateName,
 )
 
 if TYPE_CHECKING:
@@ -366,7 +365,7 @@ class TrainerRelay:
         self.host = host
         self.registration: TrainerRegister | None = None
         self.sizes: list[int] | None = None
-        self.state: TrainerStateName = "none"
+        self.state: TrainerState = TrainerState.NONE
         self._sent: dict[str, TrainerRegister | TrainerEvent] = {}
 
     def on_register(self, msg: TrainerRegister, reply: ReplyPath | None) -> None:
@@ -409,11 +408,11 @@ class TrainerRelay:
             return
         if isinstance(sent, TrainerRegister):
             self.registration = sent
-            self.state = "training" if sent.has_state else "syncing"
+            self.state = TrainerState.TRAINING if sent.has_state else TrainerState.SYNCING
             if sent.has_state and sent.tensor_sizes is not None:
                 self.sizes = list(sent.tensor_sizes)
         elif sent.kind == "ready":
-            self.state = "training"
+            self.state = TrainerState.TRAINING
 
     def on_refusal(self, msg: Refusal) -> str | None:
         """The op id of the forwarded message a scheduler refused (the oldest of its type)."""

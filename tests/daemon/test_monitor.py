@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from chaos.daemon.scheduler.monitor import ClusterMonitor
-from chaos.daemon.states import NodeState
+from chaos.protocol.states import NodeState
 
 
 def test_members_follow_adds_removals_and_state_changes() -> None:

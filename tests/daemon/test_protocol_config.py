@@ -35,7 +35,8 @@ from chaos.protocol import (
     encode,
     validate,
 )
-from chaos.trainer.embedded import EmbeddedDaemon, free_tcp_address
+from chaos.launch import free_tcp_address
+from chaos.trainer.embedded import EmbeddedDaemon
 
 CTX = ValidationContext(
     max_frame_bytes=1 << 16,

@@ -304,7 +304,7 @@ def _negotiator() -> tuple[Any, _Host]:
     """A scheduler ``a`` over the path a - b - c - d (b and c: no trainer yet)."""
     from chaos.daemon.config import DaemonConfig
     from chaos.daemon.scheduler.negotiator import Negotiator
-    from chaos.daemon.states import NodeState
+    from chaos.protocol.states import NodeState
 
     host = _Host()
     cfg = DaemonConfig(node_id="a", listen=host.address)
@@ -631,7 +631,7 @@ def test_a_commit_that_keeps_the_structure_keeps_the_topology_epoch() -> None:
 def test_failures_are_removed_one_per_commit() -> None:
     """Raft's single-server change: two silent members are not removed in one commit, so a
     minority cannot commit a membership whose majority it is."""
-    from chaos.daemon.states import NodeState
+    from chaos.protocol.states import NodeState
 
     from chaos.protocol import PolicyAck
 

@@ -1,0 +1,146 @@
+"""Every versioned wire and file format of Chaos, in one place.
+
+Each format's version constant, its fixed binary layouts and its byte order are defined here and
+imported by the module that speaks it; :data:`FORMATS` lists them all. Bump a version on every
+incompatible change of its format. Rules that hold for all of them:
+
+* **Byte order.** Every fixed binary header is little-endian (:data:`BYTE_ORDER`). msgpack
+  defines its own encoding (big-endian numbers), which msgspec writes and reads; the payloads
+  after a header are raw tensor bytes in the host's order, which every supported device
+  (x86-64, ARM64) shares with the headers.
+* **No pickle.** Structured messages are msgspec schemas encoded as msgpack; bulk data is raw
+  bytes behind a fixed header.
+* **One check per format.** Untrusted input is validated in one function per format, named in
+  :data:`FORMATS`, which refuses with a reason code (msgpack channels) or raises
+  :class:`~chaos.errors.ProtocolError` (fixed headers) and never crashes the receiver.
+
+This module imports neither torch nor ZeroMQ, so every process can read it.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+BYTE_ORDER = "<"
+"""The :mod:`struct` byte-order prefix of every fixed binary header (little-endian)."""
+
+# ----------------------------------------------------------------------------- control plane
+
+PROTOCOL_VERSION = 3
+"""The control plane's messages (:mod:`chaos.protocol.messages`), daemon to daemon, CLI and
+trainer to daemon. 3: one :class:`~chaos.protocol.messages.Refusal` for every msgpack channel
+(``req_id``, the shard server's reason codes)."""
+
+# ----------------------------------------------------------------------------- replication
+
+REPLICATION_VERSION = 2
+"""A donor's shard server and a joiner (:mod:`chaos.replication.wire`). 2: refusals are the
+control plane's :class:`~chaos.protocol.messages.Refusal`."""
+
+STATE_FORMAT_VERSION = 1
+"""The canonical training-state stream and its manifest (:mod:`chaos.replication.state`)."""
+
+# ----------------------------------------------------------------------------- data plane
+
+FRAME_VERSION = 2
+"""The allreduce frame header (:mod:`chaos.collectives.frames`)."""
+
+FRAME_HEADER = struct.Struct(BYTE_ORDER + "BBBBIQQII")
+"""version u8, op u8, dtype u8, reserved u8, seg u32, epoch u64, step u64, chunk u32,
+nelem u32: 32 bytes, then the raw chunk."""
+
+LANE_VERSION = 1
+"""A payload lane's hello and offer (:mod:`chaos.collectives.lanes`)."""
+
+LANE_MAGIC = b"CHLN"
+"""The first four bytes of a lane hello."""
+
+LANE_HELLO = struct.Struct(BYTE_ORDER + "4sBQB")
+"""magic 4s, version u8, token u64, id length u8; then the node id (utf-8)."""
+
+LANE_OFFER = struct.Struct(BYTE_ORDER + "HQ")
+"""port u16, token u64: the payload of an ``Op.LANE`` frame."""
+
+# ----------------------------------------------------------------------------- emulation
+
+CHECKPOINT_VERSION = 2
+"""The stop-resume baseline's checkpoint store (:mod:`chaos.emulate.ckpt_store`). 2: the header
+is little-endian like every other."""
+
+CHECKPOINT_MAGIC = b"CKPT"
+"""The first four bytes of a checkpoint store's header."""
+
+CHECKPOINT_HEADER = struct.Struct(BYTE_ORDER + "4sHQ32s")
+"""magic 4s, version u16, payload size u64, payload SHA-256 32s; then the payload."""
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """One versioned format.
+
+    Args:
+        name: What it carries.
+        version: Its version constant.
+        encoding: ``msgpack`` (msgspec schemas) or ``struct`` (a fixed header, then raw bytes).
+        module: The module that speaks it.
+        check: The one function that validates untrusted input of this format.
+        layouts: Its fixed binary layouts (empty for msgpack formats).
+    """
+
+    name: str
+    version: int
+    encoding: str
+    module: str
+    check: str
+    layouts: tuple[struct.Struct, ...] = ()
+
+
+FORMATS: tuple[WireFormat, ...] = (
+    WireFormat(
+        "control-plane messages",
+        PROTOCOL_VERSION,
+        "msgpack",
+        "chaos.protocol",
+        "chaos.protocol.codec.validate",
+    ),
+    WireFormat(
+        "shard requests and replies",
+        REPLICATION_VERSION,
+        "msgpack",
+        "chaos.replication.wire",
+        "chaos.replication.wire.validate_request",
+    ),
+    WireFormat(
+        "training-state stream and manifest",
+        STATE_FORMAT_VERSION,
+        "msgpack",
+        "chaos.replication.state",
+        "chaos.replication.state.decode_manifest",
+    ),
+    WireFormat(
+        "allreduce frames",
+        FRAME_VERSION,
+        "struct",
+        "chaos.collectives.frames",
+        "chaos.collectives.frames.decode_header",
+        (FRAME_HEADER,),
+    ),
+    WireFormat(
+        "payload-lane hello and offer",
+        LANE_VERSION,
+        "struct",
+        "chaos.collectives.lanes",
+        "chaos.collectives.lanes.Lanes._greet",
+        (LANE_HELLO, LANE_OFFER),
+    ),
+    WireFormat(
+        "checkpoint store",
+        CHECKPOINT_VERSION,
+        "struct",
+        "chaos.emulate.ckpt_store",
+        "chaos.emulate.ckpt_store.fetch",
+        (CHECKPOINT_HEADER,),
+    ),
+)
+"""Every versioned format, for docs and for the test that keeps this list true."""
