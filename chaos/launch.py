@@ -25,7 +25,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from chaos.errors import ChaosTimeout
+import psutil
+
+from chaos.errors import ChaosError, ChaosTimeout
 
 T = TypeVar("T")
 
@@ -299,6 +301,67 @@ def kill_and_reap(
         raise ChaosTimeout(f"processes {stuck} not reaped {timeout_s:g} s after SIGKILL")
 
 
+def stop_tree(
+    proc: subprocess.Popen[Any],
+    sig: int = signal.SIGKILL,
+    grace_s: float = DEFAULT_REAP_TIMEOUT_S,
+    timeout_s: float = 10.0,
+) -> None:
+    """Stops a launcher that is still running, and every process it started, and reaps them.
+
+    Its descendants are listed first; it gets ``sig`` (SIGTERM lets a launcher reap its own
+    workers) and ``grace_s`` to exit, then SIGKILL; then each descendant still there is killed.
+    A launcher that exited already is left alone.
+
+    Args:
+        proc: The launcher.
+        sig: The first signal it gets.
+        grace_s: How long it may take to exit after ``sig``.
+        timeout_s: Longest wait for each process to be reaped after SIGKILL.
+    """
+    if proc.poll() is not None:
+        return
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        family = []
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout_s)
+    for p in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+            p.wait(timeout=timeout_s)
+
+
+class ProcessExited(ChaosError):
+    """A watched process exited with a failing code while :func:`wait_until` waited.
+
+    Attributes:
+        name: The process's name (its key in ``watch``).
+        code: Its exit code.
+    """
+
+    def __init__(self, name: str, code: int) -> None:
+        super().__init__(f"{name} exited with code {code}")
+        self.name = name
+        self.code = code
+
+
+def _first_failure(
+    procs: Mapping[str, subprocess.Popen[Any]], ok: Sequence[int]
+) -> tuple[str, int] | None:
+    """The first process of ``procs`` that exited with a code not in ``ok``, if any."""
+    for name, p in procs.items():
+        code = p.poll()
+        if code is not None and code not in ok:
+            return name, code
+    return None
+
+
 def wait_until(
     predicate: Callable[[], T],
     timeout_s: float,
@@ -306,6 +369,8 @@ def wait_until(
     *,
     poll_s: float = DEFAULT_POLL_S,
     tolerate: tuple[type[BaseException], ...] = (),
+    watch: Mapping[str, subprocess.Popen[Any]] | None = None,
+    ok: Sequence[int] = (0,),
 ) -> T:
     """Polls ``predicate`` until it returns a truthy value.
 
@@ -316,6 +381,8 @@ def wait_until(
         poll_s: Sleep between two polls.
         tolerate: Exceptions from ``predicate`` that count as "not yet" (e.g. a daemon that
             does not answer yet).
+        watch: Processes by name (workers) whose failure ends the wait early.
+        ok: Exit codes of a watched process that are not a failure.
 
     Returns:
         The predicate's first truthy value.
@@ -323,6 +390,8 @@ def wait_until(
     Raises:
         ChaosTimeout: (a :class:`TimeoutError`) it did not hold within ``timeout_s``; the
             message names ``what`` and the last value or tolerated error.
+        ProcessExited: a watched process exited with a code not in ``ok`` (checked after each
+            poll that did not hold).
         ValueError: a negative ``timeout_s`` or a non-positive ``poll_s``.
     """
     if timeout_s < 0 or not poll_s > 0:
@@ -338,6 +407,9 @@ def wait_until(
             if result:
                 return result
             last = result
+        failed = _first_failure(watch, ok) if watch is not None else None
+        if failed is not None:
+            raise ProcessExited(*failed)
         left = deadline - time.monotonic()
         if left <= 0:
             raise ChaosTimeout(
@@ -347,6 +419,7 @@ def wait_until(
 
 
 __all__ = [
+    "ProcessExited",
     "DAEMON_MODULE",
     "LOG_LEVEL_ENV",
     "RUN_DIR_ENV",
@@ -359,5 +432,6 @@ __all__ = [
     "signal_group",
     "spawn_daemon",
     "spawn_worker",
+    "stop_tree",
     "wait_until",
 ]

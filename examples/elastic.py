@@ -35,7 +35,14 @@ from pathlib import Path
 from typing import IO, Any
 
 from chaos.errors import ChaosTimeout
-from chaos.launch import free_tcp_address, kill_and_reap, signal_group, spawn_worker, wait_until
+from chaos.launch import (
+    ProcessExited,
+    free_tcp_address,
+    kill_and_reap,
+    signal_group,
+    spawn_worker,
+    wait_until,
+)
 
 # ----------------------------------------------------------------------------- worker side
 
@@ -189,17 +196,11 @@ class Launcher:
             LaunchError: a worker exited with an error, or ``timeout_s`` passed.
         """
 
-        def done() -> bool:
-            if pred():
-                return True
-            for w in self.workers.values():
-                code = w.proc.poll()
-                if code not in (None, 0):
-                    raise LaunchError(f"{w.node_id} exited with code {code}")
-            return False
-
+        procs = {nid: w.proc for nid, w in self.workers.items()}
         try:
-            wait_until(done, self.timeout_s, what)
+            wait_until(pred, self.timeout_s, what, watch=procs)
+        except ProcessExited as exc:
+            raise LaunchError(str(exc)) from exc
         except ChaosTimeout as exc:
             raise LaunchError(f"timed out after {self.timeout_s:.0f} s waiting for {what}") from exc
 

@@ -18,6 +18,7 @@ from chaos.errors import ChaosError, ChaosTimeout
 from chaos.launch import (
     LOG_LEVEL_ENV,
     RUN_DIR_ENV,
+    ProcessExited,
     daemon_cli,
     daemon_command,
     daemon_env,
@@ -27,6 +28,7 @@ from chaos.launch import (
     signal_group,
     spawn_daemon,
     spawn_worker,
+    stop_tree,
     wait_until,
 )
 
@@ -86,7 +88,8 @@ def test_a_spawned_daemon_answers_status_and_is_reaped(tmp_path: Path) -> None:
     proc = spawn_daemon(argv, run_dir, log_level="WARNING")
     try:
         assert run_dir.is_dir()
-        status = wait_until(lambda: _status(run_dir), DEADLINE_S, "the daemon's status")
+        status = wait_until(lambda: _status(run_dir), DEADLINE_S, "the daemon's status",
+                            watch={"solo": proc})  # fmt: skip
         assert [n["id"] for n in status["nodes"]] == ["solo"]  # type: ignore[index,union-attr]
         assert (run_dir / "daemon.log").exists()
         proc.send_signal(signal.SIGTERM)  # a graceful leave
@@ -100,7 +103,8 @@ def test_an_embedded_style_daemon_ignores_sigterm_and_leaves_on_sighup(tmp_path:
     argv = daemon_command("emb", free_tcp_address())
     proc = spawn_daemon(argv, tmp_path, log_path=tmp_path / "own.log", follow_parent=True)
     try:
-        wait_until(lambda: _status(tmp_path), DEADLINE_S, "the daemon's status")
+        wait_until(lambda: _status(tmp_path), DEADLINE_S, "the daemon's status",
+                   watch={"emb": proc})  # fmt: skip
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)  # long enough for a leave to start; it must not
         assert proc.poll() is None
@@ -188,3 +192,38 @@ def test_launch_does_not_import_torch() -> None:
                          timeout=120, check=False)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "0"
+
+
+def test_wait_until_gives_up_when_a_watched_process_fails() -> None:
+    proc = spawn_worker([sys.executable, "-c", "raise SystemExit(3)"], log_path=None)
+    fine = spawn_worker([sys.executable, "-c", "pass"], log_path=None)
+    try:
+        fine.wait(timeout=DEADLINE_S)
+        with pytest.raises(ProcessExited, match="bad exited with code 3") as info:
+            wait_until(lambda: False, DEADLINE_S, "never", watch={"ok": fine, "bad": proc})
+        assert (info.value.name, info.value.code) == ("bad", 3)
+        assert wait_until(lambda: 1, 1.0, "x", watch={"bad": proc}) == 1  # polled first
+        with pytest.raises(ChaosTimeout):  # an allowed exit code is no failure
+            wait_until(lambda: False, 0.2, "x", watch={"bad": proc}, ok=(3,))
+    finally:
+        kill_and_reap([proc, fine], timeout_s=10.0)
+
+
+def test_stop_tree_reaps_a_launcher_and_what_it_started(tmp_path: Path) -> None:
+    code = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
+        "                         start_new_session=True)\n"  # out of the launcher's group
+        "print(child.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    log = tmp_path / "l.log"
+    proc = spawn_worker([sys.executable, "-c", code], log_path=log)
+    try:
+        pid = int(wait_until(lambda: log.read_text().strip(), DEADLINE_S, "the child's pid"))
+        stop_tree(proc, signal.SIGTERM, grace_s=10.0)
+    finally:
+        kill_and_reap([proc], group=True, timeout_s=10.0)
+    assert proc.returncode == -signal.SIGTERM
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    stop_tree(proc)  # an exited launcher is left alone

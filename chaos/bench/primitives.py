@@ -86,6 +86,7 @@ from chaos.bench.stall import (
 from chaos.errors import ChaosError, ConfigError
 from chaos.launch import (
     LOG_LEVEL_ENV,
+    ProcessExited,
     free_tcp_address,
     kill_and_reap,
     spawn_worker,
@@ -177,18 +178,15 @@ class _Cluster:
             ChaosTimeout: ``timeout_s`` passed.
         """
 
-        def done() -> bool:
-            if pred():
-                return True
-            for m in self.members.values():
-                code = m.proc.poll()
-                if code not in (None, 0):
-                    lines = m.logfile.read_text(errors="replace").strip().splitlines()
-                    last = lines[-1] if lines else "(no output)"
-                    raise ChaosError(f"worker {m.id} exited with code {code}: {last}")
-            return False
+        try:
+            wait_until(pred, self.timeout_s, what, poll_s=_POLL_S, watch=self._procs())
+        except ProcessExited as exc:
+            lines = self.members[exc.name].logfile.read_text(errors="replace").strip().splitlines()
+            last = lines[-1] if lines else "(no output)"
+            raise ChaosError(f"worker {exc.name} exited with code {exc.code}: {last}") from exc
 
-        wait_until(done, self.timeout_s, what, poll_s=_POLL_S)
+    def _procs(self) -> dict[str, subprocess.Popen[bytes]]:
+        return {m.id: m.proc for m in self.members.values()}
 
     def settled(self, ids: list[str], world: int, newer_than: int, steps: int) -> int | None:
         """The common epoch once every member of ``ids`` ran ``steps`` steps under it with
@@ -229,7 +227,7 @@ class _Cluster:
         self.windows.append((t0, time.time()))
 
     def close(self) -> None:
-        kill_and_reap([m.proc for m in self.members.values()], group=True)
+        kill_and_reap(self._procs().values(), group=True)
 
 
 # ----------------------------------------------------------------------------- primitives

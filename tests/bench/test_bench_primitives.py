@@ -15,12 +15,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
 from chaos.bench.primitives import PrimitivesConfig
 from chaos.bench.stall import NULL_DRAWS, Primitive, null_stall_s, span
 from chaos.errors import ConfigError
+from chaos.launch import stop_tree
 
 TIMEOUT_S = 300.0
 
@@ -34,16 +34,7 @@ def test_primitives_bench_writes_its_json(tmp_path: Path) -> None:
     try:
         stdout, _ = proc.communicate(timeout=TIMEOUT_S)
     finally:
-        if proc.poll() is None:
-            family = psutil.Process(proc.pid).children(recursive=True)
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=10)
-            for p in family:
-                try:
-                    p.kill()
-                    p.wait(timeout=10)
-                except psutil.NoSuchProcess:
-                    pass
+        stop_tree(proc, signal.SIGKILL, grace_s=10.0)  # it and every worker it left
     assert proc.returncode == 0, stdout[-4000:]
     data = json.loads(out.read_text())
     for key in ("scale_in_ms", "connect_link_ms", "disconnect_link_ms"):

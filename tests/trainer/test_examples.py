@@ -16,7 +16,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-import psutil
+from chaos.launch import stop_tree
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TIMEOUT_S = 300.0
@@ -30,31 +30,14 @@ def _run(argv: list[str], tmp_path: Path) -> tuple[int, str]:
         proc = subprocess.Popen(
             [sys.executable, *argv], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path
         )
-    family: list[psutil.Process] = []
     try:
         try:
             code = proc.wait(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
             code = None
         return (code if code is not None else -1), out_path.read_text(errors="replace")
-    finally:
-        if proc.poll() is None:
-            try:
-                family = psutil.Process(proc.pid).children(recursive=True)
-            except psutil.NoSuchProcess:
-                family = []
-            proc.send_signal(signal.SIGTERM)  # the launcher asks its workers to leave, reaps them
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-        for p in family:
-            try:
-                p.kill()
-                p.wait(timeout=10)
-            except psutil.NoSuchProcess:
-                pass
+    finally:  # SIGTERM: the launcher asks its workers to leave and reaps them
+        stop_tree(proc, signal.SIGTERM, grace_s=60.0)
 
 
 def _check_scenario(code: int, out: str, metric: str) -> None:

@@ -10,6 +10,7 @@ conditions with generous deadlines, and every process group is killed and reaped
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -20,7 +21,14 @@ from typing import Any
 import pytest
 
 from chaos.errors import ChaosTimeout
-from chaos.launch import daemon_cli, free_port, kill_and_reap, spawn_worker, wait_until
+from chaos.launch import (
+    ProcessExited,
+    daemon_cli,
+    free_port,
+    kill_and_reap,
+    spawn_worker,
+    wait_until,
+)
 
 WORKER = Path(__file__).with_name("worker.py")
 DEADLINE_S = 120.0
@@ -79,17 +87,11 @@ class Cluster:
         return member
 
     def wait(self, pred: Callable[[], Any], what: str) -> Any:
-        def done() -> Any:
-            result = pred()
-            if result:
-                return result
-            for m in self.members.values():
-                if m.proc.poll() not in (None, 0) and m.proc.returncode != 70:
-                    pytest.fail(f"{m.id} exited with {m.proc.returncode}:\n{m.log()}")
-            return result
-
-        try:
-            return wait_until(done, DEADLINE_S, what, poll_s=0.1)
+        procs = {m.id: m.proc for m in self.members.values()}
+        try:  # exit code 70: a member that was made to fail
+            return wait_until(pred, DEADLINE_S, what, poll_s=0.1, watch=procs, ok=(0, 70))
+        except ProcessExited as exc:
+            pytest.fail(f"{exc}:\n{self.members[exc.name].log()}")
         except ChaosTimeout as exc:
             logs = "\n".join(f"--- {m.id}\n{m.log()}" for m in self.members.values())
             pytest.fail(f"{exc}\n{logs}")
@@ -100,11 +102,8 @@ class Cluster:
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
+    with contextlib.closing(Cluster(tmp_path)) as c:  # reaped even when the test fails
         yield c
-    finally:
-        c.close()
 
 
 def _world(member: Member, size: int, after_step: int = 0) -> bool:
