@@ -15,20 +15,72 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal, Protocol
 
 from chaos.collectives import Topology
-from chaos.daemon.client import DaemonClient
 from chaos.errors import ChaosError, ChaosTimeout
-from chaos.protocol import PolicyReply, ReplicationWire
+from chaos.protocol import PolicyReply, ReplicationWire, StatusReply
 from chaos.trainer.policy_watch import PolicyWatch
 
-__all__ = ["DaemonSession", "Policy", "TrainingStalled", "topology_epoch", "topology_of"]
+__all__ = [
+    "DaemonLink",
+    "DaemonSession",
+    "Policy",
+    "TrainingStalled",
+    "topology_epoch",
+    "topology_of",
+]
 
 log = logging.getLogger("chaos.trainer")
 
 
 class TrainingStalled(ChaosError):
     """A step could not be completed: no new policy came after a failure within the timeout."""
+
+
+class DaemonLink(Protocol):
+    """The requests a session makes to its daemon (a :class:`chaos.daemon.client.DaemonClient`)."""
+
+    def policy(self, timeout_s: float | None = None) -> PolicyReply:
+        """The policies in force at the daemon."""
+        ...
+
+    def register_trainer(
+        self,
+        data_address: str,
+        shard_address: str,
+        has_state: bool,
+        tensor_sizes: list[int] | None = None,
+        timeout_s: float | None = None,
+        state_digest: str = "",
+    ) -> object:
+        """Registers the trainer with the scheduler."""
+        ...
+
+    def trainer_event(
+        self,
+        kind: Literal["ready", "step_failed"],
+        elapsed_s: float = 0.0,
+        detail: str = "",
+        timeout_s: float | None = None,
+        epoch: int = 0,
+    ) -> object:
+        """Reports a trainer event to the scheduler."""
+        ...
+
+    def status(self, timeout_s: float | None = None) -> StatusReply:
+        """The daemon's status."""
+        ...
+
+    def leave(
+        self, timeout_s: float | None = None, gone: Callable[[], bool] | None = None
+    ) -> object:
+        """Makes the daemon leave the cluster."""
+        ...
+
+    def close(self) -> None:
+        """Closes the connection."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -92,7 +144,7 @@ class DaemonSession:
     """A trainer's connection to its local daemon.
 
     Args:
-        address: The daemon's endpoint (``ipc://...`` or ``tcp://HOST:PORT``).
+        client: The connection to the daemon (closed by :meth:`close`).
         node_id: This node's id (the daemon's).
         poll_interval_s: Pause between two policy requests while waiting for a policy.
         policy_timeout_s: Longest silence of the daemon that a step boundary tolerates.
@@ -103,7 +155,7 @@ class DaemonSession:
 
     def __init__(
         self,
-        address: str,
+        client: DaemonLink,
         node_id: str,
         *,
         poll_interval_s: float,
@@ -118,7 +170,7 @@ class DaemonSession:
         self._last_contact = contact_since  # last answer from the local daemon
         self._watch: PolicyWatch | None = None
         self._fetched_epoch = -1  # the newest epoch a fetch returned (carried ones never older)
-        self._client = DaemonClient(address, timeout_s=5.0)
+        self._client = client
 
     # ------------------------------------------------------------------ requests
 

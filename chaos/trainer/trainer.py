@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import socket
 import time
 from collections.abc import Iterator
@@ -124,7 +123,9 @@ class TrainerConfig:
 def _default_node_id() -> str:
     """``HOSTNAME-PID``, with the characters a node id cannot hold replaced and the host name
     cut so that the id stays within 64 characters."""
-    host = re.sub(r"[^A-Za-z0-9_.:-]", "-", socket.gethostname())[:48] or "node"
+    from chaos.protocol.ids import node_id_from
+
+    host = node_id_from(socket.gethostname(), max_len=48)
     return f"{host}-{os.getpid()}"
 
 
@@ -136,7 +137,7 @@ def _check_endpoints(
     Raises:
         ConfigError: one of them is malformed.
     """
-    from chaos.daemon.config import check_daemon_endpoint, check_node_id, check_tcp_endpoint
+    from chaos.protocol.ids import check_daemon_endpoint, check_node_id, check_tcp_endpoint
 
     if node_id is not None:
         check_node_id(node_id)
@@ -229,9 +230,11 @@ class Trainer:
 
     def _connect(self, address: str, t0: float) -> DaemonSession:
         """The session with the local daemon at ``address``."""
+        from chaos.daemon.client import DaemonClient
+
         cfg = self.config
         return DaemonSession(
-            address,
+            DaemonClient(address, timeout_s=5.0),
             self.node_id,
             poll_interval_s=cfg.poll_interval_s,
             policy_timeout_s=cfg.policy_timeout_s,

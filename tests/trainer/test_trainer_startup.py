@@ -12,18 +12,13 @@ import pytest
 import torch
 
 from chaos.errors import ChaosError, ConfigError
+from chaos.launch import free_tcp_address
 from chaos.trainer import Trainer
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = torch.nn.Linear(4, 2)
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _listening_ports() -> set[int]:
@@ -41,7 +36,7 @@ def test_a_join_that_cannot_complete_stops_the_embedded_daemon(tmp_path: Path) -
     constructor raises, and the daemon it started is gone."""
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(ChaosError):
-        Trainer(*_model(), join=f"tcp://127.0.0.1:{_free_port()}", node_id="lonely",
+        Trainer(*_model(), join=free_tcp_address(), node_id="lonely",
                 join_timeout_s=3.0, daemon_dir=str(tmp_path))  # fmt: skip
     left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     alive = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
@@ -53,7 +48,7 @@ def test_a_daemon_that_does_not_answer_closes_the_data_plane() -> None:
     opened, and the constructor closes it again."""
     before = _listening_ports()
     with pytest.raises(ChaosError):
-        Trainer(*_model(), daemon=f"tcp://127.0.0.1:{_free_port()}", join_timeout_s=1.0)
+        Trainer(*_model(), daemon=free_tcp_address(), join_timeout_s=1.0)
     assert _listening_ports() - before == set()
 
 
@@ -88,7 +83,7 @@ def test_the_daemon_client_refuses_a_malformed_endpoint() -> None:
 def test_the_default_node_id_is_valid_whatever_the_host_name(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from chaos.daemon.config import check_node_id
+    from chaos.protocol.ids import check_node_id
 
     from chaos.trainer.trainer import _default_node_id
 
