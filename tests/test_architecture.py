@@ -109,3 +109,67 @@ def test_the_daemon_and_the_planner_never_import_torch() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "0", "torch was imported by the daemon's modules"
+
+
+# The packages of the design, coarsest first: a module belongs to the longest prefix listed.
+LAYERS = (
+    "chaos",
+    "chaos.errors",
+    "chaos.allocator",
+    "chaos.ops",
+    "chaos.wire",
+    "chaos.launch",
+    "chaos.protocol",
+    "chaos.scheduling",
+    "chaos._native",
+    "chaos.daemon",
+    "chaos.daemon.scheduler",
+    "chaos.collectives",
+    "chaos.replication",
+    "chaos.trainer",
+    "chaos.models",
+    "chaos.bench",
+    "chaos.emulate",
+)
+
+
+def _layer(module: str) -> str:
+    best = ""
+    for layer in LAYERS:
+        if (module == layer or module.startswith(layer + ".")) and len(layer) > len(best):
+            best = layer
+    return best
+
+
+def package_table() -> str:
+    """The markdown rows of docs/architecture.md's import table, computed from the source."""
+    graph = import_graph()
+    deps: dict[str, set[str]] = {layer: set() for layer in LAYERS}
+    for a, b in graph.edges:
+        la, lb = _layer(a), _layer(b)
+        if la != lb and lb != "chaos":
+            deps[la].add(lb)
+    rows = ["| package | imports (project packages only) |", "|---|---|"]
+    for layer in LAYERS:
+        if layer == "chaos":
+            continue
+        names = ", ".join(f"`{d}`" for d in sorted(deps[layer])) or "nothing"
+        rows.append(f"| `{layer}` | {names} |")
+    return "\n".join(rows)
+
+
+def test_the_docs_import_table_matches_the_code() -> None:
+    """docs/architecture.md's table of who imports whom is the one the source has."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    begin, end = "<!-- imports:begin -->\n", "\n<!-- imports:end -->"
+    if begin not in text or end not in text:
+        raise AssertionError("docs/architecture.md lacks the imports:begin/end markers")
+    documented = text.split(begin, 1)[1].split(end, 1)[0].strip()
+    expected = package_table()
+    if documented != expected:
+        raise AssertionError("docs/architecture.md's import table is stale; it should read:\n"
+                             + expected)
+
+
+if __name__ == "__main__":  # print the table for docs/architecture.md
+    print(package_table())
