@@ -203,7 +203,8 @@ def status(connect: str | None, as_json: bool) -> None:
     for n in st.nodes:
         joined = time.strftime("%H:%M:%S", time.localtime(n.joined_at))
         nbrs = ",".join(n.neighbors)
-        click.echo(f"{n.id:<12}{n.state:<9}{n.trainer:<10}{n.address:<24}{joined:<10}{nbrs}")
+        state, trainer = n.state.value, n.trainer.value
+        click.echo(f"{n.id:<12}{state:<9}{trainer:<10}{n.address:<24}{joined:<10}{nbrs}")
     click.echo(f"{'LINK':<20}{'UP':<5}{'BANDWIDTH':<18}LATENCY")
     for x in st.links:
         bw = _fmt(x.bandwidth_bps, 1e-6, " Mbit/s") + " "

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import cast
 
 import zmq
-from chaos.protocol.ids import check_daemon_endpoint
 
 from chaos.errors import ChaosTimeout, DaemonGone, ProtocolError
 from chaos.protocol import (
@@ -35,6 +34,7 @@ from chaos.protocol import (
     decode,
     encode,
 )
+from chaos.protocol.ids import check_daemon_endpoint
 
 _GONE_CHECK_S = 0.05
 """How often a request given ``gone`` checks whether the daemon has exited."""

@@ -14,7 +14,6 @@ import dataclasses
 import hashlib
 import math
 import os
-import re
 import tempfile
 import tomllib
 from collections.abc import Mapping
@@ -25,7 +24,6 @@ from typing import Any
 from chaos.errors import ConfigError
 from chaos.protocol import DEFAULT_MAX_FRAME_BYTES
 from chaos.protocol.ids import check_node_id, check_tcp_endpoint
-
 
 
 def default_run_dir() -> str:
@@ -236,7 +234,7 @@ class DaemonConfig:
         return lo, hi
 
     @property
-    def leader_stickiness_s(self) -> float:
+    def scheduler_stickiness_s(self) -> float:
         """A member that heard its scheduler this recently denies votes (Raft section 6)."""
         return 2 * self.heartbeat_interval_s
 

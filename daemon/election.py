@@ -4,9 +4,9 @@
 * One vote per term, first come first served, and only for a candidate whose view epoch is at
   least the voter's (the cluster view plays the part of Raft's log).
 * A candidate wins with votes from a strict majority of its current membership.
-* A member that heard a live scheduler within :attr:`DaemonConfig.leader_stickiness_s` denies
+* A member that heard a live scheduler within :attr:`DaemonConfig.scheduler_stickiness_s` denies
   votes (Raft section 6), so a node that was cut off cannot depose a healthy scheduler when it
-  comes back; a leadership transfer (``TimeoutNow``) is exempt.
+  comes back; a scheduler handover (``TimeoutNow``) is exempt.
 * Election timeouts are randomized in ``election_timeout_range_s``.
 
 A member without a scheduler, or a candidate, is *paused*: it makes no changes. A minority side of
@@ -40,15 +40,15 @@ class Election:
         self.term = 0
         self.voted_for: str | None = None
         self.role = Role.FOLLOWER
-        self.leader: str | None = None
-        self.last_leader_contact = float("-inf")
+        self.scheduler: str | None = None
+        self.last_scheduler_contact = float("-inf")
         self.votes: set[str] = set()
         self.deadline = float("inf")
 
     @property
     def paused(self) -> bool:
         """Whether this node knows no scheduler (and so makes no changes)."""
-        return self.role != Role.SCHEDULER and self.leader is None
+        return self.role != Role.SCHEDULER and self.scheduler is None
 
     def reset_deadline(self, now: float) -> None:
         """Arms the randomized election timeout from ``now``."""
@@ -65,7 +65,7 @@ class Election:
             self.term = term
             self.voted_for = None
         self.role = Role.FOLLOWER
-        self.leader = None
+        self.scheduler = None
         self.votes.clear()
         self.reset_deadline(now)
 
@@ -75,7 +75,7 @@ class Election:
         Args:
             now: Monotonic time.
             epoch: This node's view epoch (voters with a newer view refuse).
-            transfer: A leadership transfer, exempt from leader stickiness.
+            transfer: A scheduler handover, exempt from the stickiness rule.
 
         Returns:
             The vote request to send to every other member.
@@ -84,7 +84,7 @@ class Election:
         self.role = Role.CANDIDATE
         self.voted_for = self.node_id
         self.votes = {self.node_id}
-        self.leader = None
+        self.scheduler = None
         self.reset_deadline(now)
         return RequestVote(sender=self.node_id, epoch=epoch, term=self.term, transfer=transfer)
 
@@ -103,8 +103,8 @@ class Election:
         Returns:
             The reply.
         """
-        heard_recently = now - self.last_leader_contact < self.cfg.leader_stickiness_s
-        sticky = self.role == Role.SCHEDULER or (self.leader is not None and heard_recently)
+        heard_recently = now - self.last_scheduler_contact < self.cfg.scheduler_stickiness_s
+        sticky = self.role == Role.SCHEDULER or (self.scheduler is not None and heard_recently)
         if msg.term < self.term or (sticky and not msg.transfer):
             return VoteReply(sender=self.node_id, epoch=epoch, term=self.term, granted=False)
         if msg.term > self.term:
@@ -132,33 +132,33 @@ class Election:
     def become_scheduler(self, now: float) -> None:
         """Takes the scheduler role for the current term."""
         self.role = Role.SCHEDULER
-        self.leader = self.node_id
-        self.last_leader_contact = now
+        self.scheduler = self.node_id
+        self.last_scheduler_contact = now
         self.disarm()
 
-    def on_leader(self, term: int, leader: str, now: float) -> bool:
+    def on_scheduler(self, term: int, scheduler: str, now: float) -> bool:
         """Records a scheduler's heartbeat or command (term already checked as not stale).
 
         Returns:
             ``True`` if the scheduler or term changed.
         """
-        changed = term != self.term or leader != self.leader
+        changed = term != self.term or scheduler != self.scheduler
         if term > self.term:
             self.term = term
             self.voted_for = None
         self.role = Role.FOLLOWER
-        self.leader = leader
+        self.scheduler = scheduler
         self.votes.clear()
-        self.last_leader_contact = now
+        self.last_scheduler_contact = now
         self.reset_deadline(now)
         return changed
 
-    def adopt(self, term: int, leader: str | None, now: float) -> None:
+    def adopt(self, term: int, scheduler: str | None, now: float) -> None:
         """A (re)joining node takes the cluster's term as its own, even if lower."""
         self.term = term
         self.voted_for = None
         self.role = Role.FOLLOWER
-        self.leader = leader
+        self.scheduler = scheduler
         self.votes.clear()
-        self.last_leader_contact = now
+        self.last_scheduler_contact = now
         self.reset_deadline(now)

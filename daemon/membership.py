@@ -2,15 +2,15 @@
 
 :class:`Membership` holds the join and leave requests that this daemon has in flight, resends a
 join until it is answered, and times both out. The daemon's event loop owns it, as it owns
-:class:`~chaos.daemon.scheduler.trainers.TrainerRelay`, and calls it from its handlers and its
-housekeeping timer. Everything here runs on the loop's thread.
+:class:`~chaos.daemon.relay.TrainerRelay`, and calls it from its handlers and its housekeeping
+timer. Everything here runs on the loop's thread.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.election import Election
@@ -26,11 +26,9 @@ from chaos.protocol import (
     OpResult,
     PolicyAck,
     Reason,
+    Refusal,
     encode,
 )
-
-if TYPE_CHECKING:
-    from chaos.daemon.scheduler.negotiator import Negotiator
 
 log = logging.getLogger("chaos.daemon")
 
@@ -41,11 +39,12 @@ class MembershipHost(Protocol):
     node_id: str
     address: str
     cfg: DaemonConfig
-    view: ClusterView | None
     state: DaemonState
     election: Election
     transport: Transport
-    negotiator: Negotiator | None
+
+    @property
+    def view(self) -> ClusterView | None: ...
 
     @property
     def epoch(self) -> int: ...
@@ -66,6 +65,8 @@ class MembershipHost(Protocol):
     def to_scheduler(self, msg: Message) -> bool: ...
 
     def finish(self, code: int) -> None: ...
+
+    def drop_scheduler_role(self) -> None: ...
 
 
 class Membership:
@@ -94,7 +95,7 @@ class Membership:
         h = self.host
         h.set_state(DaemonState.JOINING)
         h.election.disarm()
-        h.negotiator = None
+        h.drop_scheduler_role()
         self._join_contact = contact
         self._join_neighbors = neighbors
         self._join_deadline = now + h.cfg.join_timeout_s
@@ -114,6 +115,29 @@ class Membership:
             op_id=uuid.uuid4().hex[:12],
         )
         h.transport.send_contact(self._join_contact, encode(req))
+
+    def on_admitted(self, msg: ClusterUpdate, now: float) -> None:
+        """The first update that lists this joining node: it is a member."""
+        h = self.host
+        h.set_state(DaemonState.ACTIVE)
+        h.election.adopt(msg.term, msg.sender, now)
+        h.transport.close_contacts()
+        h.event("joined", epoch=msg.epoch, term=msg.term, scheduler=msg.sender)
+
+    def on_refusal(self, msg: Refusal) -> bool:
+        """Takes the refusal of this node's join; ``False`` when it refuses something else.
+
+        A join refused for want of a scheduler (``not_scheduler``, ``paused``) is resent; any
+        other reason ends the daemon (exit code 3).
+        """
+        h = self.host
+        if h.state != DaemonState.JOINING or msg.ref_type != "join_request":
+            return False
+        if msg.reason not in ("not_scheduler", "paused"):
+            log.error("join refused by %s: %s %s", msg.sender or "?", msg.reason, msg.detail)
+            h.event("join_failed", reason=msg.reason, detail=msg.detail)
+            h.finish(3)
+        return True
 
     def rejoin(self, view: ClusterView | None, via: str, now: float) -> None:
         """Joins again through ``via`` after the cluster committed a view without this node,

@@ -1,21 +1,76 @@
-"""The answers to the local clients' read-only requests: ``status`` and the trainer's policy."""
+"""The answers to the local clients' read-only requests: ``status`` and the trainer's policy.
+
+They read the daemon through :class:`ReplySource`, the few things they show.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
+from chaos.daemon.config import DaemonConfig
+from chaos.daemon.election import Election
+from chaos.daemon.scheduler.monitor import ClusterMonitor
+from chaos.daemon.states import DaemonState
 
-from chaos.protocol import LinkInfo, PolicyNotice, PolicyReply, StatusReply, encode
+from chaos.protocol import (
+    ClusterUpdate,
+    ClusterView,
+    LinkInfo,
+    PolicyNotice,
+    PolicyReply,
+    StatusReply,
+    encode,
+)
 
 NOTICE_POLICY_MAX_BYTES = 64 << 10
 """Largest policy a notice carries; a trainer asks for a bigger one."""
 
-if TYPE_CHECKING:
-    from chaos.daemon.node import Daemon
+
+class ReplySource(Protocol):
+    """What the answers show of the daemon."""
+
+    node_id: str
+    cfg: DaemonConfig
+    election: Election
+
+    @property
+    def state(self) -> DaemonState: ...  # noqa: D102
+
+    @property
+    def view(self) -> ClusterView | None: ...  # noqa: D102
+
+    @property
+    def update(self) -> ClusterUpdate | None: ...  # noqa: D102
+
+    @property
+    def epoch(self) -> int: ...  # noqa: D102
+
+    @property
+    def term(self) -> int: ...  # noqa: D102
+
+    @property
+    def paused(self) -> bool: ...  # noqa: D102
+
+    @property
+    def is_scheduler(self) -> bool: ...  # noqa: D102
+
+    @property
+    def scheduler_monitor(self) -> ClusterMonitor | None:
+        """The scheduler role's monitor (``None``: this node is not the scheduler)."""
+
+    @property
+    def measured(self) -> dict[str, tuple[float | None, float | None]]:
+        """This node's latest measurement of each of its links, by peer."""
+
+    @property
+    def notify_endpoint(self) -> str | None:
+        """Where the daemon publishes its policy notices."""
+
+    def members(self) -> list[str]: ...  # noqa: D102
 
 
-def status_reply(d: Daemon) -> StatusReply:
+def status_reply(d: ReplySource) -> StatusReply:
     """The daemon's state and its copy of the cluster view.
 
     The scheduler shows the trainer states and links its monitor holds now: ``ready`` and a link
@@ -25,11 +80,12 @@ def status_reply(d: Daemon) -> StatusReply:
     view = d.view
     nodes = list(view.nodes) if view else []
     links = list(view.links) if view else []
-    if d.negotiator is not None:
-        nodes = d.negotiator.monitor.with_trainer_states(nodes)
-        links = list(d.negotiator.monitor.to_view(d.epoch, d.term, d.node_id).links)
+    monitor = d.scheduler_monitor
+    if monitor is not None:
+        nodes = monitor.with_trainer_states(nodes)
+        links = list(monitor.to_view(d.epoch, d.term, d.node_id).links)
     else:
-        links = _with_own_measurements(d.node_id, links, d.agent.measured)
+        links = _with_own_measurements(d.node_id, links, d.measured)
     return StatusReply(
         sender=d.node_id,
         epoch=d.epoch,
@@ -37,7 +93,7 @@ def status_reply(d: Daemon) -> StatusReply:
         role=d.election.role.value,
         state=d.state.value,
         paused=d.paused,
-        scheduler=d.node_id if d.is_scheduler else d.election.leader,
+        scheduler=d.node_id if d.is_scheduler else d.election.scheduler,
         term=d.term,
         nodes=nodes,
         links=links,
@@ -62,7 +118,7 @@ def _with_own_measurements(
     return out
 
 
-def policy_reply(d: Daemon) -> PolicyReply:
+def policy_reply(d: ReplySource) -> PolicyReply:
     """The policies of the installed epoch, for the trainer (``epoch``: that epoch)."""
     u = d.update
     return PolicyReply(
@@ -75,12 +131,12 @@ def policy_reply(d: Daemon) -> PolicyReply:
         apply_at=u.apply_at if u else "after_allreduce",
         restart_allreduce=u.restart_allreduce if u else False,
         paused=d.paused,
-        notify_address=d.transport.notify_endpoint,
+        notify_address=d.notify_endpoint,
         notify_interval_s=d.cfg.heartbeat_interval_s,
     )
 
 
-def policy_notice(d: Daemon, with_policy: bool) -> PolicyNotice:
+def policy_notice(d: ReplySource, with_policy: bool) -> PolicyNotice:
     """What the daemon publishes to its trainers: the installed epoch and the pause state, and,
     with ``with_policy``, the policy itself when it encodes to at most
     ``NOTICE_POLICY_MAX_BYTES`` (a large replication plan is fetched instead)."""

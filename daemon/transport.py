@@ -354,8 +354,8 @@ class Transport:
         """Closes every socket and removes the IPC socket file.
 
         Args:
-            linger_s: How long DEALERs may still flush queued frames (e.g. a leadership
-                transfer sent just before exiting).
+            linger_s: How long DEALERs may still flush queued frames (e.g. a scheduler
+                handover sent just before exiting).
         """
         linger = int(linger_s * 1000)
         for _, sock in self.dealers.values():

@@ -368,7 +368,7 @@ def _reelections(b: _Bench, ids: list[str], reps: int) -> list[float]:
                 for e in b.events(s)
                 if e["ts"] > t_kill
                 and (
-                    (e["event"] == "leader_changed" and e["scheduler"] == new)
+                    (e["event"] == "scheduler_changed" and e["scheduler"] == new)
                     or (e["event"] == "elected" and s == new)
                 )
             ]

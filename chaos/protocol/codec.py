@@ -181,11 +181,12 @@ def validate(
         return Rejected(refusal(wrong[0], ctx, wrong[1], tag))
     kind, to_scheduler = kind_of(msg)
     term = getattr(msg, "term", None)
-    if kind in ("command", "leader") and not msg.sender:
+    if kind in ("command", "scheduler") and not msg.sender:
         return Rejected(refusal(Reason.MALFORMED, ctx, "a scheduler message without sender", tag))
     if kind == "peer" and msg.sender not in ctx.members:
         return Rejected(refusal(Reason.UNKNOWN_PEER, ctx, f"{msg.sender!r}", tag))
-    if kind in ("command", "leader") and term is not None and term < ctx.term and not ctx.joining:
+    stale_term = term is not None and term < ctx.term and not ctx.joining
+    if kind in ("command", "scheduler") and stale_term:
         return Rejected(refusal(Reason.STALE_TERM, ctx, f"term {term} < {ctx.term}", tag))
     if kind == "command" and msg.epoch < ctx.epoch and not ctx.joining:
         return Rejected(refusal(Reason.STALE_EPOCH, ctx, f"epoch {msg.epoch} < {ctx.epoch}", tag))

@@ -15,7 +15,7 @@ Message kinds (the ``KIND`` class variable) decide which semantic checks apply:
   the receiver's membership.
 * ``"command"``: sent by the scheduler to members; refused with ``stale_term`` or
   ``stale_epoch`` when older than the receiver's term or epoch.
-* ``"leader"``: the scheduler's heartbeat; refused with ``stale_term`` only (it is how members
+* ``"scheduler"``: the scheduler's heartbeat; refused with ``stale_term`` only (it is how members
   discover a newly elected scheduler).
 * ``"open"``: joins, probes, replies and refusals; accepted from anyone.
 * ``"client"``: the local CLI and the training process; not epoch-checked.
@@ -208,10 +208,10 @@ class ClusterView(msgspec.Struct, kw_only=True, frozen=True):
 # ----------------------------------------------------------------------------- peer messages
 
 
-class LeaderHeartbeat(_Base, frozen=True, tag="leader_heartbeat"):
+class SchedulerHeartbeat(_Base, frozen=True, tag="scheduler_heartbeat"):
     """Scheduler -> every member, every heartbeat interval."""
 
-    KIND: ClassVar[str] = "leader"
+    KIND: ClassVar[str] = "scheduler"
     term: NonNeg
 
 
@@ -241,7 +241,7 @@ class VoteReply(_Base, frozen=True, tag="vote_reply"):
 
 
 class TimeoutNow(_Base, frozen=True, tag="timeout_now"):
-    """Leaving scheduler -> chosen successor: start an election now (leadership transfer)."""
+    """Leaving scheduler -> chosen successor: start an election now (scheduler handover)."""
 
     KIND: ClassVar[str] = "command"
     term: NonNeg
@@ -552,7 +552,7 @@ class PolicyNotice(_Base, frozen=True, tag="policy_notice"):
 
 
 Message = Union[
-    LeaderHeartbeat,
+    SchedulerHeartbeat,
     MemberHeartbeat,
     RequestVote,
     VoteReply,

@@ -1,4 +1,4 @@
-"""Bandwidth refinements of links already up, run by the scheduler's :class:`Negotiator`.
+"""Bandwidth refinements of links already up, run by the scheduler.
 
 After a connect-link or a scale-out, and whenever an end re-measures a link, a
 :class:`~chaos.protocol.LinkReport` brings a bandwidth figure. The monitor takes it; an epoch is
@@ -10,14 +10,28 @@ host measures the CPU more than the link.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from chaos.daemon.scheduler.ledger import EpochLedger
+from chaos.daemon.scheduler.monitor import ClusterMonitor
 from chaos.daemon.scheduler.planner import policy_edges, same_data_plane
 
 from chaos.protocol import LinkReport
 
-if TYPE_CHECKING:
-    from chaos.daemon.scheduler.negotiator import Negotiator
+
+class EventSink(Protocol):
+    """Where the checks log their events."""
+
+    def event(self, name: str, **fields: object) -> None: ...  # noqa: D102
+
+
+class ProbeOrders(Protocol):
+    """Orders a bandwidth probe of a link."""
+
+    def order_bandwidth_probe(  # noqa: D102
+        self, a: str, b: str, prefix: str = "refine-"
+    ) -> str | None: ...
+
 
 _MAX_PENDING = 64
 """Confirming bandwidth probes remembered at most; the oldest (never answered: its node left or
@@ -42,11 +56,19 @@ class LinkChecks:
     """The scheduler's link refinements and the checks of changes they would make.
 
     Args:
-        neg: The negotiator (its monitor, last policy, commit and probe orders).
+        host: The daemon's event log.
+        monitor: The cluster monitor (the links' figures).
+        ledger: The policy in force, and the commits.
+        probes: Orders the confirming probes.
     """
 
-    def __init__(self, neg: Negotiator) -> None:
-        self.neg = neg
+    def __init__(
+        self, host: EventSink, monitor: ClusterMonitor, ledger: EpochLedger, probes: ProbeOrders
+    ) -> None:
+        self.host = host
+        self.monitor = monitor
+        self.ledger = ledger
+        self.probes = probes
         self.pending: dict[str, LinkCheck] = {}
         """Checks by the op id of each probe not answered yet."""
 
@@ -77,51 +99,51 @@ class LinkChecks:
             msg: The measurement (of the link ``msg.sender``-``msg.peer``).
             now: The current time.
         """
-        neg = self.neg
+        ledger, mon = self.ledger, self.monitor
         a, b = msg.sender, msg.peer
         bw = msg.bandwidth_bps
-        before = neg.monitor.link(a, b) or {}
-        neg.monitor.set_link(a, b, up=True, latency_s=msg.latency_s, bandwidth_bps=bw)
-        current = neg.current_sync()
-        if same_data_plane(neg.last_sync, current):
+        before = mon.link(a, b) or {}
+        mon.set_link(a, b, up=True, latency_s=msg.latency_s, bandwidth_bps=bw)
+        current = ledger.current_sync()
+        if same_data_plane(ledger.last_sync, current):
             self._refined(a, b, bw, msg.latency_s)
             return
         if bw is not None:
-            neg.monitor.set_bandwidth(a, b, before.get("bandwidth_bps"))
-            dropped = policy_edges(neg.last_sync) - policy_edges(current) - {frozenset((a, b))}
-            pairs = [(a, b)] + [tuple(sorted(e)) for e in dropped if neg.monitor.link(*e)]
-            ops = [neg.order_bandwidth_probe(x, y, prefix="confirm-") for x, y in pairs]
+            mon.set_bandwidth(a, b, before.get("bandwidth_bps"))
+            dropped = policy_edges(ledger.last_sync) - policy_edges(current) - {frozenset((a, b))}
+            pairs = [(a, b)] + [tuple(sorted(e)) for e in dropped if mon.link(*e)]
+            ops = [self.probes.order_bandwidth_probe(x, y, prefix="confirm-") for x, y in pairs]
             if ops[0] is not None:
                 check = LinkCheck(frozenset((a, b)), bw, {o for o in ops if o is not None})
                 for op_id in check.pending:
                     if len(self.pending) >= _MAX_PENDING:  # forget the oldest
                         self.pending.pop(next(iter(self.pending)))
                     self.pending[op_id] = check
-                neg.host.event("link_confirming", a=a, b=b, bandwidth_bps=bw,
+                self.host.event("link_confirming", a=a, b=b, bandwidth_bps=bw,
                                rechecked=[list(p) for p in pairs[1:]])  # fmt: skip
                 return
-        neg.commit("link_measured", now)
+        ledger.commit("link_measured", now)
 
     def _settle(self, check: LinkCheck, now: float) -> None:
         """Every probe of a check answered: the links take their fresh figures (the new link
         the lower of its two), and an epoch is committed if the data plane still changes."""
-        neg = self.neg
+        ledger, mon = self.ledger, self.monitor
         for r in check.reports:
             pair = frozenset((r.sender, r.peer))
-            if not r.up or r.bandwidth_bps is None or neg.monitor.link(r.sender, r.peer) is None:
+            if not r.up or r.bandwidth_bps is None or mon.link(r.sender, r.peer) is None:
                 continue  # a link that went down is reported (and handled) on its own
             bw = min(r.bandwidth_bps, check.first) if pair == check.link else r.bandwidth_bps
-            neg.monitor.set_link(r.sender, r.peer, up=True, latency_s=r.latency_s,
+            mon.set_link(r.sender, r.peer, up=True, latency_s=r.latency_s,
                                  bandwidth_bps=bw)  # fmt: skip
-        if neg.data_plane_changes():
-            neg.commit("link_measured", now)
+        if ledger.data_plane_changes():
+            ledger.commit("link_measured", now)
         else:
             a, b = sorted(check.link)
-            link = neg.monitor.link(a, b) or {}
+            link = mon.link(a, b) or {}
             self._refined(a, b, link.get("bandwidth_bps"), link.get("latency_s"))
 
     def _refined(self, a: str, b: str, bw: float | None, latency_s: float | None) -> None:
         """Logs a measurement of a-b that left the trees and rings as they were: no epoch, so
         no trainer installs (or reruns) anything."""
-        self.neg.host.event("link_refined", a=a, b=b, bandwidth_bps=bw, latency_s=latency_s,
-                            epoch=self.neg.epoch)  # fmt: skip
+        self.host.event("link_refined", a=a, b=b, bandwidth_bps=bw, latency_s=latency_s,
+                            epoch=self.ledger.epoch)  # fmt: skip

@@ -1,11 +1,11 @@
 """The cluster monitor (paper IV-A): a networkx graph of nodes and overlay links.
 
-Nodes carry ``address``, ``state`` (:class:`~chaos.daemon.states.NodeState`), ``joined_at``,
+Nodes carry ``address``, ``state`` (:class:`~chaos.protocol.states.NodeState`), ``joined_at``,
 ``resources`` and their trainer's registration (``trainer``
-(:class:`~chaos.daemon.states.TrainerState`), ``data_address``, ``shard_address``,
+(:class:`~chaos.protocol.states.TrainerState`), ``data_address``, ``shard_address``,
 ``tensor_sizes``); a node's neighbours are its graph neighbours over links that are up. Links carry
 ``bandwidth_bps``, ``latency_s``, ``tau_sync_s`` and ``up``. The monitor holds no sockets; the
-negotiator edits it and turns it into a :class:`~chaos.protocol.ClusterView`.
+scheduler role edits it and turns it into a :class:`~chaos.protocol.ClusterView`.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any
 
 import msgspec
 import networkx as nx
-from chaos.protocol.states import NODE_TRANSITIONS, TRAINER_TRANSITIONS, NodeState, TrainerState
 from chaos.scheduling.sync_policy import LinkEstimate
 
 from chaos.errors import ChaosError
 from chaos.protocol import ClusterView, LinkInfo, NodeInfo, Resources
+from chaos.protocol.states import NODE_TRANSITIONS, TRAINER_TRANSITIONS, NodeState, TrainerState
 
 
 class ClusterMonitor:

@@ -57,7 +57,7 @@ class _Host:
         self.state = state
         self.election = Election("me", self.cfg, random.Random(1))
         self.transport: Any = _Transport()
-        self.negotiator: Any = None
+        self.dropped_scheduler_role = False
         self.has_scheduler = scheduler
         self.events: list[tuple[str, dict[str, object]]] = []
         self.answers: list[Message] = []
@@ -95,6 +95,9 @@ class _Host:
     def finish(self, code: int) -> None:
         self.exit_code = code
         self.state = DaemonState.STOPPED
+
+    def drop_scheduler_role(self) -> None:
+        self.dropped_scheduler_role = True
 
 
 def _joins(host: _Host) -> list[JoinRequest]:

@@ -15,6 +15,7 @@ from chaos.daemon.states import Role
 from click.testing import CliRunner
 
 from chaos.errors import ConfigError, ProtocolError
+from chaos.launch import free_tcp_address
 from chaos.protocol import (
     PROTOCOL_VERSION,
     BulkData,
@@ -35,7 +36,6 @@ from chaos.protocol import (
     encode,
     validate,
 )
-from chaos.launch import free_tcp_address
 from chaos.trainer.embedded import EmbeddedDaemon
 
 CTX = ValidationContext(
@@ -244,8 +244,8 @@ def test_election_rules() -> None:
     assert not v.on_request_vote(RequestVote(sender="b", epoch=3, term=1), 0.0, epoch=3).granted
     # a newer view refuses an older candidate
     assert not v.on_request_vote(RequestVote(sender="b", epoch=2, term=2), 0.0, epoch=3).granted
-    # leader stickiness: a live scheduler is not deposed, except by a transfer
-    v.on_leader(5, "a", now=10.0)
+    # scheduler stickiness: a live scheduler is not deposed, except by a handover
+    v.on_scheduler(5, "a", now=10.0)
     assert not v.on_request_vote(RequestVote(sender="b", epoch=3, term=6), 10.1, 3).granted
     assert v.term == 5
     assert v.on_request_vote(

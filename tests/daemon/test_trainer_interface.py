@@ -262,7 +262,7 @@ def test_registration_survives_kill9_of_the_scheduler(cluster: Cluster) -> None:
 
 
 class _Host:
-    """The negotiator's daemon, minus the sockets (the transport is not under test here)."""
+    """The scheduler role's daemon, minus the sockets (the transport is not under test here)."""
 
     node_id = "a"
     address = "tcp://127.0.0.1:1"
@@ -300,21 +300,22 @@ class _Host:
         pass
 
 
-def _negotiator() -> tuple[Any, _Host]:
+def _scheduler_role() -> tuple[Any, _Host]:
     """A scheduler ``a`` over the path a - b - c - d (b and c: no trainer yet)."""
     from chaos.daemon.config import DaemonConfig
-    from chaos.daemon.scheduler.negotiator import Negotiator
+    from chaos.daemon.scheduler.role import SchedulerRole
+
     from chaos.protocol.states import NodeState
 
     host = _Host()
     cfg = DaemonConfig(node_id="a", listen=host.address)
-    neg = Negotiator(host, cfg, None, 0.0)
+    role = SchedulerRole(host, cfg, None, 0.0)
     for i, n in enumerate("bcd"):
-        neg.monitor.add_node(n, f"tcp://127.0.0.1:{10 + i}", NodeState.ACTIVE, 0.0)
-    neg.monitor.set_link("a", "b", latency_s=0.001, bandwidth_bps=1e9)
-    neg.monitor.set_link("b", "c", latency_s=0.002, bandwidth_bps=2e8)
-    neg.monitor.set_link("c", "d", latency_s=None, bandwidth_bps=None)
-    return neg, host
+        role.monitor.add_node(n, f"tcp://127.0.0.1:{10 + i}", NodeState.ACTIVE, 0.0)
+    role.monitor.set_link("a", "b", latency_s=0.001, bandwidth_bps=1e9)
+    role.monitor.set_link("b", "c", latency_s=0.002, bandwidth_bps=2e8)
+    role.monitor.set_link("c", "d", latency_s=None, bandwidth_bps=None)
+    return role, host
 
 
 def _info(node: str, has_state: bool, sizes: list[int] | None = None, port: int = 1) -> Any:
@@ -332,12 +333,12 @@ def _info(node: str, has_state: bool, sizes: list[int] | None = None, port: int 
 
 
 def test_multi_hop_donors_carried_plans_and_restarts() -> None:
-    neg, host = _negotiator()
-    neg.trainers.on_info(_info("a", True, SIZES), None, 1.0)
+    role, host = _scheduler_role()
+    role.trainers.on_info(_info("a", True, SIZES), None, 1.0)
     assert host.answers[-1].ok and host.updates[-1].sync.nodes == ["a"]
     # c's neighbours (b, d) do not train: the donor is a, two hops away, over the path's
     # bottleneck bandwidth and summed latency
-    neg.trainers.on_info(_info("c", False), None, 2.0)
+    role.trainers.on_info(_info("c", False), None, 2.0)
     upd = host.updates[-1]
     rep = upd.replication
     assert host.answers[-1].ok and upd.cause == "trainer_scale_out"
@@ -351,13 +352,13 @@ def test_multi_hop_donors_carried_plans_and_restarts() -> None:
     assert upd.sync.nodes == ["a", "c"] and upd.sync.bottleneck_bps == pytest.approx(2e8)
     assert upd.sync.addresses == {"a": "tcp://a:1", "c": "tcp://c:1"}
     # a later commit (here a failure elsewhere) still carries c's plan until c is ready
-    neg.monitor.remove_node("d")
-    neg.commit("scale_in_failure", 3.0, apply_at="before_next_allreduce", restart=True)
+    role.monitor.remove_node("d")
+    role.ledger.commit("scale_in_failure", 3.0, apply_at="before_next_allreduce", restart=True)
     assert host.updates[-1].replication == rep
     from chaos.protocol import TrainerEvent
 
     ready = TrainerEvent(sender="c", node_id="c", kind="ready", elapsed_s=0.5, op_id="r")
-    neg.trainers.on_event(ready, None, 4.0)
+    role.trainers.on_event(ready, None, 4.0)
     done = [f for name, f in host.events if name == "scale_out_complete"]
     assert done == [
         {
@@ -368,24 +369,24 @@ def test_multi_hop_donors_carried_plans_and_restarts() -> None:
             "multi_hop": True,
         }
     ]
-    neg.commit("link_measured", 5.0)
+    role.ledger.commit("link_measured", 5.0)
     assert host.updates[-1].replication is None
     # a's trainer restarts at new endpoints with its state: a new epoch names them
-    epoch = neg.epoch
-    neg.trainers.on_info(_info("a", True, SIZES, port=2), None, 6.0)
-    assert neg.epoch == epoch + 1 and host.updates[-1].cause == "trainer_moved"
+    epoch = role.epoch
+    role.trainers.on_info(_info("a", True, SIZES, port=2), None, 6.0)
+    assert role.epoch == epoch + 1 and host.updates[-1].cause == "trainer_moved"
     assert host.updates[-1].sync.addresses["a"] == "tcp://a:2"
     # c's trainer restarts without its state: it syncs again, from a
-    neg.trainers.on_info(_info("c", False, port=3), None, 7.0)
-    assert host.answers[-1].ok and neg.monitor.trainer("c").value == "syncing"
+    role.trainers.on_info(_info("c", False, port=3), None, 7.0)
+    assert host.answers[-1].ok and role.monitor.trainer("c").value == "syncing"
     assert host.updates[-1].replication.donor_addresses == {"a": "ipc:///tmp/a-2"}
 
 
-def _step_failed(neg: Any, host: _Host, node: str, peer: str, epoch: int, now: float) -> None:
+def _step_failed(role: Any, host: _Host, node: str, peer: str, epoch: int, now: float) -> None:
     """``node``'s trainer reports a failed step of ``epoch`` blaming ``peer``; it is answered."""
     msg = TrainerEvent(sender=node, epoch=epoch, kind="step_failed", detail=peer,
                        op_id=f"op-{node}-{peer}-{now}")  # fmt: skip
-    neg.trainers.on_event(msg, None, now)
+    role.trainers.on_event(msg, None, now)
     if not host.answers[-1].ok:
         raise AssertionError(f"step_failed refused: {host.answers[-1]}")
 
@@ -401,41 +402,41 @@ def test_a_step_that_fails_again_on_the_same_peer_waits_for_the_failure_detector
     A held restart is committed when due if the peer is still a member and heard, and not at all
     once it went silent."""
 
-    neg, host = _negotiator()
-    neg.trainers.on_info(_info("a", True, SIZES), None, 1.0)
+    role, host = _scheduler_role()
+    role.trainers.on_info(_info("a", True, SIZES), None, 1.0)
     for t, n in enumerate("bcd"):
-        neg.trainers.on_info(_info(n, False), None, 2.0 + t)
-    hold_s = neg.cfg.failure_timeout_s
+        role.trainers.on_info(_info(n, False), None, 2.0 + t)
+    hold_s = role.cfg.failure_timeout_s
 
     def failed(node: str, peer: str, epoch: int, now: float) -> None:
-        _step_failed(neg, host, node, peer, epoch, now)
+        _step_failed(role, host, node, peer, epoch, now)
 
     def restarts() -> int:
         return _restarts(host)
 
     t0 = 10.0
-    failed("b", "c", neg.epoch, t0)
-    first = neg.epoch
+    failed("b", "c", role.epoch, t0)
+    first = role.epoch
     assert restarts() == 1 and host.updates[-1].restart_allreduce
     # every member's rerun in the restart epoch fails at once on c again: no epoch is committed
     for i, n in enumerate("abd" * 5):
         failed(n, "c", first, t0 + 0.01 * (i + 1))
-    assert restarts() == 1 and neg.epoch == first
+    assert restarts() == 1 and role.epoch == first
     held = [f for name, f in host.events if name == "restart_held"]
     assert len(held) == 1 and held[0]["peer"] == "c" and held[0]["epoch"] == first
-    neg.tick(t0 + hold_s * 0.5)
+    role.tick(t0 + hold_s * 0.5)
     assert restarts() == 1
     # c is still heard when the hold ends (the failure was not c's death): one restart
-    neg.last_heard["c"] = t0 + hold_s
-    neg.tick(t0 + hold_s + 0.01)
-    assert restarts() == 2 and neg.epoch == first + 1 and not neg.trainers.held
+    role.last_heard["c"] = t0 + hold_s
+    role.tick(t0 + hold_s + 0.01)
+    assert restarts() == 2 and role.epoch == first + 1 and not role.trainers.held
     # it fails again in that epoch, and c falls silent before the hold ends: no restart (the
     # failure detector removes c, which commits the next epoch)
-    second = neg.epoch
+    second = role.epoch
     failed("b", "c", second, t0 + hold_s + 0.1)
-    assert restarts() == 2 and neg.trainers.held
-    neg.tick(t0 + 3 * hold_s)
-    assert restarts() == 2 and neg.epoch == second and not neg.trainers.held
+    assert restarts() == 2 and role.trainers.held
+    role.tick(t0 + 3 * hold_s)
+    assert restarts() == 2 and role.epoch == second and not role.trainers.held
     # a failure blaming another peer is not held back by c's restarts
     failed("b", "d", second, t0 + 3 * hold_s + 0.01)
     assert restarts() == 3
@@ -447,66 +448,66 @@ def test_a_late_heartbeat_holds_the_restart_and_the_scheduler_is_never_silent() 
     host). A step blaming the scheduler restarts at once however long ago it stamped itself
     heard: it is the one answering."""
 
-    neg, host = _negotiator()
-    neg.trainers.on_info(_info("a", True, SIZES), None, 1.0)
+    role, host = _scheduler_role()
+    role.trainers.on_info(_info("a", True, SIZES), None, 1.0)
     for t, n in enumerate("bcd"):
-        neg.trainers.on_info(_info(n, False), None, 2.0 + t)
-    cfg = neg.cfg
+        role.trainers.on_info(_info(n, False), None, 2.0 + t)
+    cfg = role.cfg
 
     def failed(peer: str, now: float) -> None:
-        _step_failed(neg, host, "b", peer, neg.epoch, now)
+        _step_failed(role, host, "b", peer, role.epoch, now)
 
     def restarts() -> int:
         return _restarts(host)
 
     t0 = 10.0
-    neg.last_heard["a"] = t0 - 10 * cfg.heartbeat_interval_s  # the scheduler's own stamp
+    role.last_heard["a"] = t0 - 10 * cfg.heartbeat_interval_s  # the scheduler's own stamp
     failed("a", t0)
-    assert restarts() == 1 and not neg.trainers.held
+    assert restarts() == 1 and not role.trainers.held
     # c's heartbeat is two intervals late: held, not dropped
-    neg.last_heard["c"] = t0 - 2 * cfg.heartbeat_interval_s
+    role.last_heard["c"] = t0 - 2 * cfg.heartbeat_interval_s
     failed("c", t0 + 0.01)
-    assert restarts() == 1 and "c" in neg.trainers.held
+    assert restarts() == 1 and "c" in role.trainers.held
     held = [f for name, f in host.events if name == "restart_held"]
-    due = neg.last_heard["c"] + cfg.failure_timeout_s + cfg.heartbeat_interval_s
+    due = role.last_heard["c"] + cfg.failure_timeout_s + cfg.heartbeat_interval_s
     assert held[-1]["peer"] == "c" and held[-1]["due_in_s"] == pytest.approx(due - t0 - 0.01)
-    neg.tick(due - 0.01)  # not yet due
+    role.tick(due - 0.01)  # not yet due
     assert restarts() == 1
-    neg.last_heard["c"] = due - 0.01  # heard again before the hold ended
-    neg.tick(due)
-    assert restarts() == 2 and not neg.trainers.held
+    role.last_heard["c"] = due - 0.01  # heard again before the hold ended
+    role.tick(due)
+    assert restarts() == 2 and not role.trainers.held
 
 
 def test_a_report_after_the_rebuild_that_changes_a_trainer_commits_an_epoch() -> None:
     """A new scheduler commits its rebuild at the deadline without the reports still missing.
     A report that comes later and says a trainer became ``training`` (it sent ``ready`` just
     before the election) commits a new epoch; the same report again commits nothing."""
-    from chaos.daemon.scheduler.negotiator import Negotiator
+    from chaos.daemon.scheduler.role import SchedulerRole
 
     from chaos.protocol import AgentReport
 
-    old, _ = _negotiator()
+    old, _ = _scheduler_role()
     old.trainers.on_info(_info("a", True, SIZES), None, 1.0)
     old.trainers.on_info(_info("b", False), None, 2.0)
     view = old.monitor.to_view(old.epoch, 1, "a")
     host = _Host()
-    neg = Negotiator(host, old.cfg, view, 10.0)
-    assert neg.monitor.trainer("b").value == "syncing"
-    deadline = 10.0 + neg.cfg.failure_timeout_s
+    role = SchedulerRole(host, old.cfg, view, 10.0)
+    assert role.monitor.trainer("b").value == "syncing"
+    deadline = 10.0 + role.cfg.failure_timeout_s
     for m in "bcd":  # every member is heard; none has reported yet
-        neg.on_heartbeat(m, None, deadline - 0.1)
-    neg.check_failures(deadline + 0.01)
+        role.on_heartbeat(m, None, deadline - 0.1)
+    role.check_failures(deadline + 0.01)
     assert [u.cause for u in host.updates] == ["reelection"]
 
     def report(now: float) -> None:
         msg = AgentReport(sender="b", epoch=view.epoch, term=1, address="tcp://127.0.0.1:10",
                           joined_at=0.0, data_address="tcp://b:1",
                           shard_address="ipc:///tmp/b-1", trainer="training")  # fmt: skip
-        neg.on_agent_report(msg, now)
+        role.on_agent_report(msg, now)
 
     report(deadline + 0.1)
     assert [u.cause for u in host.updates] == ["reelection", "trainer_report"]
-    assert neg.monitor.trainer("b").value == "training"
+    assert role.monitor.trainer("b").value == "training"
     report(deadline + 0.2)
     assert len(host.updates) == 2
 
@@ -514,20 +515,20 @@ def test_a_report_after_the_rebuild_that_changes_a_trainer_commits_an_epoch() ->
 def test_a_link_measurement_commits_an_epoch_only_when_it_changes_the_sync_policy() -> None:
     from chaos.protocol import LinkReport
 
-    neg, host = _negotiator()
-    neg.trainers.on_info(_info("a", True, SIZES), None, 1.0)
+    role, host = _scheduler_role()
+    role.trainers.on_info(_info("a", True, SIZES), None, 1.0)
     for t, n in enumerate("bcd"):
-        neg.trainers.on_info(_info(n, False), None, 2.0 + t)
-    neg.monitor.set_link("c", "d", latency_s=0.001, bandwidth_bps=1e9)  # b-c is the bottleneck
-    neg.monitor.set_link("a", "c", latency_s=0.001, bandwidth_bps=None)  # a new link, unmeasured
-    neg.commit("connect_link", 6.0)
+        role.trainers.on_info(_info(n, False), None, 2.0 + t)
+    role.monitor.set_link("c", "d", latency_s=0.001, bandwidth_bps=1e9)  # b-c is the bottleneck
+    role.monitor.set_link("a", "c", latency_s=0.001, bandwidth_bps=None)  # a new link, unmeasured
+    role.ledger.commit("connect_link", 6.0)
     before = host.updates[-1].sync
-    epoch, commits = neg.epoch, len(host.updates)
+    epoch, commits = role.epoch, len(host.updates)
 
     def measured(bw: float, op_id: str = "refine-1", sender: str = "a", peer: str = "c") -> None:
-        report = LinkReport(sender=sender, epoch=neg.epoch, term=1, peer=peer, up=True,
+        report = LinkReport(sender=sender, epoch=role.epoch, term=1, peer=peer, up=True,
                             latency_s=0.001, bandwidth_bps=bw, op_id=op_id)  # fmt: skip
-        neg.on_link_report(report, 7.0)
+        role.on_link_report(report, 7.0)
 
     def check_probes(since: int) -> dict[tuple[str, str], str]:
         """The probes the scheduler ordered after ``since`` sends: (node, peer) -> op id."""
@@ -540,14 +541,14 @@ def test_a_link_measurement_commits_an_epoch_only_when_it_changes_the_sync_polic
     # a slow measurement: the max-bottleneck tree keeps b-c, so the trainers' policy is the same
     # and no epoch is committed; the monitor has the figure and the event log says so
     measured(1e6)
-    assert neg.epoch == epoch and len(host.updates) == commits
-    assert neg.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(1e6)
+    assert role.epoch == epoch and len(host.updates) == commits
+    assert role.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(1e6)
     refined = [f for name, f in host.events if name == "link_refined"]
     assert refined[-1]["a"] == "a" and refined[-1]["b"] == "c" and refined[-1]["epoch"] == epoch
     # 10% faster than b-c: the max-bottleneck tree would swap b-c for a-c, but that gains less
     # than sync_switch_min_gain (20%), so the structure in force stays and no epoch is committed
     measured(2.2e8)
-    assert neg.epoch == epoch and len(host.updates) == commits
+    assert role.epoch == epoch and len(host.updates) == commits
     # a fast one would change the tree (a-c replacing the 5x slower b-c), but one probe is not
     # trusted with that: the figure is held back, and a second probe of a-c and a fresh one of
     # b-c (the link the new tree drops) are ordered together
@@ -555,18 +556,18 @@ def test_a_link_measurement_commits_an_epoch_only_when_it_changes_the_sync_polic
     measured(1e10)
     probes = check_probes(sent)
     assert set(probes) == {("a", "c"), ("b", "c")}
-    assert neg.epoch == epoch and len(host.updates) == commits
-    assert neg.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(2.2e8)
+    assert role.epoch == epoch and len(host.updates) == commits
+    assert role.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(2.2e8)
     confirming = [f for name, f in host.events if name == "link_confirming"][-1]
     assert confirming["bandwidth_bps"] == 1e10 and confirming["rechecked"] == [["b", "c"]]
     # the second probe measures a-c slow (the first was noise): nothing is decided until b-c's
     # probe is in too; then the lower figure is kept, and nothing is committed
     measured(1e6, probes[("a", "c")])
-    assert neg.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(2.2e8)
-    assert neg.checks.pending
+    assert role.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(2.2e8)
+    assert role.checks.pending
     measured(2e8, probes[("b", "c")], sender="b")
-    assert neg.epoch == epoch and len(host.updates) == commits and not neg.checks.pending
-    assert neg.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(1e6)
+    assert role.epoch == epoch and len(host.updates) == commits and not role.checks.pending
+    assert role.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(1e6)
     # fast twice, but b-c, measured beside it, is as fast: the first figure of b-c was taken
     # on a busier host, not a slower link; both take their fresh figures, and the tree stays
     sent = len(host.sent)
@@ -574,87 +575,87 @@ def test_a_link_measurement_commits_an_epoch_only_when_it_changes_the_sync_polic
     probes = check_probes(sent)
     measured(5e9, probes[("b", "c")], sender="b")
     measured(6e9, probes[("a", "c")])
-    assert neg.epoch == epoch and len(host.updates) == commits
-    assert neg.monitor.link("b", "c")["bandwidth_bps"] == pytest.approx(5e9)
-    assert neg.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(6e9)
+    assert role.epoch == epoch and len(host.updates) == commits
+    assert role.monitor.link("b", "c")["bandwidth_bps"] == pytest.approx(5e9)
+    assert role.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(6e9)
     # a-c fast twice and b-c still slow: a new epoch is committed with a-c's lower figure
-    neg.monitor.set_bandwidth("b", "c", 2e8)
+    role.monitor.set_bandwidth("b", "c", 2e8)
     sent = len(host.sent)
     measured(2e10)
     probes = check_probes(sent)
     measured(1e10, probes[("a", "c")])
     measured(2e8, probes[("b", "c")], sender="b")
-    assert neg.epoch == epoch + 1 and host.updates[-1].cause == "link_measured"
-    assert neg.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(1e10)
+    assert role.epoch == epoch + 1 and host.updates[-1].cause == "link_measured"
+    assert role.monitor.link("a", "c")["bandwidth_bps"] == pytest.approx(1e10)
     after = host.updates[-1].sync
     assert (after.parents, after.ring) != (before.parents, before.ring)
     # a late answer to a confirming probe that was forgotten is an ordinary measurement
     measured(1e6, "confirm-unknown")
-    assert neg.epoch == epoch + 1
+    assert role.epoch == epoch + 1
 
 
 def test_a_commit_that_keeps_the_structure_keeps_the_topology_epoch() -> None:
-    neg, host = _negotiator()
-    neg.trainers.on_info(_info("a", True, SIZES), None, 1.0)
+    role, host = _scheduler_role()
+    role.trainers.on_info(_info("a", True, SIZES), None, 1.0)
     for t, n in enumerate("bcd"):
-        neg.trainers.on_info(_info(n, False), None, 2.0 + t)
+        role.trainers.on_info(_info(n, False), None, 2.0 + t)
     first = host.updates[-1].sync
-    assert first.topology_epoch == neg.epoch  # a new structure: its own epoch
+    assert first.topology_epoch == role.epoch  # a new structure: its own epoch
     # a slow new link that no tree uses: a new membership epoch, the same structure epoch
-    neg.monitor.set_link("a", "c", latency_s=0.001, bandwidth_bps=1e3)
-    neg.commit("connect_link", 6.0)
+    role.monitor.set_link("a", "c", latency_s=0.001, bandwidth_bps=1e3)
+    role.ledger.commit("connect_link", 6.0)
     kept = host.updates[-1].sync
     assert host.updates[-1].epoch == first.topology_epoch + 1
     assert kept.topology_epoch == first.topology_epoch and kept.parents == first.parents
     # a restart always gets a new structure epoch, even with the same structure
-    neg.commit("allreduce_restart", 7.0, apply_at="before_next_allreduce", restart=True)
-    assert host.updates[-1].sync.topology_epoch == neg.epoch
-    restart_epoch = neg.epoch
+    role.ledger.commit("allreduce_restart", 7.0, apply_at="before_next_allreduce", restart=True)
+    assert host.updates[-1].sync.topology_epoch == role.epoch
+    restart_epoch = role.epoch
     # a step that failed under the restart's structure gets another restart, even after a
     # commit that kept the structure (that one would not rerun the step)
-    neg.commit("connect_link", 8.0)
+    role.ledger.commit("connect_link", 8.0)
     assert host.updates[-1].sync.topology_epoch == restart_epoch
     from chaos.protocol import TrainerEvent
 
     failed = TrainerEvent(sender="b", node_id="b", kind="step_failed", epoch=restart_epoch,
                           detail="c", op_id="f")  # fmt: skip
-    neg.last_heard["c"] = 8.0
-    neg.trainers.on_event(failed, None, 8.0)
-    assert host.updates[-1].cause == "allreduce_restart" and neg.epoch == restart_epoch + 2
+    role.last_heard["c"] = 8.0
+    role.trainers.on_event(failed, None, 8.0)
+    assert host.updates[-1].cause == "allreduce_restart" and role.epoch == restart_epoch + 2
     # one reported under an older structure epoch than the newest one is answered, not restarted
     stale = TrainerEvent(sender="b", node_id="b", kind="step_failed", epoch=restart_epoch - 1,
                          detail="c", op_id="g")  # fmt: skip
-    neg.trainers.on_event(stale, None, 8.5)
-    assert neg.epoch == restart_epoch + 2
+    role.trainers.on_event(stale, None, 8.5)
+    assert role.epoch == restart_epoch + 2
 
 
 def test_failures_are_removed_one_per_commit() -> None:
     """Raft's single-server change: two silent members are not removed in one commit, so a
     minority cannot commit a membership whose majority it is."""
+    from chaos.protocol import PolicyAck
     from chaos.protocol.states import NodeState
 
-    from chaos.protocol import PolicyAck
-
-    neg, host = _negotiator()
-    neg.monitor.add_node("e", "tcp://127.0.0.1:20", NodeState.ACTIVE, 0.0)
-    neg.monitor.set_link("d", "e", latency_s=0.001, bandwidth_bps=1e9)
-    neg.commit("scale_out", 0.5)
+    role, host = _scheduler_role()
+    role.monitor.add_node("e", "tcp://127.0.0.1:20", NodeState.ACTIVE, 0.0)
+    role.monitor.set_link("d", "e", latency_s=0.001, bandwidth_bps=1e9)
+    role.ledger.commit("scale_out", 0.5)
     for m in "abcde":
-        neg.on_ack(PolicyAck(sender=m, epoch=neg.epoch, term=1), 0.6)
-    assert neg.stable_members == frozenset("abcde")
+        role.on_ack(PolicyAck(sender=m, epoch=role.epoch, term=1), 0.6)
+    assert role.stable_members == frozenset("abcde")
     for m in "abc":
-        neg.last_heard[m] = 10.0
-    neg.last_heard["d"], neg.last_heard["e"] = 8.0, 8.2  # both silent past the timeout
-    neg.check_failures(10.0)
+        role.last_heard[m] = 10.0
+    role.last_heard["d"], role.last_heard["e"] = 8.0, 8.2  # both silent past the timeout
+    role.check_failures(10.0)
     assert host.updates[-1].cause == "scale_in_failure"
     assert [n.id for n in host.updates[-1].view.nodes] == ["a", "b", "c", "e"]  # d, longest
-    epoch = neg.epoch
-    neg.check_failures(10.1)  # e waits until a majority acknowledged the removal of d
-    assert neg.epoch == epoch
+    epoch = role.epoch
+    role.check_failures(10.1)  # e waits until a majority acknowledged the removal of d
+    assert role.epoch == epoch
     for m in "abc":
-        neg.on_ack(PolicyAck(sender=m, epoch=epoch, term=1), 10.2)
-    neg.check_failures(10.3)
-    assert neg.epoch == epoch + 1 and [n.id for n in host.updates[-1].view.nodes] == ["a", "b", "c"]
+        role.on_ack(PolicyAck(sender=m, epoch=epoch, term=1), 10.2)
+    role.check_failures(10.3)
+    assert role.epoch == epoch + 1
+    assert [n.id for n in host.updates[-1].view.nodes] == ["a", "b", "c"]
 
 
 def test_the_daemon_publishes_its_epoch_to_trainers(cluster: Cluster) -> None:
@@ -691,12 +692,12 @@ def test_a_leaving_scheduler_answers_the_leavers_it_committed_and_hands_over_fre
     older one would be refused as stale)."""
     from chaos.protocol import LeaveRequest, PolicyAck, TimeoutNow
 
-    neg, host = _negotiator()
-    neg.on_leave(LeaveRequest(sender="a", node_id="a", op_id="own"), None, 1.0)
-    neg.on_leave(LeaveRequest(sender="c", node_id="c", op_id="op-c"), object(), 1.0)
-    assert neg.epoch == 2 and not host.answers  # nobody has acknowledged anything yet
+    role, host = _scheduler_role()
+    role.on_leave(LeaveRequest(sender="a", node_id="a", op_id="own"), None, 1.0)
+    role.on_leave(LeaveRequest(sender="c", node_id="c", op_id="op-c"), object(), 1.0)
+    assert role.epoch == 2 and not host.answers  # nobody has acknowledged anything yet
     for m in ("b", "d"):  # the first view (without a) is acknowledged, the second is not
-        neg.on_ack(PolicyAck(sender=m, epoch=1, term=1), 1.1)
+        role.on_ack(PolicyAck(sender=m, epoch=1, term=1), 1.1)
     results = {r.op_id: r for r in host.answers}
     assert results["own"].ok and results["op-c"].ok
     handovers = [(p, m) for p, m in host.sent if isinstance(m, TimeoutNow)]

@@ -5,8 +5,8 @@ size."""
 from __future__ import annotations
 
 import pytest
-from chaos.daemon import planner
 from chaos.daemon.config import DaemonConfig
+from chaos.daemon.scheduler import planner
 
 MB = 1 << 20
 

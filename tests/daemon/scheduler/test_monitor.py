@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from chaos.daemon.scheduler.monitor import ClusterMonitor
+
 from chaos.protocol.states import NodeState
 
 

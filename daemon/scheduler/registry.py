@@ -1,54 +1,93 @@
-"""Data-plane membership: the trainers registered with the daemons.
+"""The scheduler's record of the trainers registered with the daemons (data-plane membership).
 
-The contract is docs/trainer-daemon-interface.md.
-
-Two halves:
-
-* :class:`TrainerRegistry` runs on the scheduler, beside the negotiator. It applies the scheduler
-  rules of the interface: it records registrations in the monitor, admits the first trainer with
-  its state, plans the state replication for a trainer without state (donors, measured links,
-  ``chaos.scheduling.plan_replication``), refuses ``no_state_source`` and ``state_conflict``,
-  and turns ``ready`` into ``training``.
-* :class:`TrainerRelay` runs on every daemon. It forwards the local trainer's
-  :class:`~chaos.protocol.TrainerRegister` (as :class:`~chaos.protocol.TrainerInfo`) and
-  :class:`~chaos.protocol.TrainerEvent` to the scheduler, and remembers what was accepted, so that
-  its :class:`~chaos.protocol.AgentReport` lets a newly elected scheduler rebuild the registration.
+The contract is docs/trainer-daemon-interface.md. :class:`TrainerRegistry` applies the scheduler
+rules of the interface: it records registrations in the monitor, admits the first trainer with
+its state, plans the state replication for a trainer without state (donors, measured links,
+``chaos.scheduling.plan_replication``), refuses ``no_state_source`` and ``state_conflict``, turns
+``ready`` into ``training``, and commits (or holds back) the allreduce restarts a failed step asks
+for. Each member's side, which forwards its trainer's messages here, is
+:class:`chaos.daemon.relay.TrainerRelay`.
 """
 
 from __future__ import annotations
 
-import uuid
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-import msgspec
+from chaos.daemon.config import DaemonConfig
+from chaos.daemon.scheduler.monitor import ClusterMonitor
 from chaos.daemon.scheduler.planner import replication_policy
-from chaos.protocol.states import NodeState, TrainerState
 from chaos.daemon.transport import ReplyPath
 
 from chaos.protocol import (
+    ApplyAt,
     Message,
     OpResult,
     Reason,
-    Refusal,
     ReplicationWire,
+    SyncPolicyWire,
     TrainerEvent,
     TrainerInfo,
-    TrainerRegister,
 )
+from chaos.protocol.states import NodeState, TrainerState
 
-if TYPE_CHECKING:
-    from chaos.daemon.scheduler.negotiator import Negotiator
+
+class RegistryHost(Protocol):
+    """What the registry needs from its daemon."""
+
+    node_id: str
+
+    def respond(self, reply: ReplyPath | None, msg: Message) -> None: ...  # noqa: D102
+
+    def event(self, name: str, **fields: object) -> None: ...  # noqa: D102
+
+
+class Commits(Protocol):
+    """The epochs: the one committed last, the sync policy in force, and a new commit."""
+
+    epoch: int
+    last_sync: SyncPolicyWire | None
+
+    def commit(  # noqa: D102
+        self,
+        cause: str,
+        now: float,
+        *,
+        apply_at: ApplyAt = "after_allreduce",
+        restart: bool = False,
+        replication: ReplicationWire | None = None,
+    ) -> object: ...
+
+
+class Liveness(Protocol):
+    """When each member was last heard."""
+
+    last_heard: dict[str, float]
 
 
 class TrainerRegistry:
     """The scheduler's record of the trainers (rules 1-5 of the interface).
 
     Args:
-        neg: The negotiator whose monitor, commit and replies it uses.
+        host: The daemon (its id, its answers and its event log).
+        cfg: The heartbeat and failure timeouts, the replication settings.
+        monitor: The cluster monitor, where the trainers' states and endpoints are kept.
+        commits: Commits the epochs a registration or a restart needs.
+        liveness: When each member was last heard.
     """
 
-    def __init__(self, neg: Negotiator) -> None:
-        self.neg = neg
+    def __init__(
+        self,
+        host: RegistryHost,
+        cfg: DaemonConfig,
+        monitor: ClusterMonitor,
+        commits: Commits,
+        liveness: Liveness,
+    ) -> None:
+        self.host = host
+        self.cfg = cfg
+        self.monitor = monitor
+        self.commits = commits
+        self.liveness = liveness
         self.layout: list[int] | None = None
         self.state_digest = ""  # the first trainer's restored-state digest (stop-resume)
         self.registered_at: dict[str, float] = {}
@@ -62,7 +101,7 @@ class TrainerRegistry:
 
     def on_info(self, msg: TrainerInfo, reply: ReplyPath | None, now: float) -> None:
         """Applies a trainer registration (rules 1-3)."""
-        mon, n = self.neg.monitor, msg.node_id
+        mon, n = self.monitor, msg.node_id
         if not mon.has(n) or mon.state(n) != NodeState.ACTIVE:
             self._answer(reply, msg.op_id, Reason.BAD_REQUEST, f"{n} is not an active member")
             return
@@ -91,7 +130,7 @@ class TrainerRegistry:
         mon.set_trainer(n, TrainerState.SYNCING, msg.data_address, msg.shard_address)
         self.registered_at[n] = now
         self.pending[n] = repl
-        self.neg.host.event(
+        self.host.event(
             "replication_planned",
             peer=n,
             donors=sorted(repl.donor_addresses),
@@ -101,14 +140,14 @@ class TrainerRegistry:
             skipped=repl.skipped,
         )
         self._registered(n, "syncing", msg, reply)
-        self.neg.commit("trainer_scale_out", now, replication=repl)
+        self.commits.commit("trainer_scale_out", now, replication=repl)
         self._answer(reply, msg.op_id)
 
     def _register_state(
         self, msg: TrainerInfo, cur: TrainerState, reply: ReplyPath | None, now: float
     ) -> None:
         """The first trainer, or a training member's re-registration (new sizes or endpoints)."""
-        mon, n = self.neg.monitor, msg.node_id
+        mon, n = self.monitor, msg.node_id
         moved = (
             mon.node_attr(n, "data_address") != msg.data_address
             or mon.node_attr(n, "shard_address") != msg.shard_address
@@ -125,14 +164,14 @@ class TrainerRegistry:
         self.pending.pop(n, None)
         self._registered(n, "training", msg, reply)
         if cur != TrainerState.TRAINING:
-            self.neg.commit("trainer_registered", now)
+            self.commits.commit("trainer_registered", now)
         elif moved:  # a restarted trainer at new endpoints: the policy must name them
-            self.neg.commit("trainer_moved", now)
+            self.commits.commit("trainer_moved", now)
         # a re-registration that changes only the sizes keeps the epoch
         self._answer(reply, msg.op_id)
 
     def _registered(self, n: str, state: str, msg: TrainerInfo, reply: ReplyPath | None) -> None:
-        self.neg.host.event(
+        self.host.event(
             "trainer_registered",
             peer=n,
             trainer=state,
@@ -145,24 +184,24 @@ class TrainerRegistry:
 
     def _plan(self, n: str) -> ReplicationWire:
         """Plans the replication to ``n`` from its training neighbours (else any trainer)."""
-        mon = self.neg.monitor
+        mon = self.monitor
         training = [m for m in mon.trainer_members((TrainerState.TRAINING,)) if m != n]
-        if self.neg.cfg.replication_strategy == "multi-source":
+        if self.cfg.replication_strategy == "multi-source":
             donors = training  # every training member, multi-hop (Autoscaling)
         else:
             donors = [d for d in mon.neighbors(n) if d in training] or training
         links = {d: mon.path_link(d, n) for d in donors}
         sync_s = {d: float((mon.link(d, n) or {}).get("tau_sync_s") or 0.0) for d in donors}
         addresses = {d: a for d in donors if (a := mon.node_attr(d, "shard_address"))}
-        return replication_policy(n, links, None, self.layout, self.neg.cfg, addresses, sync_s)
+        return replication_policy(n, links, None, self.layout, self.cfg, addresses, sync_s)
 
     # -- events ----------------------------------------------------------------------------
 
     def on_event(self, msg: TrainerEvent, reply: ReplyPath | None, now: float) -> None:
         """Applies a trainer event (rule 4: ``ready`` marks the node ``training``)."""
-        mon, n = self.neg.monitor, msg.sender
+        mon, n = self.monitor, msg.sender
         cur = mon.trainer(n)
-        self.neg.host.event(
+        self.host.event(
             "trainer_event", peer=n, kind=msg.kind, elapsed_s=msg.elapsed_s, detail=msg.detail
         )
         if cur == TrainerState.NONE:
@@ -181,7 +220,7 @@ class TrainerRegistry:
             arrived = self.registered_at.pop(n, None)
             repl = self.pending.pop(n, None)
             donors = sorted(repl.donor_addresses) if repl is not None else []
-            self.neg.host.event(
+            self.host.event(
                 "scale_out_complete",
                 peer=n,
                 delay_s=now - arrived if arrived is not None else None,
@@ -225,30 +264,30 @@ class TrainerRegistry:
             self._restart(suspect, now)
             return
         self.held[suspect] = (due, failed_epoch)
-        self.neg.host.event("restart_held", peer=suspect, epoch=failed_epoch, due_in_s=due - now)
+        self.host.event("restart_held", peer=suspect, epoch=failed_epoch, due_in_s=due - now)
 
     def _newer_structure(self, failed_epoch: int) -> bool:
         """Whether a data-plane structure newer than ``failed_epoch`` was issued (a commit that
         kept the structure, e.g. a link no tree uses, would not rerun the step: it does not
         count)."""
-        last = self.neg.last_sync
+        last = self.commits.last_sync
         return (last.topology_epoch if last is not None else 0) > failed_epoch
 
     def _silent(self, peer: str, now: float) -> bool:
         """Whether ``peer`` is a member not heard for over 1.5 heartbeat intervals. The
         scheduler itself is always heard: it is the one answering."""
-        neg = self.neg
-        if peer == neg.host.node_id or not neg.monitor.has(peer):
+        if peer == self.host.node_id or not self.monitor.has(peer):
             return False
-        return now - neg.last_heard.get(peer, now) > neg.cfg.heartbeat_interval_s * 1.5
+        heard = self.liveness.last_heard.get(peer, now)
+        return now - heard > self.cfg.heartbeat_interval_s * 1.5
 
     def _restart_due(self, suspect: str, failed_epoch: int, now: float) -> float:
         """When a restart for a step of ``failed_epoch`` that blamed ``suspect`` may be
         committed (``now`` or earlier: at once)."""
-        cfg = self.neg.cfg
+        cfg = self.cfg
         due = now
         if self._silent(suspect, now):
-            heard = self.neg.last_heard.get(suspect, now)
+            heard = self.liveness.last_heard.get(suspect, now)
             due = max(due, heard + cfg.failure_timeout_s + cfg.heartbeat_interval_s)
         last = self.restarted.get(suspect)
         if last is not None and failed_epoch >= last[0]:
@@ -257,8 +296,10 @@ class TrainerRegistry:
 
     def _restart(self, suspect: str, now: float) -> None:
         self.held.pop(suspect, None)
-        self.neg.commit("allreduce_restart", now, apply_at="before_next_allreduce", restart=True)
-        self.restarted[suspect] = (self.neg.epoch, now)
+        self.commits.commit(
+            "allreduce_restart", now, apply_at="before_next_allreduce", restart=True
+        )
+        self.restarted[suspect] = (self.commits.epoch, now)
 
     def tick(self, now: float) -> None:
         """Commits the held restarts that are due and still needed: no newer structure came,
@@ -275,7 +316,7 @@ class TrainerRegistry:
     def carried(self) -> ReplicationWire | None:
         """The replication a commit carries while a joiner is still syncing (the latest one), so
         that a donor that skips an epoch still learns that it serves."""
-        live = [r for n, r in self.pending.items() if self.neg.monitor.has(n)]
+        live = [r for n, r in self.pending.items() if self.monitor.has(n)]
         return live[-1] if live else None
 
     def forget(self, node: str) -> None:
@@ -295,7 +336,7 @@ class TrainerRegistry:
         Returns:
             Whether the member's trainer state or endpoints changed (the sync policy may).
         """
-        mon = self.neg.monitor
+        mon = self.monitor
         if not mon.has(node) or fields.get("trainer", "none") == "none":
             return False
         state = TrainerState(fields["trainer"])
@@ -311,7 +352,7 @@ class TrainerRegistry:
 
     def replan_syncing(self) -> None:
         """After an election: plans again for the syncing nodes whose plan was lost."""
-        mon = self.neg.monitor
+        mon = self.monitor
         for n in mon.trainer_members((TrainerState.SYNCING,)):
             if n not in self.pending and self.layout is not None:
                 repl = self._plan(n)
@@ -322,119 +363,15 @@ class TrainerRegistry:
         self, reply: ReplyPath | None, op_id: str, reason: Reason | None = None, detail: str = ""
     ) -> None:
         if reason is not None:
-            self.neg.host.event("trainer_refused", reason=reason, detail=detail)
-        self.neg.host.respond(
+            self.host.event("trainer_refused", reason=reason, detail=detail)
+        self.host.respond(
             reply,
             OpResult(
-                sender=self.neg.host.node_id,
-                epoch=self.neg.epoch,
+                sender=self.host.node_id,
+                epoch=self.commits.epoch,
                 op_id=op_id,
                 ok=reason is None,
                 reason=reason,
                 detail=detail,
             ),
         )
-
-
-class RelayHost(Protocol):
-    """What the relay needs from its daemon."""
-
-    node_id: str
-
-    @property
-    def epoch(self) -> int: ...  # noqa: D102
-
-    @property
-    def active(self) -> bool: ...  # noqa: D102
-
-    def result(  # noqa: D102
-        self, reply: ReplyPath | None, op_id: str, reason: Reason | None = None, detail: str = ""
-    ) -> None: ...
-
-    def relay(self, reply: ReplyPath | None, msg: Message, op_id: str) -> None: ...  # noqa: D102
-
-
-class TrainerRelay:
-    """The local daemon's side: forwards the trainer's messages and remembers what was accepted.
-
-    Args:
-        host: The daemon.
-    """
-
-    def __init__(self, host: RelayHost) -> None:
-        self.host = host
-        self.registration: TrainerRegister | None = None
-        self.sizes: list[int] | None = None
-        self.state: TrainerState = TrainerState.NONE
-        self._sent: dict[str, TrainerRegister | TrainerEvent] = {}
-
-    def on_register(self, msg: TrainerRegister, reply: ReplyPath | None) -> None:
-        """Forwards a registration to the scheduler as :class:`TrainerInfo`."""
-        if not self.host.active:
-            self.host.result(reply, "", Reason.BAD_REQUEST, "this daemon is not a member (yet)")
-            return
-        op_id = uuid.uuid4().hex[:12]
-        self._sent[op_id] = msg
-        info = TrainerInfo(
-            sender=self.host.node_id,
-            epoch=self.host.epoch,
-            node_id=self.host.node_id,
-            data_address=msg.data_address,
-            shard_address=msg.shard_address,
-            has_state=msg.has_state,
-            tensor_sizes=msg.tensor_sizes,
-            op_id=op_id,
-            state_digest=msg.state_digest,
-        )
-        self.host.relay(reply, info, op_id)
-
-    def on_event(self, msg: TrainerEvent, reply: ReplyPath | None) -> None:
-        """Forwards a trainer event to the scheduler, stamped with this node's id."""
-        if not self.host.active:
-            self.host.result(reply, "", Reason.BAD_REQUEST, "this daemon is not a member (yet)")
-            return
-        op_id = uuid.uuid4().hex[:12]
-        self._sent[op_id] = msg
-        me = self.host.node_id
-        # a failed step names the epoch it ran under; other events carry this daemon's epoch
-        epoch = msg.epoch if msg.kind == "step_failed" else self.host.epoch
-        fwd = msgspec.structs.replace(msg, sender=me, node_id=me, epoch=epoch, op_id=op_id)
-        self.host.relay(reply, fwd, op_id)
-
-    def on_result(self, msg: OpResult) -> None:
-        """Notes the scheduler's answer to a forwarded message."""
-        sent = self._sent.pop(msg.op_id, None)
-        if sent is None or not msg.ok:
-            return
-        if isinstance(sent, TrainerRegister):
-            self.registration = sent
-            self.state = TrainerState.TRAINING if sent.has_state else TrainerState.SYNCING
-            if sent.has_state and sent.tensor_sizes is not None:
-                self.sizes = list(sent.tensor_sizes)
-        elif sent.kind == "ready":
-            self.state = TrainerState.TRAINING
-
-    def on_refusal(self, msg: Refusal) -> str | None:
-        """The op id of the forwarded message a scheduler refused (the oldest of its type)."""
-        for op_id, sent in self._sent.items():
-            tag = "trainer_info" if isinstance(sent, TrainerRegister) else "trainer_event"
-            if tag == msg.ref_type:
-                del self._sent[op_id]
-                return op_id
-        return None
-
-    def forget(self, op_id: str) -> None:
-        """Drops a forwarded message that timed out."""
-        self._sent.pop(op_id, None)
-
-    def report_fields(self) -> dict[str, Any]:
-        """The trainer fields of this node's :class:`~chaos.protocol.AgentReport`."""
-        reg = self.registration
-        if reg is None:
-            return {}
-        return {
-            "data_address": reg.data_address,
-            "shard_address": reg.shard_address,
-            "trainer": self.state,
-            "tensor_sizes": self.sizes if self.state == "training" else None,
-        }

@@ -1,0 +1,177 @@
+"""The local clients' requests: answered here, or relayed to the scheduler and answered later.
+
+:class:`ClientRequests` answers ``status``, ``policy`` and ``fault`` at once; it turns a
+``link add``/``link remove`` into a :class:`~chaos.protocol.LinkRequest` to the scheduler (and,
+for a connect, measures the new link while the request travels); and it keeps every request
+relayed to the scheduler (the trainer's too) until the scheduler's
+:class:`~chaos.protocol.OpResult` comes back, or answers it with a failure after
+``op_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgspec
+from chaos.daemon.agent import Agent
+from chaos.daemon.relay import TrainerRelay
+from chaos.daemon.replies import ReplySource, policy_reply, status_reply
+from chaos.daemon.states import DaemonState
+from chaos.daemon.transport import FaultInjector, ReplyPath
+
+from chaos.protocol import (
+    ConnectCommand,
+    FaultCommand,
+    FaultReply,
+    LinkCommand,
+    LinkRequest,
+    Message,
+    OpResult,
+    PolicyRequest,
+    Reason,
+    StatusRequest,
+)
+
+
+class ClientHost(ReplySource, Protocol):
+    """What the client requests need from the daemon."""
+
+    def respond(self, reply: ReplyPath | None, msg: Message) -> None: ...  # noqa: D102
+
+    def to_scheduler(self, msg: Message) -> bool: ...  # noqa: D102
+
+    def event(self, name: str, **fields: object) -> None: ...  # noqa: D102
+
+
+@dataclass
+class _ClientOp:
+    reply: ReplyPath | None
+    deadline: float
+
+
+class ClientRequests:
+    """Answers and relays the local clients' requests.
+
+    Args:
+        host: The daemon.
+        faults: The injected faults (the ``fault`` command sets them).
+        agent: Measures a link asked for while its request travels.
+        trainer: The local trainer's relay (a relayed message that fails is forgotten there).
+    """
+
+    def __init__(
+        self, host: ClientHost, faults: FaultInjector, agent: Agent, trainer: TrainerRelay
+    ) -> None:
+        self.host = host
+        self.faults = faults
+        self.agent = agent
+        self.trainer = trainer
+        self._waiting: dict[str, _ClientOp] = {}
+
+    # -- answers ---------------------------------------------------------------------------
+
+    def result(
+        self,
+        reply: ReplyPath | None,
+        op_id: str,
+        reason: Reason | None = None,
+        detail: str = "",
+    ) -> None:
+        """Answers a client with an :class:`OpResult` (failed when ``reason`` is given)."""
+        h = self.host
+        ok = reason is None
+        msg = OpResult(
+            sender=h.node_id, epoch=h.epoch, op_id=op_id, ok=ok, reason=reason, detail=detail
+        )
+        h.respond(reply, msg)
+
+    def on_status(self, msg: StatusRequest, reply: ReplyPath | None, now: float) -> None:
+        """Answers ``status``."""
+        self.host.respond(reply, status_reply(self.host))
+
+    def on_policy_request(self, msg: PolicyRequest, reply: ReplyPath | None, now: float) -> None:
+        """Answers the trainer's policy request."""
+        self.host.respond(reply, policy_reply(self.host))
+
+    def on_fault(self, msg: FaultCommand, reply: ReplyPath | None, now: float) -> None:
+        """Sets an injected fault and answers with the faults now active."""
+        h = self.host
+        self.faults.apply(msg.name, list(msg.peers))
+        h.event("fault", fault=msg.name, peers=list(msg.peers))
+        h.respond(reply, FaultReply(sender=h.node_id, epoch=h.epoch, active=self.faults.describe()))
+
+    # -- relayed to the scheduler ----------------------------------------------------------
+
+    def relay(self, reply: ReplyPath | None, msg: Message, op_id: str) -> None:
+        """Sends a client's request to the scheduler; its :class:`OpResult` goes back to the
+        client (a failure if none comes within ``op_timeout_s``)."""
+        self._waiting[op_id] = _ClientOp(reply, time.monotonic() + self.host.cfg.op_timeout_s)
+        if not self.host.to_scheduler(msg):
+            del self._waiting[op_id]
+            self.trainer.forget(op_id)
+            self.result(reply, op_id, Reason.PAUSED, "no scheduler")
+
+    def on_result(self, msg: OpResult) -> None:
+        """Passes the scheduler's answer on to the client waiting for it."""
+        op = self._waiting.pop(msg.op_id, None)
+        if op is not None:
+            self.host.respond(op.reply, msgspec.structs.replace(msg, sender=self.host.node_id))
+
+    def refused(self, op_id: str, reason: Reason, detail: str) -> None:
+        """Answers the client whose relayed request the scheduler refused."""
+        op = self._waiting.pop(op_id, None)
+        if op is not None:
+            self.result(op.reply, op_id, reason, detail)
+
+    def expire(self, now: float) -> None:
+        """Answers the requests the scheduler left unanswered past their deadline."""
+        for op_id, op in list(self._waiting.items()):
+            if now > op.deadline:
+                del self._waiting[op_id]
+                self.trainer.forget(op_id)
+                self.result(op.reply, op_id, Reason.TIMEOUT, "no answer from the scheduler")
+
+    def on_link_command(self, msg: LinkCommand, reply: ReplyPath | None, now: float) -> None:
+        """``link add``/``link remove``: relayed to the scheduler as a :class:`LinkRequest`."""
+        h = self.host
+        op_id = uuid.uuid4().hex[:12]
+        if msg.peer == h.node_id or h.state != DaemonState.ACTIVE:
+            why = "itself" if msg.peer == h.node_id else f"while {h.state.value}"
+            self.result(reply, op_id, Reason.BAD_REQUEST, f"cannot link {why}")
+            return
+        # connect-link: measure the new link while the request travels to the scheduler
+        # (saves the scheduler's order to measure it, a round trip on the critical path)
+        address = self._view_address(msg.peer) if msg.op == "connect" else None
+        req = LinkRequest(
+            sender=h.node_id,
+            epoch=h.epoch,
+            a=h.node_id,
+            b=msg.peer,
+            op=msg.op,
+            op_id=op_id,
+            premeasured=address is not None,
+        )
+        self.relay(reply, req, op_id)
+        if address is not None and op_id in self._waiting:
+            self.agent.on_connect(
+                ConnectCommand(
+                    sender=h.node_id,
+                    epoch=h.epoch,
+                    term=h.term,
+                    peer=msg.peer,
+                    address=address,
+                    measure_bandwidth=False,
+                    op_id="pre-" + op_id,
+                ),
+                now,
+            )
+
+    def _view_address(self, peer: str) -> str | None:
+        """The control address of ``peer`` in the installed view (``None``: not a member)."""
+        view = self.host.view
+        if view is None:
+            return None
+        return next((n.address for n in view.nodes if n.id == peer), None)

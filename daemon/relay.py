@@ -1,0 +1,132 @@
+"""The member's side of data-plane membership: the local trainer's messages, relayed.
+
+:class:`TrainerRelay` runs on every daemon. It forwards the local trainer's
+:class:`~chaos.protocol.TrainerRegister` (as :class:`~chaos.protocol.TrainerInfo`) and
+:class:`~chaos.protocol.TrainerEvent` to the scheduler, and remembers what was accepted, so that
+its :class:`~chaos.protocol.AgentReport` lets a newly elected scheduler rebuild the registration.
+The scheduler's side is :class:`chaos.daemon.scheduler.registry.TrainerRegistry`; the contract is
+docs/trainer-daemon-interface.md.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Protocol
+
+import msgspec
+from chaos.daemon.transport import ReplyPath
+
+from chaos.protocol import (
+    Message,
+    OpResult,
+    Reason,
+    Refusal,
+    TrainerEvent,
+    TrainerInfo,
+    TrainerRegister,
+)
+from chaos.protocol.states import TrainerState
+
+
+class RelayHost(Protocol):
+    """What the relay needs from its daemon."""
+
+    node_id: str
+
+    @property
+    def epoch(self) -> int: ...  # noqa: D102
+
+    @property
+    def active(self) -> bool: ...  # noqa: D102
+
+    def result(  # noqa: D102
+        self, reply: ReplyPath | None, op_id: str, reason: Reason | None = None, detail: str = ""
+    ) -> None: ...
+
+    def relay(self, reply: ReplyPath | None, msg: Message, op_id: str) -> None: ...  # noqa: D102
+
+
+class TrainerRelay:
+    """The local daemon's side: forwards the trainer's messages and remembers what was accepted.
+
+    Args:
+        host: The daemon.
+    """
+
+    def __init__(self, host: RelayHost) -> None:
+        self.host = host
+        self.registration: TrainerRegister | None = None
+        self.sizes: list[int] | None = None
+        self.state: TrainerState = TrainerState.NONE
+        self._sent: dict[str, TrainerRegister | TrainerEvent] = {}
+
+    def on_register(self, msg: TrainerRegister, reply: ReplyPath | None) -> None:
+        """Forwards a registration to the scheduler as :class:`TrainerInfo`."""
+        if not self.host.active:
+            self.host.result(reply, "", Reason.BAD_REQUEST, "this daemon is not a member (yet)")
+            return
+        op_id = uuid.uuid4().hex[:12]
+        self._sent[op_id] = msg
+        info = TrainerInfo(
+            sender=self.host.node_id,
+            epoch=self.host.epoch,
+            node_id=self.host.node_id,
+            data_address=msg.data_address,
+            shard_address=msg.shard_address,
+            has_state=msg.has_state,
+            tensor_sizes=msg.tensor_sizes,
+            op_id=op_id,
+            state_digest=msg.state_digest,
+        )
+        self.host.relay(reply, info, op_id)
+
+    def on_event(self, msg: TrainerEvent, reply: ReplyPath | None) -> None:
+        """Forwards a trainer event to the scheduler, stamped with this node's id."""
+        if not self.host.active:
+            self.host.result(reply, "", Reason.BAD_REQUEST, "this daemon is not a member (yet)")
+            return
+        op_id = uuid.uuid4().hex[:12]
+        self._sent[op_id] = msg
+        me = self.host.node_id
+        # a failed step names the epoch it ran under; other events carry this daemon's epoch
+        epoch = msg.epoch if msg.kind == "step_failed" else self.host.epoch
+        fwd = msgspec.structs.replace(msg, sender=me, node_id=me, epoch=epoch, op_id=op_id)
+        self.host.relay(reply, fwd, op_id)
+
+    def on_result(self, msg: OpResult) -> None:
+        """Notes the scheduler's answer to a forwarded message."""
+        sent = self._sent.pop(msg.op_id, None)
+        if sent is None or not msg.ok:
+            return
+        if isinstance(sent, TrainerRegister):
+            self.registration = sent
+            self.state = TrainerState.TRAINING if sent.has_state else TrainerState.SYNCING
+            if sent.has_state and sent.tensor_sizes is not None:
+                self.sizes = list(sent.tensor_sizes)
+        elif sent.kind == "ready":
+            self.state = TrainerState.TRAINING
+
+    def on_refusal(self, msg: Refusal) -> str | None:
+        """The op id of the forwarded message a scheduler refused (the oldest of its type)."""
+        for op_id, sent in self._sent.items():
+            tag = "trainer_info" if isinstance(sent, TrainerRegister) else "trainer_event"
+            if tag == msg.ref_type:
+                del self._sent[op_id]
+                return op_id
+        return None
+
+    def forget(self, op_id: str) -> None:
+        """Drops a forwarded message that timed out."""
+        self._sent.pop(op_id, None)
+
+    def report_fields(self) -> dict[str, Any]:
+        """The trainer fields of this node's :class:`~chaos.protocol.AgentReport`."""
+        reg = self.registration
+        if reg is None:
+            return {}
+        return {
+            "data_address": reg.data_address,
+            "shard_address": reg.shard_address,
+            "trainer": self.state,
+            "tensor_sizes": self.sizes if self.state == "training" else None,
+        }

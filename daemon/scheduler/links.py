@@ -1,0 +1,174 @@
+"""Connect-link and disconnect-link (paper IV-B, Fig. 4), and the scheduler's probe orders.
+
+* **connect-link**: one end connects and pings; the policy is issued; the bandwidth is measured
+  afterwards (overlapping training); a ``link_measured`` update follows only when the measurement
+  changes the sync policy's structure (:mod:`chaos.daemon.scheduler.link_checks`).
+* **disconnect-link**: requested (``after_allreduce``; refused if it would disconnect the
+  overlay) or a failed probe (``before_next_allreduce`` with restart; the link stays, marked
+  down).
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from dataclasses import dataclass
+from typing import Protocol
+
+from chaos.daemon.config import DaemonConfig
+from chaos.daemon.scheduler.ledger import EpochLedger
+from chaos.daemon.scheduler.monitor import ClusterMonitor
+from chaos.daemon.transport import ReplyPath
+
+from chaos.protocol import ConnectCommand, LinkReport, LinkRequest, Message, Reason
+
+
+class LinkHost(Protocol):
+    """What the link primitives need from the daemon."""
+
+    node_id: str
+
+    @property
+    def term(self) -> int: ...  # noqa: D102
+
+    def send(self, peer: str, msg: Message) -> bool: ...  # noqa: D102
+
+    def event(self, name: str, **fields: object) -> None: ...  # noqa: D102
+
+
+@dataclass
+class LinkOp:
+    """A connect-link waiting for its link report."""
+
+    req: LinkRequest
+    reply: ReplyPath | None
+    started: float
+    deadline: float
+
+
+class LinkOps:
+    """The link primitives in progress, and the probe orders.
+
+    Args:
+        host: The daemon (identity, term, sends, events).
+        cfg: ``probe_timeout_s``.
+        monitor: The cluster monitor.
+        ledger: Commits the link changes and answers their requesters.
+    """
+
+    def __init__(
+        self, host: LinkHost, cfg: DaemonConfig, monitor: ClusterMonitor, ledger: EpochLedger
+    ) -> None:
+        self.host = host
+        self.cfg = cfg
+        self.monitor = monitor
+        self.ledger = ledger
+        self.pending: dict[str, LinkOp] = {}
+
+    def on_request(self, msg: LinkRequest, reply: ReplyPath | None, now: float) -> None:
+        """Connect-link or disconnect-link."""
+        a, b = msg.a, msg.b
+        if a == b or not self.monitor.has(a) or not self.monitor.has(b):
+            self.ledger.refuse(reply, msg.op_id, Reason.UNKNOWN_PEER, f"link {a}-{b}: unknown node")
+            return
+        link = self.monitor.link(a, b)
+        if msg.op == "connect":
+            self._connect(msg, link, reply, now)
+        else:
+            self._disconnect(msg, link, reply, now)
+
+    def _connect(
+        self, msg: LinkRequest, link: dict[str, object] | None, reply: ReplyPath | None, now: float
+    ) -> None:
+        if link is not None and link["up"]:
+            self.ledger.refuse(reply, msg.op_id, Reason.BAD_REQUEST, "link already up")
+            return
+        if msg.reason == "probe_recovered" and link is not None:
+            self.monitor.set_link(msg.a, msg.b, up=True)
+            self.ledger.commit("connect_link", now, reply=reply, req_op_id=msg.op_id)
+            return
+        if msg.premeasured and msg.sender == msg.a:  # a measures it and reports by itself
+            self.pending["pre-" + msg.op_id] = LinkOp(
+                msg, reply, now, now + self.cfg.probe_timeout_s
+            )
+            return
+        op_id = uuid.uuid4().hex[:12]
+        self.pending[op_id] = LinkOp(msg, reply, now, now + self.cfg.probe_timeout_s)
+        self._order_probe(msg.a, msg.b, op_id, measure_bandwidth=False)
+
+    def _disconnect(
+        self, msg: LinkRequest, link: dict[str, object] | None, reply: ReplyPath | None, now: float
+    ) -> None:
+        ledger = self.ledger
+        if link is None or (msg.reason == "probe_failed" and not link["up"]):
+            ledger.refuse(reply, msg.op_id, Reason.BAD_REQUEST, "no such link up")
+            return
+        if msg.reason == "probe_failed":
+            self.monitor.set_link(msg.a, msg.b, up=False)
+            self.host.event("link_down", a=msg.a, b=msg.b)
+            ledger.commit(
+                "disconnect_link",
+                now,
+                apply_at="before_next_allreduce",
+                restart=True,
+                reply=reply,
+                req_op_id=msg.op_id,
+            )
+            return
+        if link["up"] and not self.monitor.connected_without(msg.a, msg.b):
+            ledger.refuse(reply, msg.op_id, Reason.WOULD_DISCONNECT, "the overlay would split")
+            return
+        self.monitor.remove_link(msg.a, msg.b)
+        ledger.commit("disconnect_link", now, reply=reply, req_op_id=msg.op_id)
+
+    def take(self, msg: LinkReport, now: float) -> bool:
+        """Takes the report a connect-link waits for (committing the link when it is up);
+        returns whether ``msg`` was one."""
+        lop = self.pending.pop(msg.op_id, None)
+        if lop is None:
+            return False
+        a, b = lop.req.a, lop.req.b
+        if not msg.up or not self.monitor.has(a) or not self.monitor.has(b):
+            self.ledger.refuse(
+                lop.reply, lop.req.op_id, Reason.UNREACHABLE, f"{a} cannot reach {b}"
+            )
+            return True
+        self.monitor.set_link(a, b, up=True, latency_s=msg.latency_s)
+        op = self.ledger.commit(
+            "connect_link", now, reply=lop.reply, req_op_id=lop.req.op_id, started=lop.started
+        )
+        # the bandwidth probe (a bulk transfer) starts once every member has the new policy
+        op.then = functools.partial(self.order_bandwidth_probe, a, b)
+        return True
+
+    def order_bandwidth_probe(self, a: str, b: str, prefix: str = "refine-") -> str | None:
+        """Asks ``a`` to measure its link to ``b``; returns the operation id (``None``: either
+        node is gone)."""
+        if not (self.monitor.has(a) and self.monitor.has(b)):
+            return None
+        op_id = prefix + uuid.uuid4().hex[:8]
+        self._order_probe(a, b, op_id, measure_bandwidth=True)
+        return op_id
+
+    def _order_probe(self, a: str, b: str, op_id: str, measure_bandwidth: bool) -> None:
+        self.host.send(
+            a,
+            ConnectCommand(
+                sender=self.host.node_id,
+                epoch=self.ledger.epoch,
+                term=self.host.term,
+                peer=b,
+                address=self.monitor.address(b),
+                measure_bandwidth=measure_bandwidth,
+                op_id=op_id,
+            ),
+        )
+
+    def tick(self, now: float) -> None:
+        """Fails the connect-links whose measurement is overdue."""
+        for op_id, lop in list(self.pending.items()):
+            if now > lop.deadline:
+                self.pending.pop(op_id)
+                self.ledger.refuse(
+                    lop.reply, lop.req.op_id, Reason.TIMEOUT, "link measurement timed out"
+                )

@@ -1,0 +1,251 @@
+"""The scheduler role (paper IV-B, Fig. 4): what the elected node runs, and with what.
+
+:class:`SchedulerRole` builds the scheduler's collaborators over one cluster monitor and routes
+the messages that only the scheduler handles to them:
+
+* :class:`~chaos.daemon.scheduler.ledger.EpochLedger`: commits, acknowledgements, the quorum
+  base, the primitives waiting for their epoch;
+* :class:`~chaos.daemon.scheduler.failures.FailureDetector`: when each member was last heard;
+* :class:`~chaos.daemon.scheduler.rebuild.ViewRebuild`: the view rebuilt after an election;
+* :class:`~chaos.daemon.scheduler.scale_out.ScaleOuts`: the joins;
+* :class:`~chaos.daemon.scheduler.links.LinkOps` and
+  :class:`~chaos.daemon.scheduler.link_checks.LinkChecks`: connect-link, disconnect-link, and
+  the bandwidth refinements;
+* :class:`~chaos.daemon.scheduler.registry.TrainerRegistry`: the trainers.
+
+It carries out itself what spans several of them: a scale-in, for a leave (``after_allreduce``)
+or a failure (``before_next_allreduce``, and the allreduce in flight restarts). Step-boundary
+rules (paper IV-B): planned changes apply after the current allreduce; failures apply before the
+next one and restart any allreduce in flight.
+
+Quorum: a member silent for ``failure_timeout_s`` is failed. If the members still heard are not
+a strict majority, nothing is removed: the scheduler steps down and pauses.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from chaos.daemon.config import DaemonConfig
+from chaos.daemon.scheduler.failures import FailureDetector
+from chaos.daemon.scheduler.ledger import EpochLedger
+from chaos.daemon.scheduler.link_checks import LinkChecks
+from chaos.daemon.scheduler.links import LinkOps
+from chaos.daemon.scheduler.monitor import ClusterMonitor
+from chaos.daemon.scheduler.rebuild import ViewRebuild
+from chaos.daemon.scheduler.registry import TrainerRegistry
+from chaos.daemon.scheduler.scale_out import ScaleOuts
+from chaos.daemon.transport import ReplyPath
+
+from chaos.protocol import (
+    AgentReport,
+    ClusterView,
+    JoinRequest,
+    LeaveRequest,
+    LinkReport,
+    LinkRequest,
+    Message,
+    PolicyAck,
+    Reason,
+    ReplicationWire,
+    Resources,
+    TimeoutNow,
+)
+from chaos.protocol.states import NodeState
+
+
+class SchedulerHost(Protocol):
+    """What the scheduler role needs from its daemon."""
+
+    node_id: str
+    address: str
+
+    @property
+    def term(self) -> int: ...  # noqa: D102
+
+    def send(self, peer: str, msg: Message) -> bool: ...  # noqa: D102
+
+    def respond(self, reply: ReplyPath | None, msg: Message) -> None: ...  # noqa: D102
+
+    def send_to_address(self, peer: str, address: str, msg: Message) -> None: ...  # noqa: D102
+
+    def broadcast(self, peers: dict[str, str], msg: Message) -> None: ...  # noqa: D102
+
+    def event(self, name: str, **fields: object) -> None: ...  # noqa: D102
+
+    def observe_primitive(self, name: str, seconds: float) -> None: ...  # noqa: D102
+
+    def lost_quorum(self) -> None: ...  # noqa: D102
+
+
+class SchedulerRole:
+    """The scheduler's state and primitives.
+
+    Args:
+        host: The daemon.
+        cfg: Timeouts and planner settings.
+        view: The last view this node installed (``None``: a new cluster of this node alone).
+        now: Monotonic time.
+        old_scheduler: The scheduler this one replaces, with the last time it was heard.
+    """
+
+    def __init__(
+        self,
+        host: SchedulerHost,
+        cfg: DaemonConfig,
+        view: ClusterView | None,
+        now: float,
+        old_scheduler: tuple[str, float] | None = None,
+    ) -> None:
+        self.host = host
+        self.cfg = cfg
+        if view is None:
+            self.monitor = ClusterMonitor()
+            self.monitor.add_node(host.node_id, host.address, NodeState.ACTIVE, time.time())
+        else:
+            self.monitor = ClusterMonitor.from_view(view)
+        members = self.monitor.members()
+        self.failures = FailureDetector(host.node_id, cfg, members, now)
+        if old_scheduler is not None and old_scheduler[0] in self.failures.last_heard:
+            self.failures.heard(old_scheduler[0], old_scheduler[1])
+        self.ledger = EpochLedger(
+            host, cfg, self.monitor, view.epoch if view is not None else 0, self._carried
+        )
+        self.trainers = TrainerRegistry(host, cfg, self.monitor, self.ledger, self.failures)
+        waiting = set(members) - {host.node_id} if view is not None else set()
+        self.rebuild = ViewRebuild(
+            self.monitor, self.ledger, self.trainers, waiting, now + cfg.failure_timeout_s
+        )
+        self.scale_outs = ScaleOuts(
+            host, cfg, self.monitor, self.ledger, self.failures, self.trainers
+        )
+        self.links = LinkOps(host, cfg, self.monitor, self.ledger)
+        # bandwidth refinements, and the probes that confirm one that would re-wire the data plane
+        self.checks = LinkChecks(host, self.monitor, self.ledger, self.links)
+
+    def _carried(self) -> ReplicationWire | None:
+        return self.trainers.carried()
+
+    # -- what the daemon and the tests read ------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        """The epoch committed last."""
+        return self.ledger.epoch
+
+    @property
+    def last_heard(self) -> dict[str, float]:
+        """When each member was last heard (monotonic time)."""
+        return self.failures.last_heard
+
+    @property
+    def stable_members(self) -> frozenset[str]:
+        """The quorum base."""
+        return self.ledger.stable_members
+
+    @property
+    def rebuild_deadline(self) -> float:
+        """When a rebuild after an election commits without the missing reports."""
+        return self.rebuild.deadline
+
+    # -- messages --------------------------------------------------------------------------
+
+    def on_heartbeat(self, sender: str, resources: Resources | None, now: float) -> None:
+        """Records a member's heartbeat."""
+        self.failures.heard(sender, now)
+        if resources is not None:
+            self.monitor.set_resources(sender, resources)
+
+    def on_ack(self, msg: PolicyAck, now: float) -> None:
+        """Counts a member's acknowledgement of an epoch."""
+        self.failures.heard(msg.sender, now)
+        self.ledger.on_ack(msg, now)
+
+    def on_agent_report(self, msg: AgentReport, now: float) -> None:
+        """Rebuilds the view from an agent's report after an election."""
+        self.failures.heard(msg.sender, now)
+        self.rebuild.on_report(msg, now)
+
+    def on_join(self, msg: JoinRequest, reply: ReplyPath | None, now: float) -> None:
+        """Starts a scale-out (or refuses it)."""
+        self.scale_outs.on_join(msg, reply, now)
+
+    def on_link_request(self, msg: LinkRequest, reply: ReplyPath | None, now: float) -> None:
+        """Connect-link or disconnect-link."""
+        self.links.on_request(msg, reply, now)
+
+    def on_link_report(self, msg: LinkReport, now: float) -> None:
+        """A neighbour's measurement: completes a scale-out, a connect-link, or refines a link."""
+        if self.scale_outs.take(msg, now) or self.links.take(msg, now):
+            return
+        if msg.op_id.startswith("pre-"):
+            return  # the measurement of a connect-link that was refused or timed out
+        if self.checks.take(msg, now):
+            return  # a confirming probe
+        if msg.up and self.monitor.link(msg.sender, msg.peer) is not None:
+            self.checks.refine(msg, now)  # a bandwidth refinement
+
+    # -- scale-in --------------------------------------------------------------------------
+
+    def on_leave(self, msg: LeaveRequest, reply: ReplyPath | None, now: float) -> None:
+        """Scale-in for a graceful leave; a leaving scheduler hands over afterwards."""
+        node = msg.node_id
+        if node != msg.sender or not self.monitor.has(node):
+            self.ledger.refuse(reply, msg.op_id, Reason.BAD_REQUEST, f"{node} cannot leave")
+            return
+        self.monitor.set_state(node, NodeState.LEAVING)
+        self._remove(node, now)  # a leaver acknowledges nothing more
+        op = self.ledger.commit("scale_in_leave", now, reply=reply, req_op_id=msg.op_id)
+        if node == self.host.node_id:
+            op.after = TimeoutNow(sender=node, epoch=self.epoch, term=self.host.term)
+        if not op.waiting:
+            self.ledger.complete(op, now, ok=True)
+
+    def next_failure_deadline(self) -> float:
+        """When the next member would time out (for the loop's timer)."""
+        return self.failures.next_deadline()
+
+    def check_failures(self, now: float) -> None:
+        """Scales in members silent for ``failure_timeout_s``, if a majority is still heard."""
+        members = self.monitor.members()
+        ledger = self.ledger
+        base = ledger.stable_members
+        verdict = self.failures.check(members, base, ledger.last_update is not None, now)
+        if not verdict.overdue:
+            self.rebuild.maybe_finish(now)
+            return
+        if verdict.quorum_lost:
+            self.host.event(
+                "quorum_lost", members=members, base=sorted(base), silent=verdict.overdue
+            )
+            self.host.lost_quorum()
+            return
+        if ledger.pending_views and ledger.last_update is not None:
+            return  # one unacknowledged membership change at a time (Raft's single change)
+        for m in verdict.failed:
+            self.monitor.set_state(m, NodeState.FAILED)
+            self.rebuild.forget(m)
+            self.host.event("node_failed", peer=m, silent_s=verdict.silent_s[m])
+            self._remove(m, now)
+        if ledger.last_update is None:  # still rebuilding after an election: one commit for all
+            self.rebuild.maybe_finish(now)
+            return
+        ledger.commit("scale_in_failure", now, apply_at="before_next_allreduce", restart=True)
+
+    def _remove(self, node: str, now: float) -> None:
+        """Takes a member that left or failed out of the monitor and of every wait."""
+        self.monitor.remove_node(node)
+        self.failures.forget(node)
+        self.trainers.forget(node)
+        self.ledger.wait_for_none_from(node, now)
+        self.scale_outs.forget(node)
+
+    # -- timers ----------------------------------------------------------------------------
+
+    def tick(self, now: float) -> None:
+        """Times out primitives, joins and link operations; commits held allreduce restarts."""
+        self.ledger.tick(now)
+        self.links.tick(now)
+        self.scale_outs.tick(now)
+        self.trainers.tick(now)

@@ -1,0 +1,200 @@
+"""Scale-out (paper IV-B, Fig. 4): admitting a node that asks to join.
+
+The joiner's neighbours connect to it and measure the links (latency and bandwidth); then the
+replication and sync policies are issued (``after_allreduce``). A retry of a join in progress is
+ignored; a restarted incarnation of a member is scaled in and out again; a join naming an
+unknown neighbour, or at the address of another live member, is refused.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from chaos.daemon.config import DaemonConfig
+from chaos.daemon.scheduler.failures import FailureDetector
+from chaos.daemon.scheduler.ledger import EpochLedger
+from chaos.daemon.scheduler.monitor import ClusterMonitor
+from chaos.daemon.scheduler.planner import replication_policy
+from chaos.daemon.transport import ReplyPath
+
+from chaos.protocol import (
+    ConnectCommand,
+    JoinRequest,
+    LinkReport,
+    Message,
+    Reason,
+    Refusal,
+    ReplicationWire,
+)
+from chaos.protocol.states import NodeState
+
+
+class ScaleOutHost(Protocol):
+    """What a scale-out needs from the daemon."""
+
+    node_id: str
+
+    @property
+    def term(self) -> int: ...  # noqa: D102
+
+    def send(self, peer: str, msg: Message) -> bool: ...  # noqa: D102
+
+    def send_to_address(self, peer: str, address: str, msg: Message) -> None: ...  # noqa: D102
+
+    def event(self, name: str, **fields: object) -> None: ...  # noqa: D102
+
+
+class JoinerRecords(Protocol):
+    """The trainer registrations, as a join sees them."""
+
+    def forget(self, node: str) -> None: ...  # noqa: D102
+
+    def carried(self) -> ReplicationWire | None: ...  # noqa: D102
+
+
+@dataclass
+class ScaleOut:
+    """A join in progress: waiting for the neighbours' link reports."""
+
+    req: JoinRequest
+    op_id: str
+    started: float
+    deadline: float
+    waiting: set[str]
+    reports: dict[str, LinkReport] = field(default_factory=dict)
+
+
+class ScaleOuts:
+    """The joins in progress.
+
+    Args:
+        host: The daemon (identity, term, sends, events).
+        cfg: ``probe_timeout_s`` and the replication settings.
+        monitor: The cluster monitor.
+        ledger: Commits the joiner's admission.
+        liveness: When each member was last heard.
+        trainers: The trainer registrations (a joiner's former incarnation is forgotten).
+    """
+
+    def __init__(
+        self,
+        host: ScaleOutHost,
+        cfg: DaemonConfig,
+        monitor: ClusterMonitor,
+        ledger: EpochLedger,
+        liveness: FailureDetector,
+        trainers: JoinerRecords,
+    ) -> None:
+        self.host = host
+        self.cfg = cfg
+        self.monitor = monitor
+        self.ledger = ledger
+        self.liveness = liveness
+        self.trainers = trainers
+        self.joins: dict[str, ScaleOut] = {}
+
+    def on_join(self, msg: JoinRequest, reply: ReplyPath | None, now: float) -> None:
+        """Starts a scale-out (or refuses it)."""
+        j = msg.node_id
+        if j in self.joins:
+            return  # a retry of a join in progress
+        if self.monitor.has(j):
+            fresh = self.liveness.fresh(j, now)
+            if self.monitor.address(j) != msg.address and fresh:
+                self._refuse(msg, Reason.DUPLICATE_ID, f"{j} is a member at another address")
+                return
+            if fresh and self.ledger.last_update is not None:
+                self.host.send(j, self.ledger.last_update)  # the joiner missed its admission
+                return
+            self.monitor.remove_node(j)  # a restarted incarnation: scale it in and out again
+            self.trainers.forget(j)
+        unknown = [n for n in msg.neighbors if not self.monitor.has(n)]
+        if unknown:
+            self._refuse(msg, Reason.UNKNOWN_PEER, f"unknown neighbor(s) {unknown}")
+            return
+        nbrs = list(msg.neighbors) or [msg.forwarded_by or self.host.node_id]
+        self.monitor.add_node(j, msg.address, NodeState.JOINING, time.time())
+        so = ScaleOut(
+            msg, uuid.uuid4().hex[:12], now, now + self.cfg.probe_timeout_s + 1.0, set(nbrs)
+        )
+        self.joins[j] = so
+        self.host.event("scale_out_started", peer=j, neighbors=nbrs, op_id=so.op_id)
+        for n in nbrs:
+            self.host.send(
+                n,
+                ConnectCommand(
+                    sender=self.host.node_id,
+                    epoch=self.ledger.epoch,
+                    term=self.host.term,
+                    peer=j,
+                    address=msg.address,
+                    measure_bandwidth=True,
+                    op_id=so.op_id,
+                ),
+            )
+
+    def _refuse(self, msg: JoinRequest, reason: Reason, detail: str) -> None:
+        self.host.event("join_refused", peer=msg.node_id, reason=reason, detail=detail)
+        self.host.send_to_address(
+            msg.node_id,
+            msg.address,
+            Refusal(
+                sender=self.host.node_id,
+                epoch=self.ledger.epoch,
+                reason=reason,
+                detail=detail,
+                ref_type="join_request",
+                term=self.host.term,
+            ),
+        )
+
+    def take(self, msg: LinkReport, now: float) -> bool:
+        """Takes a neighbour's measurement of a joiner's link (admitting the joiner when it
+        was the last awaited); returns whether ``msg`` was one."""
+        so = self.joins.get(msg.peer)
+        if so is None or msg.op_id != so.op_id:
+            return False
+        so.reports[msg.sender] = msg
+        so.waiting.discard(msg.sender)
+        if not so.waiting:
+            self._finish(msg.peer, now)
+        return True
+
+    def forget(self, node: str) -> None:
+        """Stops waiting for the link reports of a neighbour that left or failed."""
+        for so in self.joins.values():
+            so.waiting.discard(node)
+
+    def _finish(self, j: str, now: float) -> None:
+        so = self.joins.pop(j)
+        up = {n: r for n, r in so.reports.items() if r.up and self.monitor.has(n)}
+        if not up or not self.monitor.has(j):
+            self.monitor.remove_node(j)
+            self._refuse(so.req, Reason.UNREACHABLE, "no link to the joiner came up")
+            return
+        for n, r in up.items():
+            self.monitor.set_link(
+                n, j, up=True, latency_s=r.latency_s, bandwidth_bps=r.bandwidth_bps
+            )
+        self.monitor.set_state(j, NodeState.ACTIVE)
+        self.liveness.heard(j, now)
+        links = {n: (r.latency_s, r.bandwidth_bps) for n, r in up.items()}
+        repl = replication_policy(j, links, so.req.state_bytes, so.req.tensor_sizes, self.cfg)
+        self.host.event(
+            "replication_planned",
+            peer=j,
+            skipped=repl.skipped,
+            shard_size=repl.shard_size,
+            makespan_s=repl.makespan_s,
+        )
+        if repl.skipped:  # keep carrying the plan of a trainer still syncing, if any
+            repl = self.trainers.carried() or repl
+        self.ledger.commit("scale_out", now, replication=repl, started=so.started)
+
+    def tick(self, now: float) -> None:
+        """Admits (or refuses) the joins whose neighbours' reports are overdue."""
+        for j in [j for j, so in self.joins.items() if now > so.deadline]:
+            self._finish(j, now)

@@ -1,0 +1,237 @@
+"""Who holds the scheduler role: elections run, the role taken, kept and given up.
+
+:class:`Succession` applies the rules of :class:`~chaos.daemon.election.Election` with the
+daemon's I/O. It sends the heartbeats (the scheduler's to every member, a member's to the
+scheduler), starts elections when the timeout expires or a handover (``TimeoutNow``) asks,
+counts votes, builds the :class:`~chaos.daemon.scheduler.role.SchedulerRole` when this node wins,
+and drops it when another scheduler, a higher term or a lost majority says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from chaos.daemon.agent import Agent
+from chaos.daemon.config import DaemonConfig
+from chaos.daemon.election import Election
+from chaos.daemon.metrics import Metrics
+from chaos.daemon.relay import TrainerRelay
+from chaos.daemon.scheduler.role import SchedulerHost, SchedulerRole
+from chaos.daemon.states import DaemonState, Role
+from chaos.daemon.timers import Timers
+from chaos.daemon.transport import ReplyPath, Transport
+
+from chaos.protocol import (
+    ClusterView,
+    LeaveRequest,
+    MemberHeartbeat,
+    Message,
+    RequestVote,
+    SchedulerHeartbeat,
+    TimeoutNow,
+    VoteReply,
+    encode,
+)
+
+
+class SuccessionHost(SchedulerHost, Protocol):
+    """What the succession needs from the daemon (and what the scheduler role it builds does)."""
+
+    cfg: DaemonConfig
+
+    @property
+    def state(self) -> DaemonState: ...  # noqa: D102
+
+    @property
+    def view(self) -> ClusterView | None: ...  # noqa: D102
+
+    @property
+    def epoch(self) -> int: ...  # noqa: D102
+
+    @property
+    def paused(self) -> bool: ...  # noqa: D102
+
+    def members(self) -> list[str]: ...  # noqa: D102
+
+    def to_scheduler(self, msg: Message) -> bool: ...  # noqa: D102
+
+
+class Succession:
+    """This node's part in choosing the scheduler, and the scheduler role when it holds it.
+
+    Args:
+        host: The daemon.
+        election: The election rules and state.
+        transport: Sends to the members.
+        timers: The loop's timers (a new scheduler announces itself at once).
+        agent: This node's resources and its report to a new scheduler.
+        trainer: The local trainer's registration, reported to a new scheduler.
+        metrics: The state gauges, updated every heartbeat.
+        leave_request: This node's leave in flight, if leaving (asked anew of a new scheduler).
+    """
+
+    def __init__(
+        self,
+        host: SuccessionHost,
+        election: Election,
+        transport: Transport,
+        timers: Timers,
+        agent: Agent,
+        trainer: TrainerRelay,
+        metrics: Metrics,
+        leave_request: Callable[[], LeaveRequest],
+    ) -> None:
+        self.host = host
+        self.election = election
+        self.transport = transport
+        self.timers = timers
+        self.agent = agent
+        self.trainer = trainer
+        self.metrics = metrics
+        self.leave_request = leave_request
+        self.role: SchedulerRole | None = None
+        self._prev_scheduler: tuple[str, float] | None = None
+
+    @property
+    def is_scheduler(self) -> bool:
+        """Whether this node is the scheduler."""
+        return self.election.role == Role.SCHEDULER and self.role is not None
+
+    # -- heartbeats ------------------------------------------------------------------------
+
+    def heartbeat(self, now: float) -> None:
+        """The scheduler's heartbeat to every member, or a member's to the scheduler."""
+        h = self.host
+        if self.is_scheduler and self.role is not None:
+            self.election.last_scheduler_contact = now
+            self.role.on_heartbeat(h.node_id, self.agent.resources, now)
+            frame = encode(SchedulerHeartbeat(sender=h.node_id, epoch=h.epoch, term=h.term))
+            for m in h.members():
+                if m != h.node_id:
+                    self.transport.send_peer(m, frame)
+        elif h.state == DaemonState.ACTIVE and self.election.scheduler is not None:
+            h.to_scheduler(
+                MemberHeartbeat(
+                    sender=h.node_id, epoch=h.epoch, term=h.term, resources=self.agent.resources
+                )
+            )
+        self.metrics.state(h.epoch, h.term, len(h.members()), self.is_scheduler, h.paused)
+
+    def on_scheduler_heartbeat(
+        self, msg: SchedulerHeartbeat, reply: ReplyPath | None, now: float
+    ) -> None:
+        """Follows the scheduler that sent ``msg`` (unless this node is a newer scheduler)."""
+        h = self.host
+        if h.state != DaemonState.ACTIVE or msg.sender == h.node_id:
+            return
+        if self.is_scheduler and msg.term <= h.term:
+            return  # a stale scheduler; our own heartbeats will make it step down
+        was_scheduler = self.is_scheduler
+        if self.election.on_scheduler(msg.term, msg.sender, now) or was_scheduler:
+            self.role = None
+            h.event("scheduler_changed", scheduler=msg.sender, term=msg.term)
+            self._send_agent_report()
+
+    def follow(self, term: int, scheduler: str, now: float) -> None:
+        """Follows the scheduler whose update named a newer term or another scheduler."""
+        h = self.host
+        if self.is_scheduler:
+            self.role = None
+        self.election.on_scheduler(term, scheduler, now)
+        h.event("scheduler_changed", scheduler=scheduler, term=term)
+        if h.state == DaemonState.LEAVING:  # the old scheduler may have lost the request
+            h.to_scheduler(self.leave_request())
+
+    def _send_agent_report(self) -> None:
+        h = self.host
+        report = self.agent.report(h.view, h.address, self.trainer.report_fields())
+        if report is not None:
+            h.to_scheduler(report)
+
+    # -- votes -----------------------------------------------------------------------------
+
+    def on_request_vote(self, msg: RequestVote, reply: ReplyPath | None, now: float) -> None:
+        """Answers a candidate (a scheduler that grants a higher term steps down)."""
+        h = self.host
+        if h.state not in (DaemonState.ACTIVE, DaemonState.LEAVING):
+            return  # a leaving member still votes: its own leave may need the new scheduler
+        was_scheduler = self.is_scheduler
+        answer = self.election.on_request_vote(msg, now, h.epoch)
+        if was_scheduler and self.election.role != Role.SCHEDULER:
+            self.role = None
+            h.event("stepped_down", term=h.term)
+        h.respond(reply, answer)
+
+    def on_vote_reply(self, msg: VoteReply, reply: ReplyPath | None, now: float) -> None:
+        """Counts a vote; takes the role on a majority."""
+        was_scheduler = self.is_scheduler
+        if self.election.on_vote_reply(msg, now, self.host.members()):
+            self.become_scheduler(now)
+        elif was_scheduler and self.election.role != Role.SCHEDULER:
+            self.role = None
+            self.host.event("stepped_down", term=self.host.term)
+
+    def on_timeout_now(self, msg: TimeoutNow, reply: ReplyPath | None, now: float) -> None:
+        """A leaving scheduler's handover: start an election at once."""
+        # a leaving member takes the handover too: the scheduler that sent it is gone, and its
+        # own leave (and anyone else's) needs a scheduler (see become_scheduler)
+        state = self.host.state
+        if state in (DaemonState.ACTIVE, DaemonState.LEAVING) and not self.is_scheduler:
+            self.start_election(now, transfer=True)
+
+    def start_election(self, now: float, transfer: bool = False) -> None:
+        """Stands as a candidate (wins at once when it alone is a majority)."""
+        h = self.host
+        members = h.members()
+        if h.node_id not in members:
+            self.election.disarm()
+            return
+        if self.election.scheduler is not None or self._prev_scheduler is None:
+            known = self.election.scheduler or (h.view.scheduler if h.view else None)
+            if known is not None and known != h.node_id:
+                self._prev_scheduler = (known, self.election.last_scheduler_contact)
+        rv = self.election.start(now, h.epoch, transfer)
+        h.event("election_started", term=h.term, transfer=transfer)
+        if self.election.has_majority(members):
+            self.become_scheduler(now)
+            return
+        frame = encode(rv)
+        for m in members:
+            if m != h.node_id:
+                self.transport.send_peer(m, frame)
+
+    # -- the role --------------------------------------------------------------------------
+
+    def become_scheduler(self, now: float, bootstrap: bool = False) -> None:
+        """Takes the scheduler role (``bootstrap``: of a new one-node cluster, term 1)."""
+        h = self.host
+        if bootstrap:
+            self.election.term = 1
+        self.election.become_scheduler(now)
+        view = None if bootstrap else h.view
+        self.role = SchedulerRole(h, h.cfg, view, now, old_scheduler=self._prev_scheduler)
+        self.role.trainers.absorb(h.node_id, self.trainer.report_fields())
+        self._prev_scheduler = None
+        h.event("elected", term=h.term, epoch=h.epoch)
+        self.timers.wake("heartbeat", now)  # announce at once
+        self.timers.wake("failures", now)
+        if h.state == DaemonState.LEAVING:  # its request went to the old scheduler: ask anew
+            h.to_scheduler(self.leave_request())
+
+    def lose_quorum(self, now: float) -> None:
+        """The scheduler no longer hears a majority: step down and pause."""
+        self.role = None
+        self.election.step_down(self.election.term, now)
+        self.host.event("paused", reason="no majority heard", term=self.host.term)
+
+    def on_stale_term(self, term: int, now: float) -> None:
+        """A peer refused this node's message for a higher ``term``: step down to it."""
+        if self.is_scheduler:
+            self.host.event("stepped_down", term=term)
+        self.role = None
+        self.election.step_down(term, now)
+
+    def drop_role(self) -> None:
+        """Forgets the role without an event (this node joins a cluster)."""
+        self.role = None

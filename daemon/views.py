@@ -1,0 +1,127 @@
+"""The installed cluster view: each :class:`~chaos.protocol.ClusterUpdate` taken and acknowledged.
+
+:class:`ViewInstaller` holds the view and the update (with its policies) this member installed
+last. An update that lists this node is installed: the DEALERs follow the membership, the agent
+probes the new neighbours, and a :class:`~chaos.protocol.PolicyAck` goes back at once (the event
+log and the metrics come after, off the scheduler's critical path). An update without this node
+goes to :class:`~chaos.daemon.membership.Membership` (a leave is done, or this node was dropped).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from chaos.daemon.agent import Agent
+from chaos.daemon.election import Election
+from chaos.daemon.membership import Membership
+from chaos.daemon.metrics import Metrics
+from chaos.daemon.states import DaemonState
+from chaos.daemon.succession import Succession
+from chaos.daemon.transport import ReplyPath, Transport
+
+from chaos.protocol import ClusterUpdate, ClusterView, Message, PolicyAck
+
+
+class ViewHost(Protocol):
+    """What installing a view needs from the daemon."""
+
+    node_id: str
+
+    @property
+    def state(self) -> DaemonState: ...  # noqa: D102
+
+    @property
+    def epoch(self) -> int: ...  # noqa: D102
+
+    @property
+    def term(self) -> int: ...  # noqa: D102
+
+    @property
+    def paused(self) -> bool: ...  # noqa: D102
+
+    def respond(self, reply: ReplyPath | None, msg: Message) -> None: ...  # noqa: D102
+
+    def event(self, name: str, **fields: object) -> None: ...  # noqa: D102
+
+
+class ViewInstaller:
+    """This member's installed view and update.
+
+    Args:
+        host: The daemon.
+        election: The known scheduler and term.
+        succession: Follows a new scheduler an update reveals.
+        membership: This node's join and leave (an update admits it, or drops it).
+        transport: The DEALERs, opened and closed to follow the membership.
+        agent: Probes this node's links in the new view.
+        metrics: The state gauges.
+    """
+
+    def __init__(
+        self,
+        host: ViewHost,
+        election: Election,
+        succession: Succession,
+        membership: Membership,
+        transport: Transport,
+        agent: Agent,
+        metrics: Metrics,
+    ) -> None:
+        self.host = host
+        self.election = election
+        self.succession = succession
+        self.membership = membership
+        self.transport = transport
+        self.agent = agent
+        self.metrics = metrics
+        self.view: ClusterView | None = None
+        self.update: ClusterUpdate | None = None
+
+    def on_cluster_update(self, msg: ClusterUpdate, reply: ReplyPath | None, now: float) -> None:
+        """Installs and acknowledges an update (or hands one without this node on)."""
+        h = self.host
+        if h.node_id not in {n.id for n in msg.view.nodes}:
+            self.membership.on_dropped_from_view(msg, reply, now)
+            return
+        if h.state == DaemonState.JOINING:
+            self.membership.on_admitted(msg, now)
+        elif msg.sender != h.node_id and (
+            msg.term > h.term or self.election.scheduler != msg.sender
+        ):
+            self.succession.follow(msg.term, msg.sender, now)
+        self._install(msg, now)
+        # acknowledge as soon as the view and policy are in place; the event log and metrics
+        # come after, off the scheduler's critical path
+        h.respond(reply, PolicyAck(sender=h.node_id, epoch=msg.epoch, term=h.term))
+        self._record(msg)
+
+    def _install(self, msg: ClusterUpdate, now: float) -> None:
+        self.view = msg.view
+        self.update = msg
+        keep = {msg.sender} | {m.cmd.peer for m in self.agent.measurements.values()}
+        for n in msg.view.nodes:
+            if n.id != self.host.node_id:
+                self.transport.ensure_peer(n.id, n.address)
+                keep.add(n.id)
+        for peer in list(self.transport.dealers):
+            if peer not in keep:
+                self.transport.drop_peer(peer)
+        self.agent.set_view(msg.view, now)
+
+    def _record(self, msg: ClusterUpdate) -> None:
+        h = self.host
+        h.event(
+            "view_installed",
+            epoch=msg.epoch,
+            term=msg.term,
+            cause=msg.cause,
+            scheduler=msg.view.scheduler,
+            members=sorted(n.id for n in msg.view.nodes),
+            apply_at=msg.apply_at,
+            restart_allreduce=msg.restart_allreduce,
+            sync_kind=msg.sync.kind,
+            replication_skipped=msg.replication.skipped if msg.replication else None,
+        )
+        self.metrics.state(
+            h.epoch, h.term, len(msg.view.nodes), self.succession.is_scheduler, h.paused
+        )
