@@ -84,7 +84,6 @@ def test_the_default_node_id_is_valid_whatever_the_host_name(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from chaos.protocol.ids import check_node_id
-
     from chaos.trainer.trainer import _default_node_id
 
     monkeypatch.setattr(socket, "gethostname", lambda: "x" * 70 + ".my host")
