@@ -6,9 +6,10 @@ Every inbound frame goes through :func:`chaos.protocol.validate` and then to one
 message type (:class:`~chaos.daemon.dispatch.Dispatcher`). Messages a node sends to itself (the
 scheduler is also a member) go through a local queue, never through recursion.
 
-:class:`Daemon` owns the lifecycle, the loop and the ways out (send, respond, broadcast), and
-wires the collaborators that do the work, each with one job:
+:class:`Daemon` owns the lifecycle and the loop, and wires the collaborators that do the work,
+each with one job (the daemon is the one host they all see):
 
+* :class:`~chaos.daemon.outbox.Outbox`: sends to peers, replies, the local queue;
 * :class:`~chaos.daemon.succession.Succession`: elections, heartbeats, and the
   :class:`~chaos.daemon.scheduler.role.SchedulerRole` while this node holds it;
 * :class:`~chaos.daemon.views.ViewInstaller`: the installed view and its acknowledgement;
@@ -24,7 +25,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +38,7 @@ from chaos.daemon.events import EventLog
 from chaos.daemon.membership import Membership
 from chaos.daemon.metrics import Metrics
 from chaos.daemon.notices import PolicyNotices
+from chaos.daemon.outbox import Outbox
 from chaos.daemon.relay import TrainerRelay
 from chaos.daemon.scheduler.monitor import ClusterMonitor
 from chaos.daemon.scheduler.role import SchedulerRole
@@ -79,7 +80,6 @@ from chaos.protocol import (
     TrainerInfo,
     TrainerRegister,
     VoteReply,
-    encode,
     refusal,
 )
 
@@ -119,6 +119,7 @@ class Daemon:
         self.exit_code = 0
         self.election = Election(cfg.node_id, cfg, rng)
         self.timers = Timers()
+        self.outbox = Outbox(cfg.node_id, self.transport, self._known_scheduler)
         self.agent = Agent(self, cfg)
         self.trainer = TrainerRelay(self)
         self.membership = Membership(self)
@@ -145,7 +146,6 @@ class Daemon:
         self.notices = PolicyNotices(self, self.transport, self.timers)
         self.dispatcher = Dispatcher(self, self.transport, self.faults, self.metrics, self.events)
         self.dispatcher.register(self._handler_table())
-        self._local: deque[Message] = deque()
         self._stop = False
         self._leave_requested = False
 
@@ -223,6 +223,9 @@ class Daemon:
         """Inbound frames refused so far."""
         return self.dispatcher.refused
 
+    def _known_scheduler(self) -> str | None:
+        return self.node_id if self.is_scheduler else self.election.scheduler
+
     def members(self) -> list[str]:
         """Current membership (the scheduler's monitor, else the installed view)."""
         monitor = self.scheduler_monitor
@@ -233,33 +236,20 @@ class Daemon:
     # -- the ways out ----------------------------------------------------------------------
 
     def send(self, peer: str, msg: Message, attachment: bytes | None = None) -> bool:
-        """Sends to a peer (to itself through the local queue), with ``attachment`` if given."""
-        if peer == self.node_id:
-            self._local.append(msg)
-            return True
-        return self.transport.send_peer(peer, encode(msg), attachment)
+        """Sends to a peer (see :meth:`Outbox.send`)."""
+        return self.outbox.send(peer, msg, attachment)
 
     def broadcast(self, peers: dict[str, str], msg: Message) -> None:
-        """Sends one message to several peers (id -> address), encoding it once."""
-        frame = encode(msg)
-        for peer, address in peers.items():
-            if peer == self.node_id:
-                self._local.append(msg)
-            else:
-                self.transport.ensure_peer(peer, address)
-                self.transport.send_peer(peer, frame)
+        """Sends one message to several peers (see :meth:`Outbox.broadcast`)."""
+        self.outbox.broadcast(peers, msg)
 
     def to_scheduler(self, msg: Message) -> bool:
         """Sends to the scheduler; ``False`` when none is known."""
-        scheduler = self.node_id if self.is_scheduler else self.election.scheduler
-        return scheduler is not None and self.send(scheduler, msg)
+        return self.outbox.to_scheduler(msg)
 
     def respond(self, reply: ReplyPath | None, msg: Message) -> None:
         """Answers on an inbound frame's path (``None``: a local message)."""
-        if reply is None:
-            self._local.append(msg)
-        else:
-            self.transport.reply(reply, encode(msg))
+        self.outbox.respond(reply, msg)
 
     def result(
         self, reply: ReplyPath | None, op_id: str, reason: Reason | None = None, detail: str = ""
@@ -273,12 +263,11 @@ class Daemon:
 
     def send_to_address(self, peer: str, address: str, msg: Message) -> None:
         """Opens a DEALER to ``peer`` if needed and sends."""
-        self.transport.ensure_peer(peer, address)
-        self.send(peer, msg)
+        self.outbox.send_to_address(peer, address, msg)
 
     def connect_peer(self, peer: str, address: str) -> bool:
         """Opens the DEALER to ``peer``; ``True`` when it was already open."""
-        return peer != self.node_id and self.transport.ensure_peer(peer, address)
+        return self.outbox.connect_peer(peer, address)
 
     def event(self, name: str, **fields: object) -> None:
         """Logs an event to the JSONL log and the ``logging`` module."""
@@ -352,13 +341,14 @@ class Daemon:
             self._leave_requested = False
             self.membership.start_leave(None, now)
         self._run_timers(now)
-        timeout = 0.0 if self._local else max(0.0, self.timers.next() - time.monotonic())
+        timeout = 0.0 if self.outbox.local else max(0.0, self.timers.next() - time.monotonic())
         for inbound in self.transport.poll(min(timeout, _MAX_POLL_S)):
             if self._stop:  # left: commit nothing more that it could not see through
                 break
             self.dispatcher.on_frame(inbound, time.monotonic())
-        while self._local and not self._stop:
-            self.dispatcher.dispatch(self._local.popleft(), None, time.monotonic())
+        local = self.outbox.local
+        while local and not self._stop:
+            self.dispatcher.dispatch(local.popleft(), None, time.monotonic())
         self.notices.publish(now)  # trainers hear of a change without asking
 
     def _run_timers(self, now: float) -> None:

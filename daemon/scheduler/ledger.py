@@ -169,11 +169,40 @@ class EpochLedger:
         )
         self.last_update = upd
         members = set(self.monitor.members())
+        start = started if started is not None else now
+        op = self._track(cause, members, op_id, reply, req_op_id, start, now)
+        self._announce(upd, members)
+        return op
+
+    def _track(
+        self,
+        cause: str,
+        members: set[str],
+        op_id: str,
+        reply: ReplyPath | None,
+        req_op_id: str,
+        started: float,
+        now: float,
+    ) -> PendingOp:
+        """Records the committed epoch's membership and the primitive waiting for its acks.
+
+        Args:
+            cause: The primitive's name.
+            members: The members that must acknowledge the epoch.
+            op_id: The update's op id.
+            reply: Where the requester waits for the result.
+            req_op_id: The requester's op id.
+            started: When the primitive started.
+            now: Monotonic time (the op's deadline counts from it).
+
+        Returns:
+            The pending primitive, registered in ``ops``.
+        """
         self.pending_views[self.epoch] = frozenset(members)
         op = PendingOp(
             cause,
             self.epoch,
-            started if started is not None else now,
+            started,
             set(members),
             op_id,
             reply,
@@ -181,7 +210,6 @@ class EpochLedger:
             now + self.cfg.op_timeout_s,
         )
         self.ops[op_id] = op
-        self._announce(upd, members)
         return op
 
     def _stamp_topology(self, sync: SyncPolicyWire, restart: bool) -> SyncPolicyWire:
