@@ -171,5 +171,24 @@ def test_the_docs_import_table_matches_the_code() -> None:
                              + expected)
 
 
+def test_the_shard_planner_is_pure() -> None:
+    """chaos.scheduling imports no other project package but the errors, and no I/O library."""
+    graph = import_graph()
+    outside = {
+        b for a, b in graph.edges if _layer(a) == "chaos.scheduling" and _layer(b) != _layer(a)
+    }
+    assert outside <= {"chaos.errors"}, outside
+    for path in (ROOT / "scheduling").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = (
+                [a.name for a in node.names] if isinstance(node, ast.Import)
+                else [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            )
+            for name in names:
+                top = name.split(".")[0]
+                assert top not in {"zmq", "socket", "torch", "subprocess", "os"}, (path, name)
+
+
 if __name__ == "__main__":  # print the table for docs/architecture.md
     print(package_table())
