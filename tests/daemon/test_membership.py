@@ -7,10 +7,8 @@ runs a real ``chaos-daemon`` whose join can never be answered.
 
 from __future__ import annotations
 
-import os
 import random
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ from chaos.daemon.membership import Membership
 from chaos.daemon.states import DaemonState
 from daemon_helpers import free_port
 
+from chaos.launch import daemon_command, daemon_env
 from chaos.protocol import (
     ClusterUpdate,
     ClusterView,
@@ -224,13 +223,13 @@ def test_a_daemon_whose_join_is_never_answered_exits_with_code_4(tmp_path: Path)
     port, other = free_port(), free_port()
     while other == port:
         other = free_port()
-    args = [
-        sys.executable, "-m", "chaos.daemon.cli", "start", "--id", "lonely",
-        "--listen", f"tcp://127.0.0.1:{port}",
-        "--join", f"tcp://127.0.0.1:{other}",  # nothing listens there
-        "--config", str(config),
-    ]  # fmt: skip
-    env = {**os.environ, "CHAOS_DAEMON_DIR": str(tmp_path)}
+    args = daemon_command(
+        "lonely",
+        f"tcp://127.0.0.1:{port}",
+        join=f"tcp://127.0.0.1:{other}",  # nothing listens there
+        config=config,
+    )
+    env = daemon_env(tmp_path)
     try:
         res = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired as exc:  # run() killed and reaped it
