@@ -34,8 +34,13 @@ __all__ = [
 log = logging.getLogger("chaos.trainer")
 
 
-class TrainingStalled(ChaosError):
-    """A step could not be completed: no new policy came after a failure within the timeout."""
+class TrainingStalled(ChaosTimeout):
+    """A step could not be completed: no new policy came after a failure (or the daemon did
+    not answer) within ``policy_timeout_s``.
+
+    It is a :class:`ChaosTimeout` (so a :class:`TimeoutError`): ``except ChaosTimeout`` catches
+    it too.
+    """
 
 
 class DaemonLink(Protocol):
@@ -270,16 +275,26 @@ class DaemonSession:
             raw=reply,
         )
 
-    def wait(self, ok: Callable[[Policy], bool], timeout_s: float, what: str) -> Policy:
+    def wait(
+        self,
+        ok: Callable[[Policy], bool],
+        timeout_s: float,
+        what: str,
+        *,
+        stalled: bool = False,
+    ) -> Policy:
         """Asks the daemon until it has an unpaused policy that satisfies ``ok``.
 
         Args:
             ok: The condition.
             timeout_s: Longest wait.
             what: What is waited for (for the error message).
+            stalled: The wait is a step's (after a failed or interrupted allreduce): its
+                timeout is a :class:`TrainingStalled`.
 
         Raises:
-            ChaosTimeout: no such policy after ``timeout_s``.
+            TrainingStalled: ``stalled`` and no such policy after ``timeout_s``.
+            ChaosTimeout: no such policy after ``timeout_s`` (outside a step).
         """
         deadline = time.monotonic() + timeout_s
         last: Policy | None = None
@@ -291,7 +306,8 @@ class DaemonSession:
             if ok(last) and not last.paused:
                 return last
             time.sleep(self._poll_interval_s)
-        raise ChaosTimeout(f"timed out after {timeout_s} s waiting for {what}; last: {last}")
+        error = TrainingStalled if stalled else ChaosTimeout
+        raise error(f"timed out after {timeout_s} s waiting for {what}; last: {last}")
 
     def poll(self, installed_epoch: int) -> Policy | None:
         """The newer policy to install at this step boundary, if the daemon has one.

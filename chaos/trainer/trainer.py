@@ -402,7 +402,9 @@ class Trainer:
         under the new policy; no partial result is ever applied.
 
         Raises:
-            TrainingStalled: an allreduce failed and no new policy came in time.
+            TrainingStalled: an allreduce failed (or was interrupted) and no new policy came
+                within ``policy_timeout_s``, or the daemon did not answer for that long. It is
+                a :class:`~chaos.errors.ChaosTimeout`.
         """
         flat = self._flat_grads()
         reduced = self._allreduce(flat)
@@ -437,7 +439,10 @@ class Trainer:
 
                 self._install_newer(
                     session.wait(
-                        reached, self.config.policy_timeout_s, f"the policy of epoch {target}"
+                        reached,
+                        self.config.policy_timeout_s,
+                        f"the policy of epoch {target}",
+                        stalled=True,
                     )
                 )
             except PeerFailure as exc:
@@ -453,6 +458,7 @@ class Trainer:
                         renewed,
                         self.config.policy_timeout_s,
                         f"a new policy after {exc}",
+                        stalled=True,
                     )
                 )
 
