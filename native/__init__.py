@@ -1,7 +1,8 @@
 """Loader of the Chaos native ops (``chaos._native``): a torch C++ extension built on first use.
 
 :func:`load` JIT-builds ``ops.cpp`` with :func:`torch.utils.cpp_extension.load` into a cache
-directory (default ``~/.cache/chaos/native/<torch>-<python>-<install hash>``), holding an
+directory (default ``~/.cache/chaos/native/<torch>-<python>-<build key>``, the key a digest of
+every build input: sources, headers, flags, torch, Python, compiler), holding an
 exclusive file lock so that concurrent processes neither corrupt nor duplicate the build.
 Later calls (and later processes) reuse the cached library. Build ahead of time with
 ``python -m chaos._native build``.
@@ -25,6 +26,7 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -32,7 +34,16 @@ import torch
 
 from chaos.errors import ChaosTimeout
 
-__all__ = ["BUILD_LOCK_TIMEOUT_S", "build", "default_build_dir", "load", "load_cuda"]
+__all__ = [
+    "BUILD_LOCK_TIMEOUT_S",
+    "BuildLockTimeout",
+    "Builder",
+    "build",
+    "build_key",
+    "default_build_dir",
+    "load",
+    "load_cuda",
+]
 
 log = logging.getLogger("chaos.native")
 
@@ -49,13 +60,82 @@ _lock = threading.Lock()
 _cache: dict[str, ModuleType | None] = {}
 
 
+_CPU_SOURCES = ("ops.cpp",)
+_CUDA_SOURCES = ("cuda_binding.cpp", "cuda/reduce_into.cu", "cuda/checksum.cu")
+_CUDA_CFLAGS = ("-O3",)
+_CUDA_NVCC_FLAGS = ("-O3", "--fmad=false")
+
+#: Called as ``builder(directory, verbose)`` with the build lock held: compiles (or, when
+#: ``directory`` holds an up-to-date build, only imports) the extension and returns its module.
+Builder = Callable[[Path, bool], ModuleType]
+
+
+class BuildLockTimeout(ChaosTimeout):
+    """Another process held the native build lock for longer than the timeout."""
+
+
+def _headers() -> list[Path]:
+    """The C++/CUDA headers beside the sources (every one is a build input)."""
+    return sorted(p for ext in ("*.h", "*.hpp", "*.cuh") for p in _SRC_DIR.rglob(ext))
+
+
+def _compiler_identity() -> str:
+    """The C++ compiler torch's builder uses: its resolved path, size and modification time
+    (an upgraded compiler is another build input)."""
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    cxx = get_cxx_compiler()
+    found = shutil.which(cxx)
+    if found is None:
+        return f"missing:{cxx}"
+    real = Path(found).resolve()
+    st = real.stat()
+    return f"{real}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def build_key(sources: Sequence[Path], cflags: Sequence[str]) -> str:
+    """A digest of everything a build depends on, so that a build is reused only by the same
+    inputs (two checkouts or torch builds sharing a cache never rebuild over each other).
+
+    The inputs: the names and bytes of ``sources`` and of the headers beside them, the
+    compiler flags, the torch version, install path and C++ ABI flag, the Python version and
+    implementation, and the C++ compiler.
+
+    Args:
+        sources: The source files (and any headers) compiled.
+        cflags: The compiler flags.
+
+    Returns:
+        A hex SHA-256.
+
+    Raises:
+        OSError: a source cannot be read.
+    """
+    digest = hashlib.sha256()
+    for path in [*sources, *_headers()]:
+        digest.update(f"file:{path.name}:{path.stat().st_size}\n".encode())
+        digest.update(path.read_bytes())
+    abi = getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", None)
+    for part in (
+        f"cflags:{' '.join(cflags)}",
+        f"torch:{torch.__version__}:{Path(torch.__file__).resolve().parent}:abi={abi}",
+        f"python:{sys.implementation.cache_tag}:{sys.version}:{getattr(sys, 'abiflags', '')}",
+        f"cxx:{_compiler_identity()}",
+    ):
+        digest.update(part.encode() + b"\n")
+    return digest.hexdigest()
+
+
 def default_build_dir() -> Path:
-    """The cache directory for this torch install and Python: ``~/.cache/chaos/native/<tag>``."""
-    # Each torch install gets its own build: the ninja file names its include paths, so two
-    # environments sharing one directory would rebuild each other's library on every switch.
-    where = hashlib.sha256(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:8]
+    """The cache directory for these build inputs: ``~/.cache/chaos/native/<tag>``.
+
+    The tag names the torch and Python versions and ends in the :func:`build_key` of the CPU
+    extension's sources and flags, so each set of inputs (another checkout of the sources,
+    another torch install, compiler or flag) gets its own directory and none rebuilds another's.
+    """
+    key = build_key([_SRC_DIR / name for name in _CPU_SOURCES], _cpu_flags())
     version = torch.__version__.replace("+", "_")
-    tag = f"torch{version}-py{sys.version_info[0]}{sys.version_info[1]}-{where}"
+    tag = f"torch{version}-py{sys.version_info[0]}{sys.version_info[1]}-{key[:16]}"
     return Path.home() / ".cache" / "chaos" / "native" / tag
 
 
@@ -70,6 +150,14 @@ def _cpu_flags() -> list[str]:
     if {"avx2", "f16c"} <= words:
         flags += ["-mavx2", "-mf16c"]
     return flags
+
+
+def _cuda_build_dir(build_dir: Path | None) -> Path:
+    """The CUDA extension's cache directory, keyed by its own sources and flags."""
+    root = build_dir if build_dir is not None else default_build_dir()
+    sources = [_SRC_DIR / name for name in _CUDA_SOURCES]
+    key = build_key(sources, [*_CUDA_CFLAGS, "nvcc", *_CUDA_NVCC_FLAGS])
+    return root / f"cuda-{key[:16]}"
 
 
 class _BuildLock:
@@ -88,6 +176,8 @@ class _BuildLock:
         while True:
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.ftruncate(self._fd, 0)
+                os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)  # who builds, for messages
                 return self
             except OSError as exc:
                 if exc.errno not in (errno.EAGAIN, errno.EACCES):
@@ -97,11 +187,23 @@ class _BuildLock:
                 log.info("chaos native: waiting for another process's build (%s)", self.path)
                 waited = True
             if time.monotonic() >= deadline:
+                holder = self._holder()
                 os.close(self._fd)
-                raise ChaosTimeout(
-                    f"native build lock {self.path} still held after {self.timeout_s:.0f} s"
+                raise BuildLockTimeout(
+                    f"another process ({holder}) has held the chaos native build lock "
+                    f"{self.path} for more than {self.timeout_s:g} s; let its build finish "
+                    "(or stop it), build ahead with `python -m chaos._native build`, or raise "
+                    "chaos._native.BUILD_LOCK_TIMEOUT_S on a slow machine"
                 )
             time.sleep(_LOCK_POLL_S)  # polling a file lock held by another process
+
+    def _holder(self) -> str:
+        """``pid N`` of the lock's holder as it recorded itself, or ``pid unknown``."""
+        try:
+            pid = os.pread(self._fd, 32, 0).decode(errors="replace").strip()
+        except OSError:
+            pid = ""
+        return f"pid {pid}" if pid.isdigit() else "pid unknown"
 
     def __exit__(self, *exc: object) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -127,24 +229,33 @@ def build(
     *,
     verbose: bool = False,
     lock_timeout_s: float = BUILD_LOCK_TIMEOUT_S,
+    builder: Builder | None = None,
 ) -> ModuleType:
     """Build (or reuse the cached build of) the CPU extension and import it.
+
+    Concurrent calls, in any processes, with one ``build_dir`` build once: the others wait on
+    the directory's lock and reuse the result.
 
     Args:
         build_dir: Cache directory; defaults to :func:`default_build_dir`.
         verbose: Show the compiler's output.
         lock_timeout_s: How long to wait for a concurrent build by another process.
+        builder: Compiles (or reuses) the extension in the directory; default: torch's JIT
+            builder on ``ops.cpp``. Only the lock's tests pass another.
 
     Returns:
         The extension module, with ``reduce_into``, ``pack``, ``unpack`` and ``checksum``.
 
     Raises:
         RuntimeError: If the toolchain is missing or compilation fails.
-        ChaosTimeout: If another process holds the build lock for longer than the timeout.
+        BuildLockTimeout: If another process holds the build lock for longer than the timeout
+            (a :class:`ChaosTimeout`, so a :class:`TimeoutError`).
     """
-    reason = _missing_toolchain()
-    if reason is not None:
-        raise RuntimeError(f"cannot build chaos native ops: {reason}")
+    if builder is None:
+        reason = _missing_toolchain()
+        if reason is not None:
+            raise RuntimeError(f"cannot build chaos native ops: {reason}")
+        builder = _torch_build
     directory = build_dir if build_dir is not None else default_build_dir()
     directory.mkdir(parents=True, exist_ok=True)
     with _BuildLock(directory, lock_timeout_s):
@@ -156,11 +267,11 @@ def build(
             # Only a build that imported cleanly is trusted, so anything else starts afresh.
             _wipe_build_dir(directory)
         try:
-            module = _torch_build(directory, verbose)
+            module = builder(directory, verbose)
         except (RuntimeError, ImportError, OSError) as exc:
             log.warning("chaos native: build in %s unusable (%s); rebuilding", directory, exc)
             _wipe_build_dir(directory)
-            module = _torch_build(directory, verbose)
+            module = builder(directory, verbose)
         _mark_complete(directory)
         log.info("chaos native: ops ready in %.1f s", time.monotonic() - started)
     return module
@@ -175,7 +286,7 @@ def _torch_build(directory: Path, verbose: bool) -> ModuleType:
     (directory / "lock").unlink(missing_ok=True)
     module: ModuleType = torch_load(
         name=_EXT_NAME,
-        sources=[str(_SRC_DIR / "ops.cpp")],
+        sources=[str(_SRC_DIR / name) for name in _CPU_SOURCES],
         extra_cflags=_cpu_flags(),
         build_directory=str(directory),
         verbose=verbose,
@@ -269,7 +380,7 @@ def load_cuda(build_dir: Path | None = None) -> ModuleType | None:
             return _cache[key]
         from torch.utils.cpp_extension import load as torch_load
 
-        directory = (build_dir if build_dir is not None else default_build_dir()) / "cuda"
+        directory = _cuda_build_dir(build_dir)
         directory.mkdir(parents=True, exist_ok=True)
         module: ModuleType | None
         try:
@@ -277,13 +388,9 @@ def load_cuda(build_dir: Path | None = None) -> ModuleType | None:
                 (directory / "lock").unlink(missing_ok=True)  # a killed builder's stale baton
                 module = torch_load(
                     name=_CUDA_EXT_NAME,
-                    sources=[
-                        str(_SRC_DIR / "cuda_binding.cpp"),
-                        str(_SRC_DIR / "cuda" / "reduce_into.cu"),
-                        str(_SRC_DIR / "cuda" / "checksum.cu"),
-                    ],
-                    extra_cflags=["-O3"],
-                    extra_cuda_cflags=["-O3", "--fmad=false"],
+                    sources=[str(_SRC_DIR / name) for name in _CUDA_SOURCES],
+                    extra_cflags=list(_CUDA_CFLAGS),
+                    extra_cuda_cflags=list(_CUDA_NVCC_FLAGS),
                     build_directory=str(directory),
                 )
         except (RuntimeError, OSError, ImportError, ChaosTimeout) as exc:

@@ -19,7 +19,7 @@ def main() -> None:
     "--build-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
-    help="Cache directory (default: ~/.cache/chaos/native/<torch>-<python>-<install hash>).",
+    help="Cache directory (default: ~/.cache/chaos/native/<torch>-<python>-<build key>).",
 )
 @click.option("--verbose", is_flag=True, help="Show the compiler's output.")
 def build_command(build_dir: Path | None, verbose: bool) -> None:
