@@ -176,6 +176,7 @@ def _status_dict(st: StatusReply) -> dict[str, Any]:
         "nodes": msgspec.to_builtins(st.nodes),
         "links": links,
         "sync": msgspec.to_builtins(st.sync) if st.sync else None,
+        "notes": list(st.notes),
     }
 
 
@@ -215,6 +216,8 @@ def status(connect: str | None, as_json: bool) -> None:
     elif st.sync is not None:
         extra = f" root {st.sync.root}" if st.sync.kind == "tree" else " " + "-".join(st.sync.ring)
         click.echo(f"sync policy: {st.sync.kind}{extra}")
+    for note in st.notes:
+        click.echo(f"note: {note}")
 
 
 def _report(result: Any, what: str) -> None:

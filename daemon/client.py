@@ -207,6 +207,7 @@ class DaemonClient:
             has_state=has_state,
             tensor_sizes=None if tensor_sizes is None else list(tensor_sizes),
             state_digest=state_digest,
+            pid=os.getpid(),  # the daemon watches this process: its exit ends the registration
         )
         return _checked(self.op(msg, timeout_s))
 

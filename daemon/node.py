@@ -223,6 +223,11 @@ class Daemon:
         """Inbound frames refused so far."""
         return self.dispatcher.refused
 
+    def status_notes(self) -> list[str]:
+        """The lines ``status`` adds: a trainer that exited, restarts that keep failing."""
+        role = self.succession.role
+        return self.trainer.notes() + (role.trainers.notes() if role is not None else [])
+
     def _known_scheduler(self) -> str | None:
         return self.node_id if self.is_scheduler else self.election.scheduler
 
@@ -356,6 +361,7 @@ class Daemon:
         if t.is_due("heartbeat", now):
             t.set("heartbeat", now + self.cfg.heartbeat_interval_s)
             self.succession.heartbeat(now)
+            self.trainer.check_trainer()  # a trainer process that exited leaves the policy
         if t.is_due("probe", now):
             t.set("probe", now + self.cfg.link_probe_interval_s)
             if self.state == DaemonState.ACTIVE:

@@ -6,14 +6,21 @@
 its :class:`~chaos.protocol.AgentReport` lets a newly elected scheduler rebuild the registration.
 The scheduler's side is :class:`chaos.daemon.scheduler.registry.TrainerRegistry`; the contract is
 docs/trainer-daemon-interface.md.
+
+The relay also watches the trainer's process (the ``pid`` of its registration): when it exits,
+the registration ends and the scheduler is told (``TrainerEvent(kind="gone")``), so that a dead
+trainer behind a live daemon leaves the sync policy instead of failing every step.
 """
 
 from __future__ import annotations
 
+import os
+import time
 import uuid
 from typing import Any, Protocol
 
 import msgspec
+import psutil
 from chaos.daemon.transport import ReplyPath
 
 from chaos.protocol import (
@@ -45,6 +52,24 @@ class RelayHost(Protocol):
 
     def relay(self, reply: ReplyPath | None, msg: Message, op_id: str) -> None: ...  # noqa: D102
 
+    def event(self, name: str, **fields: object) -> None: ...  # noqa: D102
+
+
+def process_start(pid: int) -> float | None:
+    """The start time of the live process ``pid`` (``None``: no such process, or a zombie).
+
+    The start time tells a process from a later one that reuses its pid.
+    """
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return float(proc.create_time())
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return None
+    except psutil.AccessDenied:  # another user's process: it exists, but it cannot be told
+        return 0.0
+
 
 class TrainerRelay:
     """The local daemon's side: forwards the trainer's messages and remembers what was accepted.
@@ -59,6 +84,8 @@ class TrainerRelay:
         self.sizes: list[int] | None = None
         self.state: TrainerState = TrainerState.NONE
         self._sent: dict[str, TrainerRegister | TrainerEvent] = {}
+        self._watched: tuple[int, float] | None = None  # the trainer's pid and start time
+        self._gone: str = ""  # why the last registration ended (for ``status``)
 
     def on_register(self, msg: TrainerRegister, reply: ReplyPath | None) -> None:
         """Forwards a registration to the scheduler as :class:`TrainerInfo`."""
@@ -100,6 +127,8 @@ class TrainerRelay:
             return
         if isinstance(sent, TrainerRegister):
             self.registration = sent
+            self._gone = ""
+            self._watch(sent.pid)
             self.state = TrainerState.TRAINING if sent.has_state else TrainerState.SYNCING
             if sent.has_state and sent.tensor_sizes is not None:
                 self.sizes = list(sent.tensor_sizes)
@@ -115,6 +144,48 @@ class TrainerRelay:
                 return op_id
         return None
 
+    def _watch(self, pid: int | None) -> None:
+        """Starts watching the registered trainer's process (not this daemon's own: an embedded
+        daemon dies with its trainer; not one this host cannot see)."""
+        start = process_start(pid) if pid is not None and pid != os.getpid() else None
+        self._watched = (pid, start) if pid is not None and start is not None else None
+        self.host.event("trainer_watched", pid=pid, watched=self._watched is not None)
+
+    def check_trainer(self) -> bool:
+        """Ends the registration of a trainer whose process exited, and tells the scheduler.
+
+        Returns:
+            Whether the trainer was found gone now.
+        """
+        if self._watched is None:
+            return False
+        pid, start = self._watched
+        now_start = process_start(pid)
+        if now_start is not None and (start == 0.0 or abs(now_start - start) < 1e-3):
+            return False
+        was = self.state
+        self._watched = None
+        self.registration = None
+        self.sizes = None
+        self.state = TrainerState.NONE
+        stamp = time.strftime("%H:%M:%S")
+        self._gone = f"trainer process {pid} exited at {stamp}; this node no longer trains"
+        self.host.event("trainer_gone", pid=pid, was=was.value)
+        if self.host.active:
+            op_id = uuid.uuid4().hex[:12]
+            me = self.host.node_id
+            msg = TrainerEvent(
+                sender=me, epoch=self.host.epoch, kind="gone", node_id=me, op_id=op_id,
+                detail=f"pid {pid} exited",
+            )  # fmt: skip
+            self._sent[op_id] = msg
+            self.host.relay(None, msg, op_id)
+        return True
+
+    def notes(self) -> list[str]:
+        """Lines for ``status``: a trainer that exited."""
+        return [self._gone] if self._gone else []
+
     def forget(self, op_id: str) -> None:
         """Drops a forwarded message that timed out."""
         self._sent.pop(op_id, None)
@@ -122,8 +193,8 @@ class TrainerRelay:
     def report_fields(self) -> dict[str, Any]:
         """The trainer fields of this node's :class:`~chaos.protocol.AgentReport`."""
         reg = self.registration
-        if reg is None:
-            return {}
+        if reg is None:  # after its trainer exited, a new scheduler must not restore it
+            return {"trainer": TrainerState.NONE} if self._gone else {}
         return {
             "data_address": reg.data_address,
             "shard_address": reg.shard_address,

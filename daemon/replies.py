@@ -69,6 +69,9 @@ class ReplySource(Protocol):
 
     def members(self) -> list[str]: ...  # noqa: D102
 
+    def status_notes(self) -> list[str]:
+        """Lines worth a look in ``status`` (e.g. a trainer that exited)."""
+
 
 def status_reply(d: ReplySource) -> StatusReply:
     """The daemon's state and its copy of the cluster view.
@@ -98,6 +101,7 @@ def status_reply(d: ReplySource) -> StatusReply:
         nodes=nodes,
         links=links,
         sync=d.update.sync if d.update else None,
+        notes=[n[:256] for n in d.status_notes()[:32]],
     )
 
 

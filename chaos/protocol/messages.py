@@ -93,7 +93,7 @@ class Reason(str, enum.Enum):
 
 ApplyAt = Literal["after_allreduce", "before_next_allreduce"]
 FaultName = Literal["drop_to", "drop_from", "cut_link", "partition", "clear"]
-TrainerEventKind = Literal["ready", "replication_done", "step_failed"]
+TrainerEventKind = Literal["ready", "replication_done", "step_failed", "gone"]
 
 
 class _Base(msgspec.Struct, kw_only=True, frozen=True, tag_field="type"):
@@ -433,6 +433,9 @@ class StatusRequest(_Base, frozen=True, tag="status_request"):
     KIND: ClassVar[str] = "client"
 
 
+_Note = Annotated[str, msgspec.Meta(max_length=256)]
+
+
 class StatusReply(_Base, frozen=True, tag="status_reply"):
     """Daemon -> CLI: the local node's state and its copy of the cluster view."""
 
@@ -445,6 +448,7 @@ class StatusReply(_Base, frozen=True, tag="status_reply"):
     nodes: list[NodeInfo]
     links: list[LinkInfo]
     sync: SyncPolicyWire | None = None
+    notes: Annotated[list[_Note], msgspec.Meta(max_length=32)] = []
 
 
 class LeaveCommand(_Base, frozen=True, tag="leave_command"):
@@ -490,6 +494,7 @@ class TrainerRegister(_Base, frozen=True, tag="trainer_register"):
     re-registration with new ``tensor_sizes``); ``False``: it must receive the state by
     replication. ``state_digest``: set by trainers restored from one checkpoint (stop-resume);
     a restored trainer whose digest equals the first trainer's joins without replication.
+    ``pid``: the trainer's process id, which the local daemon watches (``None``: unwatched).
     The daemon answers with an :class:`OpResult` (``epoch``: the epoch whose policy
     includes the trainer).
     """
@@ -502,13 +507,15 @@ class TrainerRegister(_Base, frozen=True, tag="trainer_register"):
     tensor_sizes: TensorSizes | None = None
     state_digest: StateDigest = ""
     op_id: OpId = ""
+    pid: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
 class TrainerEvent(_Base, frozen=True, tag="trainer_event"):
     """Trainer -> local daemon (``node_id`` unset) -> scheduler (``node_id`` = ``sender``).
 
-    ``ready``: the trainer holds the state and takes part in training. Answered with an
-    :class:`OpResult`.
+    ``ready``: the trainer holds the state and takes part in training. ``gone``: sent by the
+    local daemon only, its trainer's process exited (the node stays a member without a trainer).
+    Answered with an :class:`OpResult`.
     """
 
     KIND: ClassVar[str] = "client"

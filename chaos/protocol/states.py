@@ -47,6 +47,7 @@ class TrainerState(str, enum.Enum):
         syncing  -> training  (the trainer reported ``ready``)
         training -> syncing   (its trainer restarted without state while another node trains)
         syncing  -> syncing, training -> training   (re-registration, e.g. new tensor sizes)
+        syncing  -> none, training -> none   (its daemon saw the trainer's process exit)
         any      -> (removed) (the node leaves or fails with its daemon)
     """
 
@@ -57,6 +58,10 @@ class TrainerState(str, enum.Enum):
 
 TRAINER_TRANSITIONS: dict[TrainerState, frozenset[TrainerState]] = {
     TrainerState.NONE: frozenset({TrainerState.SYNCING, TrainerState.TRAINING}),
-    TrainerState.SYNCING: frozenset({TrainerState.SYNCING, TrainerState.TRAINING}),
-    TrainerState.TRAINING: frozenset({TrainerState.SYNCING, TrainerState.TRAINING}),
+    TrainerState.SYNCING: frozenset(
+        {TrainerState.NONE, TrainerState.SYNCING, TrainerState.TRAINING}
+    ),
+    TrainerState.TRAINING: frozenset(
+        {TrainerState.NONE, TrainerState.SYNCING, TrainerState.TRAINING}
+    ),
 }

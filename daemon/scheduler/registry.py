@@ -96,6 +96,8 @@ class TrainerRegistry:
         self.restarted: dict[str, tuple[int, float]] = {}
         # per blamed peer: a restart held back (when it is due, the failed epoch it answers)
         self.held: dict[str, tuple[float, int]] = {}
+        # per blamed peer: restarts in a row whose rerun failed again on it (damps the next)
+        self.repeats: dict[str, int] = {}
 
     # -- registration ----------------------------------------------------------------------
 
@@ -210,6 +212,10 @@ class TrainerRegistry:
         if msg.kind == "step_failed":
             self._on_step_failed(msg, reply, now)
             return
+        if msg.kind == "gone":
+            self._on_gone(n, cur, now)
+            self._answer(reply, msg.op_id)
+            return
         if msg.kind == "ready" and cur == TrainerState.SYNCING:
             mon.set_trainer(
                 n,
@@ -229,6 +235,15 @@ class TrainerRegistry:
                 multi_hop=bool(donors) and not set(donors) & set(mon.neighbors(n)),
             )
         self._answer(reply, msg.op_id)
+
+    def _on_gone(self, n: str, cur: TrainerState, now: float) -> None:
+        """``n``'s daemon saw its trainer's process exit: ``n`` stays a member without a trainer,
+        and the others rerun their step without it (a new structure, like a failure)."""
+        mon = self.monitor
+        mon.set_trainer(n, TrainerState.NONE, None, None)
+        self.forget(n)
+        self.host.event("trainer_gone", peer=n, was=cur.value)
+        self.commits.commit("trainer_gone", now, apply_at="before_next_allreduce", restart=True)
 
     def _on_step_failed(self, msg: TrainerEvent, reply: ReplyPath | None, now: float) -> None:
         """A trainer's allreduce of epoch ``msg.epoch`` failed, blaming ``msg.detail``.
@@ -261,7 +276,7 @@ class TrainerRegistry:
             return
         due = self._restart_due(suspect, failed_epoch, now)
         if due <= now:
-            self._restart(suspect, now)
+            self._restart(suspect, now, failed_epoch)
             return
         self.held[suspect] = (due, failed_epoch)
         self.host.event("restart_held", peer=suspect, epoch=failed_epoch, due_in_s=due - now)
@@ -291,15 +306,45 @@ class TrainerRegistry:
             due = max(due, heard + cfg.failure_timeout_s + cfg.heartbeat_interval_s)
         last = self.restarted.get(suspect)
         if last is not None and failed_epoch >= last[0]:
-            due = max(due, last[1] + cfg.failure_timeout_s)
+            due = max(due, last[1] + self._repeat_hold_s(suspect))
         return due
 
-    def _restart(self, suspect: str, now: float) -> None:
+    def _repeat_hold_s(self, suspect: str) -> float:
+        """How long after its last restart a rerun that failed again on ``suspect`` is held:
+        ``failure_timeout_s``, doubled for each restart in a row that failed again on it (at
+        most 32 times), so that a peer whose trainer hangs does not cost an epoch every
+        ``failure_timeout_s`` forever."""
+        return self.cfg.failure_timeout_s * 2.0 ** min(self.repeats.get(suspect, 0), 5)
+
+    def _restart(self, suspect: str, now: float, failed_epoch: int) -> None:
         self.held.pop(suspect, None)
+        last = self.restarted.get(suspect)
+        again = last is not None and failed_epoch >= last[0]
+        if again and last is not None and now - last[1] < 4 * self._repeat_hold_s(suspect):
+            self.repeats[suspect] = self.repeats.get(suspect, 0) + 1
+        else:
+            self.repeats.pop(suspect, None)
         self.commits.commit(
             "allreduce_restart", now, apply_at="before_next_allreduce", restart=True
         )
         self.restarted[suspect] = (self.commits.epoch, now)
+        count = self.repeats.get(suspect, 0)
+        if count:
+            self.host.event(
+                "restart_repeated",
+                peer=suspect,
+                restarts=count + 1,
+                next_hold_s=self._repeat_hold_s(suspect),
+            )
+
+    def notes(self) -> list[str]:
+        """Lines for ``status``: the peers whose restarts keep failing."""
+        return [
+            f"allreduce restarted {count + 1} times in a row, each rerun failing on {peer}; "
+            f"the next restart is held {self._repeat_hold_s(peer):.1f} s"
+            for peer, count in sorted(self.repeats.items())
+            if count and self.monitor.has(peer)
+        ]
 
     def tick(self, now: float) -> None:
         """Commits the held restarts that are due and still needed: no newer structure came,
@@ -309,7 +354,7 @@ class TrainerRegistry:
                 continue
             self.held.pop(suspect)
             if not self._newer_structure(failed_epoch) and not self._silent(suspect, now):
-                self._restart(suspect, now)
+                self._restart(suspect, now, failed_epoch)
 
     # -- bookkeeping -----------------------------------------------------------------------
 
@@ -325,6 +370,7 @@ class TrainerRegistry:
         self.pending.pop(node, None)
         self.restarted.pop(node, None)
         self.held.pop(node, None)
+        self.repeats.pop(node, None)
 
     def absorb(self, node: str, fields: dict[str, Any]) -> bool:
         """Takes a member's trainer fields (those of its :class:`AgentReport`) after an election.
@@ -337,8 +383,15 @@ class TrainerRegistry:
             Whether the member's trainer state or endpoints changed (the sync policy may).
         """
         mon = self.monitor
-        if not mon.has(node) or fields.get("trainer", "none") == "none":
+        if not mon.has(node):
             return False
+        if fields.get("trainer", "none") == "none":
+            # an explicit "none": the member's trainer exited (its daemon watched it)
+            if "trainer" not in fields or mon.trainer(node) == TrainerState.NONE:
+                return False
+            mon.set_trainer(node, TrainerState.NONE, None, None)
+            self.forget(node)
+            return True
         state = TrainerState(fields["trainer"])
         data = fields.get("data_address") or mon.node_attr(node, "data_address")
         shard = fields.get("shard_address") or mon.node_attr(node, "shard_address")

@@ -395,6 +395,30 @@ def _restarts(host: _Host) -> int:
     return sum(1 for u in host.updates if u.cause == "allreduce_restart")
 
 
+def test_restarts_that_keep_failing_on_one_peer_are_damped_and_shown() -> None:
+    """A peer that stays heard while every rerun fails on it (a hung trainer) gets a restart
+    held twice as long each time, an event, and a line in the scheduler's ``status``."""
+    role, host = _scheduler_role()
+    role.trainers.on_info(_info("a", True, SIZES), None, 1.0)
+    role.trainers.on_info(_info("b", False), None, 2.0)
+    hold_s = role.cfg.failure_timeout_s
+    now = 10.0
+    _step_failed(role, host, "a", "b", role.epoch, now)
+    holds = []
+    for _ in range(4):
+        role.last_heard["b"] = now
+        _step_failed(role, host, "a", "b", role.epoch, now + 0.01)
+        due = role.trainers.held["b"][0]
+        holds.append(round(due - now, 6))
+        role.last_heard["b"] = due
+        role.tick(due)
+        now = due
+    assert holds == [hold_s, 2 * hold_s, 4 * hold_s, 8 * hold_s]
+    repeated = [f for name, f in host.events if name == "restart_repeated"]
+    assert repeated[-1]["peer"] == "b" and repeated[-1]["restarts"] == 5
+    assert any("failing on b" in n for n in role.trainers.notes())
+
+
 def test_a_step_that_fails_again_on_the_same_peer_waits_for_the_failure_detector() -> None:
     """A peer killed a moment ago is still heard, and every rerun fails at once on it. The first
     failure gets a restart epoch; a failure in that epoch blaming the same peer holds the next
@@ -435,7 +459,7 @@ def test_a_step_that_fails_again_on_the_same_peer_waits_for_the_failure_detector
     second = role.epoch
     failed("b", "c", second, t0 + hold_s + 0.1)
     assert restarts() == 2 and role.trainers.held
-    role.tick(t0 + 3 * hold_s)
+    role.tick(t0 + 4 * hold_s)  # a second restart in a row on c is held twice as long
     assert restarts() == 2 and role.epoch == second and not role.trainers.held
     # a failure blaming another peer is not held back by c's restarts
     failed("b", "d", second, t0 + 3 * hold_s + 0.01)
