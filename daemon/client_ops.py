@@ -5,7 +5,8 @@
 for a connect, measures the new link while the request travels); and it keeps every request
 relayed to the scheduler (the trainer's too) until the scheduler's
 :class:`~chaos.protocol.OpResult` comes back, or answers it with a failure after
-``op_timeout_s``.
+``op_timeout_s``. When another scheduler takes over, every request still waiting is sent again to
+it (the old one may have died with it), and its ``op_timeout_s`` starts anew.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from chaos.protocol import (
     PolicyRequest,
     Reason,
     StatusRequest,
+    TrainerEvent,
 )
 
 
@@ -50,6 +52,7 @@ class ClientHost(ReplySource, Protocol):
 class _ClientOp:
     reply: ReplyPath | None
     deadline: float
+    msg: Message
 
 
 class ClientRequests:
@@ -70,6 +73,7 @@ class ClientRequests:
         self.agent = agent
         self.trainer = trainer
         self._waiting: dict[str, _ClientOp] = {}
+        self._scheduler: tuple[str | None, int] = (None, 0)  # the one last sent to, its term
 
     # -- answers ---------------------------------------------------------------------------
 
@@ -108,11 +112,41 @@ class ClientRequests:
     def relay(self, reply: ReplyPath | None, msg: Message, op_id: str) -> None:
         """Sends a client's request to the scheduler; its :class:`OpResult` goes back to the
         client (a failure if none comes within ``op_timeout_s``)."""
-        self._waiting[op_id] = _ClientOp(reply, time.monotonic() + self.host.cfg.op_timeout_s)
+        now = time.monotonic()
+        self._waiting[op_id] = _ClientOp(reply, now + self.host.cfg.op_timeout_s, msg)
         if not self.host.to_scheduler(msg):
             del self._waiting[op_id]
             self.trainer.forget(op_id)
             self.result(reply, op_id, Reason.PAUSED, "no scheduler")
+            return
+        self.host.event(
+            "relayed", op_id=op_id, type=type(msg).__name__, scheduler=self.host.election.scheduler
+        )
+
+    def follow_scheduler(self, scheduler: str | None, term: int, now: float) -> None:
+        """Sends the requests still waiting again when another scheduler (or a new term) takes
+        over: the old scheduler may have died before it answered, and nothing else would tell
+        the new one. Each gets ``op_timeout_s`` anew. A scheduler that took a request twice
+        answers it twice (a repeated registration or event changes nothing more); the client
+        takes the first answer.
+
+        Args:
+            scheduler: The scheduler this daemon now knows (``None``: none, e.g. an election).
+            term: Its term.
+            now: ``time.monotonic()``.
+        """
+        if scheduler is None or (scheduler, term) == self._scheduler:
+            return
+        self._scheduler = (scheduler, term)
+        for op_id, op in list(self._waiting.items()):
+            msg = op.msg
+            if not (isinstance(msg, TrainerEvent) and msg.kind == "step_failed"):
+                msg = msgspec.structs.replace(msg, epoch=self.host.epoch)  # not the failed one
+            if self.host.to_scheduler(msg):
+                op.deadline = now + self.host.cfg.op_timeout_s
+                self.host.event(
+                    "relay_resent", op_id=op_id, type=type(msg).__name__, scheduler=scheduler
+                )
 
     def on_result(self, msg: OpResult) -> None:
         """Passes the scheduler's answer on to the client waiting for it."""

@@ -354,6 +354,8 @@ class Daemon:
         local = self.outbox.local
         while local and not self._stop:
             self.dispatcher.dispatch(local.popleft(), None, time.monotonic())
+        # a new scheduler gets the requests the old one left unanswered
+        self.requests.follow_scheduler(self._known_scheduler(), self.term, time.monotonic())
         self.notices.publish(now)  # trainers hear of a change without asking
 
     def _run_timers(self, now: float) -> None:
