@@ -7,6 +7,11 @@ relayed to the scheduler (the trainer's too) until the scheduler's
 :class:`~chaos.protocol.OpResult` comes back, or answers it with a failure after
 ``op_timeout_s``. When another scheduler takes over, every request still waiting is sent again to
 it (the old one may have died with it), and its ``op_timeout_s`` starts anew.
+
+The local trainer's messages are patient: one that comes while no scheduler is known (e.g. during
+an election) is held, not refused, and sent as soon as a scheduler is known. A trainer's
+registration (its join) waits for the scheduler's answer up to the daemon's ``join_timeout_s``
+(at least ``op_timeout_s``), however many schedulers come and go meanwhile.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from chaos.protocol import (
     Reason,
     StatusRequest,
     TrainerEvent,
+    TrainerInfo,
 )
 
 
@@ -53,6 +59,7 @@ class _ClientOp:
     reply: ReplyPath | None
     deadline: float
     msg: Message
+    sent: bool = True  # False: held until a scheduler is known
 
 
 class ClientRequests:
@@ -111,42 +118,53 @@ class ClientRequests:
 
     def relay(self, reply: ReplyPath | None, msg: Message, op_id: str) -> None:
         """Sends a client's request to the scheduler; its :class:`OpResult` goes back to the
-        client (a failure if none comes within ``op_timeout_s``)."""
+        client (a failure if none comes within ``op_timeout_s``; ``join_timeout_s`` for a
+        trainer's registration). A trainer's message that comes while no scheduler is known is
+        held until one is; any other request is then refused (``paused``)."""
+        cfg = self.host.cfg
         now = time.monotonic()
-        self._waiting[op_id] = _ClientOp(reply, now + self.host.cfg.op_timeout_s, msg)
-        if not self.host.to_scheduler(msg):
+        wait_s = max(cfg.op_timeout_s, cfg.join_timeout_s) if _is_join(msg) else cfg.op_timeout_s
+        op = _ClientOp(reply, now + wait_s, msg)
+        self._waiting[op_id] = op
+        scheduler = self.host.election.scheduler
+        if self.host.to_scheduler(msg):
+            self.host.event("relayed", op_id=op_id, type=type(msg).__name__, scheduler=scheduler)
+        elif _is_patient(msg):
+            op.sent = False
+            self.host.event("relay_held", op_id=op_id, type=type(msg).__name__)
+        else:
             del self._waiting[op_id]
             self.trainer.forget(op_id)
             self.result(reply, op_id, Reason.PAUSED, "no scheduler")
-            return
-        self.host.event(
-            "relayed", op_id=op_id, type=type(msg).__name__, scheduler=self.host.election.scheduler
-        )
 
     def follow_scheduler(self, scheduler: str | None, term: int, now: float) -> None:
         """Sends the requests still waiting again when another scheduler (or a new term) takes
         over: the old scheduler may have died before it answered, and nothing else would tell
-        the new one. Each gets ``op_timeout_s`` anew. A scheduler that took a request twice
-        answers it twice (a repeated registration or event changes nothing more); the client
-        takes the first answer.
+        the new one. Each gets at least ``op_timeout_s`` anew (a registration keeps its longer
+        deadline). A held request goes to the first scheduler known. A scheduler that took a
+        request twice answers it twice (a repeated registration or event changes nothing more);
+        the client takes the first answer.
 
         Args:
             scheduler: The scheduler this daemon now knows (``None``: none, e.g. an election).
             term: Its term.
             now: ``time.monotonic()``.
         """
-        if scheduler is None or (scheduler, term) == self._scheduler:
+        if scheduler is None:
             return
+        changed = (scheduler, term) != self._scheduler
         self._scheduler = (scheduler, term)
         for op_id, op in list(self._waiting.items()):
+            if op.sent and not changed:
+                continue
             msg = op.msg
             if not (isinstance(msg, TrainerEvent) and msg.kind == "step_failed"):
                 msg = msgspec.structs.replace(msg, epoch=self.host.epoch)  # not the failed one
             if self.host.to_scheduler(msg):
-                op.deadline = now + self.host.cfg.op_timeout_s
-                self.host.event(
-                    "relay_resent", op_id=op_id, type=type(msg).__name__, scheduler=scheduler
-                )
+                op.deadline = max(op.deadline, now + self.host.cfg.op_timeout_s)
+                name = "relay_resent" if op.sent else "relayed"
+                op.sent = True
+                self.host.event(name, op_id=op_id, type=type(msg).__name__, scheduler=scheduler)
 
     def on_result(self, msg: OpResult) -> None:
         """Passes the scheduler's answer on to the client waiting for it."""
@@ -209,3 +227,13 @@ class ClientRequests:
         if view is None:
             return None
         return next((n.address for n in view.nodes if n.id == peer), None)
+
+
+def _is_patient(msg: Message) -> bool:
+    """The local trainer's messages wait for a scheduler instead of being refused."""
+    return isinstance(msg, (TrainerInfo, TrainerEvent))
+
+
+def _is_join(msg: Message) -> bool:
+    """A trainer's registration: it waits up to ``join_timeout_s`` for the scheduler."""
+    return isinstance(msg, TrainerInfo)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from chaos.collectives import Topology
-from chaos.errors import ChaosError, ChaosTimeout
+from chaos.errors import ChaosError, ChaosTimeout, ProtocolError
 from chaos.protocol import PolicyReply, ReplicationWire, StatusReply
 from chaos.trainer.policy_watch import PolicyWatch
 
@@ -32,6 +32,14 @@ __all__ = [
 ]
 
 log = logging.getLogger("chaos.trainer")
+
+_ATTEMPT_S = 5.0
+"""How long one ``ready`` report waits for its answer."""
+_RETRY_TOTAL_S = 15.0
+"""A registration or ``ready`` report lost to a scheduler change is tried again within this long
+in all (or the caller's own timeout, if longer): a failover takes a few seconds."""
+_TRANSIENT = ("timeout", "paused", "not_scheduler")
+"""Refusals that a scheduler change explains: the request is tried again."""
 
 
 class TrainingStalled(ChaosTimeout):
@@ -196,29 +204,65 @@ class DaemonSession:
             shard_address: The shard server's endpoint.
             has_state: The trainer holds a training state (``False``: it joins and pulls one).
             tensor_sizes: The state's tensor sizes (``None`` without a state).
-            timeout_s: Longest wait for the daemon's answer.
+            timeout_s: Longest wait for one answer. A registration lost to a scheduler change
+                (no answer, ``timeout``, ``paused``, ``not_scheduler``) is sent again, within
+                ``max(timeout_s, _RETRY_TOTAL_S)`` in all.
             state_digest: The digest of a restored state (stop-resume), else ``""``.
 
         Raises:
             ChaosTimeout: no answer in time.
             ProtocolError: refused or an unexpected answer.
         """
-        self._client.register_trainer(
-            data_address=data_address,
-            shard_address=shard_address,
-            has_state=has_state,
-            tensor_sizes=tensor_sizes,
-            timeout_s=timeout_s,
-            state_digest=state_digest,
+        self._retrying(
+            "registration",
+            lambda t: self._client.register_trainer(
+                data_address=data_address,
+                shard_address=shard_address,
+                has_state=has_state,
+                tensor_sizes=tensor_sizes,
+                timeout_s=t,
+                state_digest=state_digest,
+            ),
+            timeout_s,
         )
 
     def report_ready(self, elapsed_s: float, detail: str) -> None:
-        """Tells the scheduler the trainer's state is in place.
+        """Tells the scheduler the trainer's state is in place (tried again, within
+        ``_RETRY_TOTAL_S``, when a scheduler change loses it).
 
         Raises:
             ChaosTimeout: no answer in time.
         """
-        self._client.trainer_event("ready", elapsed_s, detail, timeout_s=5.0)
+        self._retrying(
+            "ready report",
+            lambda t: self._client.trainer_event("ready", elapsed_s, detail, timeout_s=t),
+            _ATTEMPT_S,
+        )
+
+    def _retrying(self, what: str, attempt: Callable[[float], object], attempt_s: float) -> None:
+        """Runs ``attempt(timeout_s)`` again after a failure that a scheduler change explains
+        (no answer, ``timeout``, ``paused``, ``not_scheduler``), until it succeeds or
+        ``max(attempt_s, _RETRY_TOTAL_S)`` has passed in all.
+
+        Raises:
+            ChaosTimeout: the last attempt got no answer in time.
+            ProtocolError: refused for another reason, or the last attempt was refused.
+        """
+        deadline = time.monotonic() + max(attempt_s, _RETRY_TOTAL_S)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                attempt(min(attempt_s, max(left, 0.1)))
+                return
+            except ChaosTimeout as exc:
+                error: ChaosError = exc
+            except ProtocolError as exc:
+                if getattr(exc, "reason", None) not in _TRANSIENT:
+                    raise
+                error = exc
+            if deadline - time.monotonic() < 0.5:
+                raise error
+            log.info("%s not answered (%s); trying again", what, error)
 
     def report_step_failed(self, peer: str, epoch: int) -> None:
         """Tells the scheduler this node's step failed, so that a restart epoch comes even when
