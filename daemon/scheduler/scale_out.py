@@ -2,8 +2,10 @@
 
 The joiner's neighbours connect to it and measure the links (latency and bandwidth); then the
 replication and sync policies are issued (``after_allreduce``). A retry of a join in progress is
-ignored; a restarted incarnation of a member is scaled in and out again; a join naming an
-unknown neighbour, or at the address of another live member, is refused.
+ignored; a restarted incarnation of a member (at its address, or once the old one is silent) is
+scaled in and out again, its old trainer registration dropped; a join naming an unknown
+neighbour, or under the id of a member still heard from at another address (``duplicate_id``),
+is refused.
 """
 
 from __future__ import annotations
@@ -95,22 +97,15 @@ class ScaleOuts:
         self.liveness = liveness
         self.trainers = trainers
         self.joins: dict[str, ScaleOut] = {}
+        self._admitted: dict[str, float] = {}  # when each joiner was admitted here (monotonic)
 
     def on_join(self, msg: JoinRequest, reply: ReplyPath | None, now: float) -> None:
         """Starts a scale-out (or refuses it)."""
         j = msg.node_id
         if j in self.joins:
             return  # a retry of a join in progress
-        if self.monitor.has(j):
-            fresh = self.liveness.fresh(j, now)
-            if self.monitor.address(j) != msg.address and fresh:
-                self._refuse(msg, Reason.DUPLICATE_ID, f"{j} is a member at another address")
-                return
-            if fresh and self.ledger.last_update is not None:
-                self.host.send(j, self.ledger.last_update)  # the joiner missed its admission
-                return
-            self.monitor.remove_node(j)  # a restarted incarnation: scale it in and out again
-            self.trainers.forget(j)
+        if self.monitor.has(j) and not self._replace(msg, now):
+            return
         unknown = [n for n in msg.neighbors if not self.monitor.has(n)]
         if unknown:
             self._refuse(msg, Reason.UNKNOWN_PEER, f"unknown neighbor(s) {unknown}")
@@ -135,6 +130,30 @@ class ScaleOuts:
                     op_id=so.op_id,
                 ),
             )
+
+    def _replace(self, msg: JoinRequest, now: float) -> bool:
+        """A join under the id of a member: whether to admit it anew in place of the member.
+
+        At another address, while the member is still heard from: refused (``duplicate_id``),
+        as the member may be alive. At its own address, within ``failure_timeout_s`` of its
+        admission: the joiner missed its admission, which is sent again. Otherwise it is a
+        restarted incarnation (the old one is treated as failed: scaled in with its trainer
+        registration, and the new one scaled out).
+        """
+        j = msg.node_id
+        fresh = self.liveness.fresh(j, now)
+        if self.monitor.address(j) != msg.address and fresh:
+            self._refuse(msg, Reason.DUPLICATE_ID, f"{j} is a member at another address")
+            return False
+        since = now - self._admitted.get(j, float("-inf"))
+        if fresh and since <= self.cfg.failure_timeout_s and self.ledger.last_update is not None:
+            self.host.send(j, self.ledger.last_update)  # the joiner missed its admission
+            return False
+        self.host.event("incarnation_replaced", peer=j, was_fresh=fresh)
+        self.monitor.remove_node(j)  # a restarted incarnation: scale it in and out again
+        self.trainers.forget(j)
+        self._admitted.pop(j, None)
+        return True
 
     def _refuse(self, msg: JoinRequest, reason: Reason, detail: str) -> None:
         self.host.event("join_refused", peer=msg.node_id, reason=reason, detail=detail)
@@ -167,6 +186,7 @@ class ScaleOuts:
         """Stops waiting for the link reports of a neighbour that left or failed."""
         for so in self.joins.values():
             so.waiting.discard(node)
+        self._admitted.pop(node, None)
 
     def _finish(self, j: str, now: float) -> None:
         so = self.joins.pop(j)
@@ -181,6 +201,7 @@ class ScaleOuts:
             )
         self.monitor.set_state(j, NodeState.ACTIVE)
         self.liveness.heard(j, now)
+        self._admitted[j] = now
         links = {n: (r.latency_s, r.bandwidth_bps) for n, r in up.items()}
         repl = replication_policy(j, links, so.req.state_bytes, so.req.tensor_sizes, self.cfg)
         self.host.event(
