@@ -1,23 +1,30 @@
 """The trainer's data plane: the allreduce communicator and the shard server.
 
-A :class:`DataPlane` opens both endpoints on ephemeral ports of one host (the trainer registers
-them with its daemon), installs a policy's allreduce topology at a step boundary, runs the step's
-allreduce, and publishes the snapshot a donor serves. It knows nothing of the daemon: the
-interrupt check it runs while blocked in an allreduce is handed to it.
+A :class:`DataPlane` opens both endpoints on one host, on ephemeral ports or on the first free
+ports of a configured range (the trainer registers them with its daemon), installs a policy's
+allreduce topology at a step boundary, runs the step's allreduce, and publishes the snapshot a
+donor serves. It knows nothing of the daemon: the interrupt check it runs while blocked in an
+allreduce is handed to it.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
+import zmq
 
 from chaos.collectives import Communicator, CommunicatorConfig, Topology
+from chaos.errors import ConfigError
 from chaos.replication.server import ShardServer, ShardServerConfig
 from chaos.replication.state import TrainingState
 
 __all__ = ["DataPlane"]
+
+_T = TypeVar("_T")
 
 log = logging.getLogger("chaos.trainer")
 
@@ -35,9 +42,12 @@ class DataPlane:
         poll_interval_s: How often ``interrupt`` runs while blocked in an allreduce.
         interrupt: Run while blocked in an allreduce; a reason string abandons the round
             (:class:`~chaos.errors.RoundInterrupted`), ``None`` goes on waiting.
+        ports: ``(first, last)``, inclusive: both endpoints bind the first free ports of this
+            range (ports in use by other sockets are skipped); ``None``: ephemeral ports.
 
     Raises:
-        zmq.ZMQError: an endpoint could not be bound.
+        ConfigError: an endpoint could not be bound (every port of ``ports`` in use, or a bad
+            host); the message names the ports and the option to change.
     """
 
     def __init__(
@@ -51,26 +61,76 @@ class DataPlane:
         lanes: bool,
         poll_interval_s: float,
         interrupt: Callable[[], str | None],
+        ports: tuple[int, int] | None = None,
     ) -> None:
-        comm = Communicator(
-            CommunicatorConfig(
-                node_id,
-                listen=f"tcp://{host}:*",
-                chunk_bytes=chunk_bytes,
-                timeout_s=step_timeout_s,
-                wire_dtype=wire_dtype,
-                lanes=lanes,
-                poll_slice_s=min(0.1, poll_interval_s),
+        self._host, self._ports = host, ports
+        self._busy: list[int] = []
+
+        def open_comm(listen: str) -> Communicator:
+            return Communicator(
+                CommunicatorConfig(
+                    node_id,
+                    listen=listen,
+                    chunk_bytes=chunk_bytes,
+                    timeout_s=step_timeout_s,
+                    wire_dtype=wire_dtype,
+                    lanes=lanes,
+                    poll_slice_s=min(0.1, poll_interval_s),
+                )
             )
-        )
+
+        comm = self._bind("allreduce endpoint", open_comm, self._candidates(skip=None))
         comm.set_interrupt(interrupt, poll_interval_s)
         try:
-            server = ShardServer(ShardServerConfig(listen=f"tcp://{host}:*"))
+            server = self._bind(
+                "shard server",
+                lambda listen: ShardServer(ShardServerConfig(listen=listen)),
+                self._candidates(skip=comm.address),
+            )
         except BaseException:
             comm.close()
             raise
         self._comm = comm
         self._server = server
+
+    def _candidates(self, skip: str | None) -> Iterator[str]:
+        """The endpoints to try, in order: the range's ports (but the one ``skip`` holds), or
+        one ephemeral port."""
+        if self._ports is None:
+            yield f"tcp://{self._host}:*"
+            return
+        taken = int(skip.rsplit(":", 1)[1]) if skip is not None else -1
+        for port in range(self._ports[0], self._ports[1] + 1):
+            if port != taken:
+                yield f"tcp://{self._host}:{port}"
+
+    def _bind(self, what: str, open_at: Callable[[str], _T], endpoints: Iterator[str]) -> _T:
+        """``open_at(endpoint)`` for the first endpoint whose port is free.
+
+        Raises:
+            ConfigError: every port in use, or another bind failure (named, with the option).
+        """
+        for listen in endpoints:
+            try:
+                return open_at(listen)
+            except (zmq.ZMQError, ConfigError) as exc:
+                cause = exc if isinstance(exc, zmq.ZMQError) else exc.__cause__
+                if not (isinstance(cause, zmq.ZMQError) and cause.errno == zmq.EADDRINUSE):
+                    raise ConfigError(
+                        f"cannot bind the trainer's {what} to {listen}: {cause or exc}; check "
+                        "TrainerConfig.host and TrainerConfig.data_ports"
+                    ) from exc
+                self._busy.append(int(listen.rsplit(":", 1)[1]))
+            # A communicator that failed to bind leaves its zmq context and socket in a
+            # reference cycle; collected late, that context blocks the interpreter's exit.
+            gc.collect()
+        lo, hi = self._ports if self._ports is not None else (0, 0)
+        raise ConfigError(
+            f"no free port for the trainer's {what} in data_ports=({lo}, {hi}) on {self._host}: "
+            f"port(s) {sorted(set(self._busy))} already in use by other sockets; choose a "
+            "TrainerConfig.data_ports range with 2 ports no other program listens on (the "
+            "allreduce endpoint and the shard server), or data_ports=None for ephemeral ports"
+        )
 
     @property
     def address(self) -> str:

@@ -70,6 +70,12 @@ class TrainerConfig:
         lanes: Send the gradient chunks over plain TCP payload lanes beside ZeroMQ (faster:
             no copy out of ZeroMQ's buffers); turn it off where only the data endpoint's port
             may be opened between devices. See :attr:`CommunicatorConfig.lanes`.
+        data_ports: ``(first, last)``, an inclusive range of TCP ports for the trainer's data
+            endpoints (the allreduce endpoint and the shard server bind its first two free
+            ports; ports other programs hold are skipped). Set it where ephemeral ports could
+            collide with ports chosen for other listeners, or where only known ports may be
+            opened between devices (then also set ``lanes=False``: the payload lanes use an
+            ephemeral port). ``None``: ephemeral ports.
         daemon_args: Extra ``chaos-daemon start`` arguments for the embedded daemon.
         daemon_dir: The embedded daemon's run directory (IPC socket, event log); default: a
             fresh temporary directory.
@@ -84,7 +90,7 @@ class TrainerConfig:
             :meth:`Trainer.wait_world`).
 
     Raises:
-        ConfigError: a non-positive timeout or interval.
+        ConfigError: a non-positive timeout or interval, or a bad ``data_ports`` range.
     """
 
     host: str = "127.0.0.1"
@@ -96,6 +102,7 @@ class TrainerConfig:
     chunk_bytes: int = 1 << 20
     wire_dtype: str | None = None
     lanes: bool = True
+    data_ports: tuple[int, int] | None = None
     daemon_args: tuple[str, ...] = ()
     daemon_dir: str | None = None
     pull_window: int = 8
@@ -115,6 +122,24 @@ class TrainerConfig:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
         if not isinstance(self.daemon_args, tuple):
             raise ConfigError("daemon_args must be a tuple of strings")
+        _check_data_ports(self.data_ports)
+
+
+def _check_data_ports(ports: object) -> None:
+    """Raises ConfigError unless ``ports`` is ``None`` or ``(first, last)`` with at least two
+    ports within 1..65535."""
+    if ports is None:
+        return
+    ok = (
+        isinstance(ports, tuple)
+        and len(ports) == 2
+        and all(isinstance(p, int) and not isinstance(p, bool) for p in ports)
+    )
+    if not ok or not 1 <= ports[0] < ports[1] <= 65535:  # type: ignore[index]
+        raise ConfigError(
+            "data_ports must be None or (first, last) with 1 <= first < last <= 65535 "
+            f"(two ports at least: the allreduce endpoint and the shard server), got {ports!r}"
+        )
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -243,7 +268,8 @@ class Trainer:
         )
 
     def _open_data_plane(self) -> DataPlane:
-        """The allreduce communicator and the shard server, on ephemeral ports."""
+        """The allreduce communicator and the shard server, on ephemeral ports or in
+        ``data_ports``."""
         cfg = self.config
         return DataPlane(
             self.node_id,
@@ -254,6 +280,7 @@ class Trainer:
             lanes=cfg.lanes,
             poll_interval_s=cfg.poll_interval_s,
             interrupt=self._newer_policy,
+            ports=cfg.data_ports,
         )
 
     def _make_donor(self, plane: DataPlane) -> Donor:
