@@ -2,7 +2,9 @@
 
 * Terms only grow; a message from a higher term makes any role a follower of that term.
 * One vote per term, first come first served, and only for a candidate whose view epoch is at
-  least the voter's (the cluster view plays the part of Raft's log).
+  least the voter's (the cluster view plays the part of Raft's log). A former scheduler counts
+  the newest epoch it committed too, installed or not: like a Raft leader's log, which holds an
+  entry before anyone acknowledges it, it must not help elect a candidate that lacks it.
 * A candidate wins with votes from a strict majority of its current membership.
 * A member that heard a live scheduler within :attr:`DaemonConfig.scheduler_stickiness_s` denies
   votes (Raft section 6), so a node that was cut off cannot depose a healthy scheduler when it
@@ -11,17 +13,41 @@
 
 A member without a scheduler, or a candidate, is *paused*: it makes no changes. A minority side of
 a partition therefore pauses: its candidates never gather a majority.
+
+A new scheduler counts the former scheduler as silent since it was last heard (the election
+proved it silent), where a vote request or a vote reply from it counts as hearing it: a former
+scheduler that paused (lost its quorum) and then voted or stood is alive, and evicting it would be
+a false failure (:func:`carried_silence`).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.states import Role
 
 from chaos.protocol import RequestVote, VoteReply
+
+
+def carried_silence(
+    former: tuple[str, float] | None, heard: Mapping[str, float]
+) -> tuple[str, float] | None:
+    """The former scheduler's silence a new scheduler carries into its failure detector.
+
+    Args:
+        former: The former scheduler and when this node last heard it as scheduler, or ``None``.
+        heard: When each peer's last vote request or vote reply arrived
+            (:attr:`Election.heard`).
+
+    Returns:
+        ``None`` without a former scheduler, else it with the later of the two times.
+    """
+    if former is None:
+        return None
+    node, contact = former
+    return node, max(contact, heard.get(node, float("-inf")))
 
 
 class Election:
@@ -44,6 +70,10 @@ class Election:
         self.last_scheduler_contact = float("-inf")
         self.votes: set[str] = set()
         self.deadline = float("inf")
+        self.heard: dict[str, float] = {}
+        """When each peer's last vote request or vote reply arrived (proof that it is alive)."""
+        self.issued_epoch = 0
+        """The newest epoch this node committed as scheduler (see :meth:`issued`)."""
 
     @property
     def paused(self) -> bool:
@@ -58,6 +88,10 @@ class Election:
     def disarm(self) -> None:
         """Stops the election timer (joining or leaving nodes do not run elections)."""
         self.deadline = float("inf")
+
+    def issued(self, epoch: int) -> None:
+        """Records the newest epoch this node committed as scheduler (votes compare with it)."""
+        self.issued_epoch = max(self.issued_epoch, epoch)
 
     def step_down(self, term: int, now: float) -> None:
         """Becomes a follower without a known scheduler, adopting ``term`` if higher."""
@@ -98,18 +132,20 @@ class Election:
         Args:
             msg: The request (its sender is a member: validation checked).
             now: Monotonic time.
-            epoch: This node's view epoch.
+            epoch: This node's view epoch (the newest epoch it committed counts too).
 
         Returns:
             The reply.
         """
+        self.heard[msg.sender] = now
         heard_recently = now - self.last_scheduler_contact < self.cfg.scheduler_stickiness_s
         sticky = self.role == Role.SCHEDULER or (self.scheduler is not None and heard_recently)
         if msg.term < self.term or (sticky and not msg.transfer):
             return VoteReply(sender=self.node_id, epoch=epoch, term=self.term, granted=False)
         if msg.term > self.term:
             self.step_down(msg.term, now)
-        grant = self.voted_for in (None, msg.sender) and msg.epoch >= epoch
+        newest = max(epoch, self.issued_epoch)
+        grant = self.voted_for in (None, msg.sender) and msg.epoch >= newest
         if grant:
             self.voted_for = msg.sender
             self.reset_deadline(now)
@@ -121,6 +157,7 @@ class Election:
         Returns:
             ``True`` when this vote made the candidate win.
         """
+        self.heard[msg.sender] = now
         if msg.term > self.term:
             self.step_down(msg.term, now)
             return False
@@ -156,6 +193,7 @@ class Election:
     def adopt(self, term: int, scheduler: str | None, now: float) -> None:
         """A (re)joining node takes the cluster's term as its own, even if lower."""
         self.term = term
+        self.issued_epoch = 0  # the view it joins with is newer than anything it committed
         self.voted_for = None
         self.role = Role.FOLLOWER
         self.scheduler = scheduler

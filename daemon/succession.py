@@ -9,12 +9,13 @@ and drops it when another scheduler, a higher term or a lost majority says so.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Protocol
 
 from chaos.daemon.agent import Agent
 from chaos.daemon.config import DaemonConfig
-from chaos.daemon.election import Election
+from chaos.daemon.election import Election, carried_silence
 from chaos.daemon.metrics import Metrics
 from chaos.daemon.relay import TrainerRelay
 from chaos.daemon.scheduler.role import SchedulerHost, SchedulerRole
@@ -93,6 +94,12 @@ class Succession:
         self.role: SchedulerRole | None = None
         self._prev_scheduler: tuple[str, float] | None = None
 
+    def _drop(self) -> None:
+        """Gives up the role, remembering the newest epoch it committed (votes compare with it)."""
+        if self.role is not None:
+            self.election.issued(self.role.epoch)
+        self.role = None
+
     @property
     def is_scheduler(self) -> bool:
         """Whether this node is the scheduler."""
@@ -129,7 +136,7 @@ class Succession:
             return  # a stale scheduler; our own heartbeats will make it step down
         was_scheduler = self.is_scheduler
         if self.election.on_scheduler(msg.term, msg.sender, now) or was_scheduler:
-            self.role = None
+            self._drop()
             h.event("scheduler_changed", scheduler=msg.sender, term=msg.term)
             self._send_agent_report()
 
@@ -137,7 +144,7 @@ class Succession:
         """Follows the scheduler whose update named a newer term or another scheduler."""
         h = self.host
         if self.is_scheduler:
-            self.role = None
+            self._drop()
         self.election.on_scheduler(term, scheduler, now)
         h.event("scheduler_changed", scheduler=scheduler, term=term)
         if h.state == DaemonState.LEAVING:  # the old scheduler may have lost the request
@@ -157,19 +164,23 @@ class Succession:
         if h.state not in (DaemonState.ACTIVE, DaemonState.LEAVING):
             return  # a leaving member still votes: its own leave may need the new scheduler
         was_scheduler = self.is_scheduler
+        if self.role is not None:  # a handover's vote: compare with what it committed
+            self.election.issued(self.role.epoch)
         answer = self.election.on_request_vote(msg, now, h.epoch)
         if was_scheduler and self.election.role != Role.SCHEDULER:
-            self.role = None
+            self._drop()
             h.event("stepped_down", term=h.term)
         h.respond(reply, answer)
 
     def on_vote_reply(self, msg: VoteReply, reply: ReplyPath | None, now: float) -> None:
         """Counts a vote; takes the role on a majority."""
         was_scheduler = self.is_scheduler
+        if self.role is not None and msg.sender in self.role.last_heard:
+            self.role.failures.heard(msg.sender, now)  # a late reply: its sender is alive
         if self.election.on_vote_reply(msg, now, self.host.members()):
             self.become_scheduler(now)
         elif was_scheduler and self.election.role != Role.SCHEDULER:
-            self.role = None
+            self._drop()
             self.host.event("stepped_down", term=self.host.term)
 
     def on_timeout_now(self, msg: TimeoutNow, reply: ReplyPath | None, now: float) -> None:
@@ -208,20 +219,32 @@ class Succession:
         h = self.host
         if bootstrap:
             self.election.term = 1
+        former = self._prev_scheduler
+        silent = carried_silence(former, self.election.heard)
         self.election.become_scheduler(now)
         view = None if bootstrap else h.view
-        self.role = SchedulerRole(h, h.cfg, view, now, old_scheduler=self._prev_scheduler)
+        self.role = SchedulerRole(h, h.cfg, view, now, old_scheduler=silent)
         self.role.trainers.absorb(h.node_id, self.trainer.report_fields())
         self._prev_scheduler = None
-        h.event("elected", term=h.term, epoch=h.epoch)
+        h.event(
+            "elected",
+            term=h.term,
+            epoch=h.epoch,
+            former=former[0] if former is not None else None,
+            former_heard_s=_ago(now, silent[1]) if silent is not None else None,
+        )
         self.timers.wake("heartbeat", now)  # announce at once
         self.timers.wake("failures", now)
         if h.state == DaemonState.LEAVING:  # its request went to the old scheduler: ask anew
             h.to_scheduler(self.leave_request())
 
     def lose_quorum(self, now: float) -> None:
-        """The scheduler no longer hears a majority: step down and pause."""
-        self.role = None
+        """The scheduler no longer hears a majority: step down and pause.
+
+        The role is dropped at once, so a paused scheduler commits nothing more; it keeps its
+        term and may vote for (or become) the next scheduler.
+        """
+        self._drop()
         self.election.step_down(self.election.term, now)
         self.host.event("paused", reason="no majority heard", term=self.host.term)
 
@@ -229,9 +252,14 @@ class Succession:
         """A peer refused this node's message for a higher ``term``: step down to it."""
         if self.is_scheduler:
             self.host.event("stepped_down", term=term)
-        self.role = None
+        self._drop()
         self.election.step_down(term, now)
 
     def drop_role(self) -> None:
         """Forgets the role without an event (this node joins a cluster)."""
-        self.role = None
+        self._drop()
+
+
+def _ago(now: float, then: float) -> float | None:
+    """Seconds since ``then`` (``None``: never)."""
+    return now - then if math.isfinite(then) else None

@@ -1,9 +1,10 @@
 """Failure detection on the scheduler: when each member was last heard, and who is failed.
 
 A member silent for ``failure_timeout_s`` is failed. If the members still heard are not a strict
-majority of the quorum base (the last membership a majority acknowledged), nothing is removed:
-the scheduler has lost its quorum, steps down and pauses. Otherwise one member is removed per
-commit while an earlier membership change is still unacknowledged (Raft's single-server change).
+majority of the quorum base (the membership of the newest committed epoch, see
+:mod:`chaos.daemon.scheduler.quorum`), nothing is removed: the scheduler has lost its quorum, steps
+down and pauses. Otherwise one member is removed per commit while an earlier membership change
+is still unacknowledged (Raft's single-server change).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from chaos.daemon.config import DaemonConfig
+from chaos.daemon.scheduler.quorum import is_majority
 
 
 @dataclass
@@ -70,7 +72,7 @@ class FailureDetector:
 
         Args:
             members: The current membership.
-            base: The quorum base (the last membership a majority acknowledged).
+            base: The quorum base (the membership of the newest committed epoch).
             single_change: Remove at most one member (the longest silent): a membership
                 change committed earlier is still settling.
             now: Monotonic time.
@@ -85,7 +87,7 @@ class FailureDetector:
         if not overdue:
             return verdict
         heard = [m for m in base if m not in overdue and (m in silent or m == self.node_id)]
-        if 2 * len(heard) <= len(base):
+        if not is_majority(heard, base):
             verdict.quorum_lost = True
             return verdict
         # Raft's single-server change: remove one member per commit (the longest silent); the

@@ -6,9 +6,9 @@ joiner), and a :class:`~chaos.protocol.ClusterUpdate` goes to every member. It c
 every member acknowledged that epoch; its requester then gets an
 :class:`~chaos.protocol.OpResult` with the control-path time.
 
-The ledger also keeps the quorum base: the last membership acknowledged by a majority of itself
-and of the base before it. Failures are judged against it, so a minority cannot shrink the
-membership one silent node at a time (the role of Raft's joint consensus).
+The ledger also keeps the quorum base (:class:`~chaos.daemon.scheduler.quorum.QuorumBase`): the
+membership of the newest committed epoch, in force at once, and the epochs a majority of their
+own membership has not acknowledged yet (Raft's single-server membership changes).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import msgspec
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.scheduler.monitor import ClusterMonitor
 from chaos.daemon.scheduler.planner import data_addresses, same_data_plane, sync_policy, to_wire
+from chaos.daemon.scheduler.quorum import QuorumBase
 from chaos.daemon.transport import ReplyPath
 
 from chaos.protocol import (
@@ -99,12 +100,21 @@ class EpochLedger:
         self.monitor = monitor
         self.epoch = epoch
         self._carried = carried
-        self.stable_members: frozenset[str] = frozenset(monitor.members())
+        self.quorum = QuorumBase(monitor.members())
         self.acked: dict[str, int] = {}
-        self.pending_views: dict[int, frozenset[str]] = {}
         self.ops: dict[str, PendingOp] = {}
         self.last_sync: SyncPolicyWire | None = None
         self.last_update: ClusterUpdate | None = None
+
+    @property
+    def stable_members(self) -> frozenset[str]:
+        """The quorum base: the membership of the newest committed epoch."""
+        return self.quorum.members
+
+    @property
+    def pending_views(self) -> dict[int, frozenset[str]]:
+        """The committed epochs not yet acknowledged by a majority of their membership."""
+        return self.quorum.unsettled
 
     # -- the policy in force ---------------------------------------------------------------
 
@@ -198,7 +208,7 @@ class EpochLedger:
         Returns:
             The pending primitive, registered in ``ops``.
         """
-        self.pending_views[self.epoch] = frozenset(members)
+        self.quorum.committed(self.epoch, members)
         op = PendingOp(
             cause,
             self.epoch,
@@ -260,23 +270,12 @@ class EpochLedger:
     def on_ack(self, msg: PolicyAck, now: float) -> None:
         """Counts a member's acknowledgement of an epoch."""
         self.acked[msg.sender] = max(self.acked.get(msg.sender, 0), msg.epoch)
-        self._advance_stable()
+        self.quorum.settle(self.acked)
         for op in list(self.ops.values()):
             if op.epoch <= msg.epoch:
                 op.waiting.discard(msg.sender)
                 if not op.waiting:
                     self.complete(op, now, ok=True)
-
-    def _advance_stable(self) -> None:
-        for e in sorted(self.pending_views):
-            new = self.pending_views[e]
-            if not (
-                _majority_acked(self.stable_members, self.acked, e)
-                and _majority_acked(new, self.acked, e)
-            ):
-                return
-            self.stable_members = new
-            del self.pending_views[e]
 
     def wait_for_none_from(self, node: str, now: float) -> None:
         """Stops waiting for ``node``'s acknowledgements (it left or failed)."""
@@ -347,7 +346,3 @@ class EpochLedger:
         for op in list(self.ops.values()):
             if now > op.deadline:
                 self.complete(op, now, ok=False, reason=Reason.TIMEOUT)
-
-
-def _majority_acked(members: frozenset[str], acked: dict[str, int], epoch: int) -> bool:
-    return 2 * sum(1 for m in members if acked.get(m, 0) >= epoch) > len(members)

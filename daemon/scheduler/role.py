@@ -19,7 +19,9 @@ rules (paper IV-B): planned changes apply after the current allreduce; failures 
 next one and restart any allreduce in flight.
 
 Quorum: a member silent for ``failure_timeout_s`` is failed. If the members still heard are not
-a strict majority, nothing is removed: the scheduler steps down and pauses.
+a strict majority of the quorum base (the membership of the newest committed epoch, a leaver
+already out of it: :mod:`chaos.daemon.scheduler.quorum`), nothing is removed: the scheduler
+steps down and pauses, and commits nothing more.
 """
 
 from __future__ import annotations
@@ -221,7 +223,7 @@ class SchedulerRole:
             )
             self.host.lost_quorum()
             return
-        if ledger.pending_views and ledger.last_update is not None:
+        if ledger.quorum.settling and ledger.last_update is not None:
             return  # one unacknowledged membership change at a time (Raft's single change)
         for m in verdict.failed:
             self.monitor.set_state(m, NodeState.FAILED)
