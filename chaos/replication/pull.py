@@ -56,6 +56,7 @@ log = logging.getLogger("chaos.replication.pull")
 
 __all__ = [
     "MANIFEST_GRACE_S",
+    "DonorUnreachable",
     "PullConfig",
     "PullStats",
     "fetch_manifest",
@@ -67,6 +68,33 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------- joiner
+
+
+def _await_reply(sock: zmq.Socket, mon: zmq.Socket, address: str, timeout_s: float) -> list[bytes]:
+    """The donor's reply on ``sock``, unless its address refuses the connection first
+    (``mon`` reports a connect retry).
+
+    Raises:
+        ChaosTimeout: no reply within ``timeout_s``.
+        DonorUnreachable: the donor's address refused the connection.
+    """
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(mon, zmq.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        ready = dict(poller.poll(max(1, int(left * 1000))))
+        if sock in ready:
+            return sock.recv_multipart()
+        if mon in ready and recv_monitor_message(mon)["event"] == zmq.EVENT_CONNECT_RETRIED:
+            raise DonorUnreachable(f"donor {address} refuses connections: its shard server is gone")
+    raise ChaosTimeout(f"donor {address} sent no manifest within {timeout_s} s")
+
+
+class DonorUnreachable(ReplicationError):
+    """A donor's address refuses connections: no shard server listens there any more (the
+    donor left or died). A donor's server listens for its trainer's whole life, so the donor is
+    gone; it is not asked again."""
 
 
 def _check_timeout(timeout_s: float, name: str = "timeout_s") -> None:
@@ -161,6 +189,8 @@ def gather_manifests(
         ``(manifest, {donor: (epoch, step)})`` for the donors that published that step.
 
     Raises:
+        ReplicationError: every donor is gone (its address refuses connections) before one
+            published: the pull fails at once rather than at ``timeout_s``.
         ChaosTimeout: no donor published within ``timeout_s``.
         ValueError: ``timeout_s`` or ``poll_interval_s`` is not positive.
         TypeError: either is not a number.
@@ -169,14 +199,18 @@ def gather_manifests(
     _check_timeout(poll_interval_s, "poll_interval_s")
     deadline = time.monotonic() + timeout_s
     keys: dict[str, tuple[int, int]] = {}
+    gone: dict[str, str] = {}  # donors whose address refuses connections: never asked again
     manifest = b""
     last: Exception | None = None
-    while time.monotonic() < deadline and len(keys) < len(donors):
+    while time.monotonic() < deadline and len(keys) + len(gone) < len(donors):
         for nid, address in donors.items():
-            if nid in keys:
+            if nid in keys or nid in gone:
                 continue
             try:
                 got, e, s = latest_manifest(address, epoch, timeout_s=2.0)
+            except DonorUnreachable as exc:
+                gone[nid], last = "unreachable", exc
+                continue
             except (ReplicationError, ChaosTimeout) as exc:
                 last = exc
                 continue
@@ -185,7 +219,13 @@ def gather_manifests(
                 deadline = min(deadline, time.monotonic() + grace_s)
             if s == next(iter(keys.values()), (e, s))[1] and got == manifest:
                 keys[nid] = (e, s)
-        if len(keys) < len(donors):
+        if len(gone) == len(donors):
+            raise ReplicationError(
+                f"no donor left to pull the state from: every donor of epoch {epoch} is gone "
+                f"({last})",
+                gone,
+            )
+        if len(keys) + len(gone) < len(donors):
             time.sleep(poll_interval_s)  # donors publish at their step boundary
     if not keys:
         raise ChaosTimeout(f"no donor published its state for epoch {epoch}: {last}")
@@ -237,13 +277,14 @@ def _manifest_exchange(
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    mon = sock.get_monitor_socket(zmq.EVENT_CONNECT_RETRIED)
     try:
         sock.connect(address)
         sock.send(WIRE_ENCODER.encode(req))
-        if not sock.poll(int(timeout_s * 1000)):
-            raise ChaosTimeout(f"donor {address} sent no manifest within {timeout_s} s")
-        frames = sock.recv_multipart()
+        frames = _await_reply(sock, mon, address, timeout_s)
     finally:
+        sock.disable_monitor()
+        mon.close(linger=0)
         sock.close(linger=0)
     try:
         head = REPLY_DECODER.decode(frames[0])
@@ -408,7 +449,8 @@ class _Puller:
     def _connect(self, d: _Donor) -> None:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # a disconnect, or a refused connection (the donor was gone before the pull began)
+        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
         sock.connect(d.address)
         d.sock, d.monitor = sock, mon
         self.poller.register(sock, zmq.POLLIN)
@@ -505,9 +547,11 @@ class _Puller:
         if is_monitor:
             if d.monitor is None:
                 return
-            event = recv_monitor_message(d.monitor)
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            event = recv_monitor_message(d.monitor)["event"]
+            if event == zmq.EVENT_DISCONNECTED:
                 self._fail_donor(d, "disconnected")
+            elif event == zmq.EVENT_CONNECT_RETRIED:
+                self._fail_donor(d, "unreachable")
             return
         if d.sock is None:
             return
