@@ -39,12 +39,17 @@ class PeerSockets:
         self._config = config
         self.ctx = zmq.Context(config.io_threads)
         self._router = self.ctx.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer takes over its id
-        self._router.setsockopt(zmq.RCVHWM, config.sndhwm)
-        if config.sock_buf_bytes:
-            self._router.setsockopt(zmq.RCVBUF, config.sock_buf_bytes)
-        self._router.bind(config.listen)
+        try:
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer takes its id
+            self._router.setsockopt(zmq.RCVHWM, config.sndhwm)
+            if config.sock_buf_bytes:
+                self._router.setsockopt(zmq.RCVBUF, config.sock_buf_bytes)
+            self._router.bind(config.listen)
+        except BaseException:  # e.g. the port is taken: release what was opened, then raise
+            self._router.close(linger=0)
+            self.ctx.term()
+            raise
         self.address: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         """The bound data endpoint (with the port chosen for a ``*`` wildcard)."""
         self.poller = zmq.Poller()

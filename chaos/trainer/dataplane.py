@@ -9,7 +9,6 @@ allreduce is handed to it.
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -121,9 +120,6 @@ class DataPlane:
                         "TrainerConfig.host and TrainerConfig.data_ports"
                     ) from exc
                 self._busy.append(int(listen.rsplit(":", 1)[1]))
-            # A communicator that failed to bind leaves its zmq context and socket in a
-            # reference cycle; collected late, that context blocks the interpreter's exit.
-            gc.collect()
         lo, hi = self._ports if self._ports is not None else (0, 0)
         raise ConfigError(
             f"no free port for the trainer's {what} in data_ports=({lo}, {hi}) on {self._host}: "
