@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,29 @@ resource_interval_s = 1.0
 """
 DEADLINE_S = 30.0
 LOG_LEVEL = "WARNING"
+
+
+def in_background(
+    request: Callable[[DaemonClient], Any], ipc: str, timeout_s: float = 60.0
+) -> tuple[threading.Thread, dict[str, Any]]:
+    """Runs ``request`` with a client of the daemon at ``ipc`` on a daemon thread (started).
+
+    Returns:
+        The thread, and a dict that gets ``"result"`` (what ``request`` returned) or
+        ``"error"`` (what it raised) when the request ends.
+    """
+    answer: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            with DaemonClient(ipc, timeout_s=timeout_s) as client:
+                answer["result"] = request(client)
+        except Exception as exc:  # noqa: BLE001 - handed to the test's assertions
+            answer["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, answer
 
 
 def wait_until(pred: Callable[[], Any], what: str, timeout_s: float = DEADLINE_S) -> Any:

@@ -9,12 +9,10 @@ elected, the registration is sent again and the join completes. Before, it faile
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from typing import Any
 
-from chaos.daemon.client import DaemonClient
-from daemon_helpers import Cluster, wait_until
+from daemon_helpers import Cluster, in_background, wait_until
 
 from chaos.errors import ChaosTimeout
 from chaos.protocol import OpResult
@@ -31,19 +29,12 @@ def test_a_join_outlasts_op_timeout_while_no_scheduler_answers(cluster: Cluster)
     # the scheduler and n2 freeze: n3 alone is a minority, no other scheduler can be elected
     n1.proc.send_signal(signal.SIGSTOP)
     n2.proc.send_signal(signal.SIGSTOP)
-    answer: dict[str, Any] = {}
-
-    def register() -> None:
-        try:
-            with DaemonClient(n3.ipc, timeout_s=60.0) as c:
-                answer["result"] = c.register_trainer(
-                    "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", True, [64, 32], timeout_s=60.0
-                )
-        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
-            answer["error"] = exc
-
-    t = threading.Thread(target=register, daemon=True)
-    t.start()
+    t, answer = in_background(
+        lambda c: c.register_trainer(
+            "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", True, [64, 32], timeout_s=60.0
+        ),
+        n3.ipc,
+    )
     wait_until(lambda: n3.status().paused, "n3 paused (no majority)")
     time.sleep(3 * OP_TIMEOUT_S)  # no scheduler answers for longer than op_timeout_s
     assert "error" not in answer, answer.get("error")
@@ -70,17 +61,9 @@ def test_a_ready_report_with_no_scheduler_is_held_not_refused(cluster: Cluster) 
     n1.proc.send_signal(signal.SIGSTOP)
     n2.proc.send_signal(signal.SIGSTOP)
     wait_until(lambda: n3.status().paused, "n3 paused (no majority)")
-    answer: dict[str, Any] = {}
-
-    def ready() -> None:
-        try:
-            with DaemonClient(n3.ipc, timeout_s=30.0) as c:
-                answer["result"] = c.trainer_event("ready", 1.0, "test", timeout_s=30.0)
-        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
-            answer["error"] = exc
-
-    t = threading.Thread(target=ready, daemon=True)
-    t.start()
+    t, answer = in_background(
+        lambda c: c.trainer_event("ready", 1.0, "test", timeout_s=30.0), n3.ipc, timeout_s=30.0
+    )
     wait_until(
         lambda: [e for e in n3.events() if e["event"] in ("relay_held", "relayed")] or answer,
         "n3 took the ready report",

@@ -8,11 +8,8 @@ completes instead of timing out.
 from __future__ import annotations
 
 import signal
-import threading
-from typing import Any
 
-from chaos.daemon.client import DaemonClient
-from daemon_helpers import Cluster, wait_until
+from daemon_helpers import Cluster, in_background, wait_until
 
 from chaos.protocol import OpResult
 
@@ -22,19 +19,12 @@ def test_a_registration_in_flight_is_sent_again_to_the_new_scheduler(cluster: Cl
     assert n3.status().scheduler == n1.id
     # the scheduler freezes (SIGSTOP): n3's relayed registration waits unread in its socket
     n1.proc.send_signal(signal.SIGSTOP)
-    answer: dict[str, Any] = {}
-
-    def register() -> None:
-        try:
-            with DaemonClient(n3.ipc, timeout_s=60.0) as c:
-                answer["result"] = c.register_trainer(
-                    "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", True, [64, 32], timeout_s=60.0
-                )
-        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
-            answer["error"] = exc
-
-    t = threading.Thread(target=register, daemon=True)
-    t.start()
+    t, answer = in_background(
+        lambda c: c.register_trainer(
+            "tcp://127.0.0.1:1", "tcp://127.0.0.1:2", True, [64, 32], timeout_s=60.0
+        ),
+        n3.ipc,
+    )
     relayed = wait_until(
         lambda: [e for e in n3.events() if e["event"] == "relayed"],
         "n3 relayed the registration",
