@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.events import EventLog
+from chaos.daemon.facts import MemberFacts
 from chaos.daemon.metrics import Metrics
 from chaos.daemon.states import DaemonState, Role
 from chaos.daemon.transport import FaultInjector, Inbound, ReplyPath, Transport
@@ -36,29 +37,16 @@ Handler = Callable[[Any, ReplyPath | None, float], None]
 """A message handler: ``(message, reply path or None for a local message, monotonic now)``."""
 
 
-class ValidationSource(Protocol):
+class ValidationSource(MemberFacts, Protocol):
     """What the validation context is built from."""
 
-    node_id: str
     cfg: DaemonConfig
-
-    @property
-    def state(self) -> DaemonState: ...  # noqa: D102
 
     @property
     def view(self) -> ClusterView | None: ...  # noqa: D102
 
     @property
-    def epoch(self) -> int: ...  # noqa: D102
-
-    @property
-    def term(self) -> int: ...  # noqa: D102
-
-    @property
     def role(self) -> Role: ...  # noqa: D102
-
-    @property
-    def paused(self) -> bool: ...  # noqa: D102
 
     @property
     def is_scheduler(self) -> bool: ...  # noqa: D102

@@ -10,8 +10,8 @@ from typing import Protocol
 import msgspec
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.election import Election
+from chaos.daemon.facts import MemberFacts
 from chaos.daemon.scheduler.monitor import ClusterMonitor
-from chaos.daemon.states import DaemonState
 
 from chaos.protocol import (
     ClusterUpdate,
@@ -27,30 +27,17 @@ NOTICE_POLICY_MAX_BYTES = 64 << 10
 """Largest policy a notice carries; a trainer asks for a bigger one."""
 
 
-class ReplySource(Protocol):
+class ReplySource(MemberFacts, Protocol):
     """What the answers show of the daemon."""
 
-    node_id: str
     cfg: DaemonConfig
     election: Election
-
-    @property
-    def state(self) -> DaemonState: ...  # noqa: D102
 
     @property
     def view(self) -> ClusterView | None: ...  # noqa: D102
 
     @property
     def update(self) -> ClusterUpdate | None: ...  # noqa: D102
-
-    @property
-    def epoch(self) -> int: ...  # noqa: D102
-
-    @property
-    def term(self) -> int: ...  # noqa: D102
-
-    @property
-    def paused(self) -> bool: ...  # noqa: D102
 
     @property
     def is_scheduler(self) -> bool: ...  # noqa: D102

@@ -16,6 +16,7 @@ from typing import Protocol
 from chaos.daemon.agent import Agent
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.election import Election, carried_silence
+from chaos.daemon.facts import MemberFacts
 from chaos.daemon.metrics import Metrics
 from chaos.daemon.relay import TrainerRelay
 from chaos.daemon.scheduler.role import SchedulerHost, SchedulerRole
@@ -36,22 +37,13 @@ from chaos.protocol import (
 )
 
 
-class SuccessionHost(SchedulerHost, Protocol):
+class SuccessionHost(MemberFacts, SchedulerHost, Protocol):
     """What the succession needs from the daemon (and what the scheduler role it builds does)."""
 
     cfg: DaemonConfig
 
     @property
-    def state(self) -> DaemonState: ...  # noqa: D102
-
-    @property
     def view(self) -> ClusterView | None: ...  # noqa: D102
-
-    @property
-    def epoch(self) -> int: ...  # noqa: D102
-
-    @property
-    def paused(self) -> bool: ...  # noqa: D102
 
     def members(self) -> list[str]: ...  # noqa: D102
 

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from chaos.daemon.agent import Agent
 from chaos.daemon.election import Election
+from chaos.daemon.facts import MemberFacts
 from chaos.daemon.membership import Membership
 from chaos.daemon.metrics import Metrics
 from chaos.daemon.states import DaemonState
@@ -22,22 +23,9 @@ from chaos.daemon.transport import ReplyPath, Transport
 from chaos.protocol import ClusterUpdate, ClusterView, Message, PolicyAck
 
 
-class ViewHost(Protocol):
+class ViewHost(MemberFacts, Protocol):
     """What installing a view needs from the daemon."""
 
-    node_id: str
-
-    @property
-    def state(self) -> DaemonState: ...  # noqa: D102
-
-    @property
-    def epoch(self) -> int: ...  # noqa: D102
-
-    @property
-    def term(self) -> int: ...  # noqa: D102
-
-    @property
-    def paused(self) -> bool: ...  # noqa: D102
 
     def respond(self, reply: ReplyPath | None, msg: Message) -> None: ...  # noqa: D102
 
