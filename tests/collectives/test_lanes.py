@@ -218,9 +218,11 @@ def test_a_malformed_frame_on_a_lane_closes_it_and_the_next_round_recovers(garba
             assert all(isinstance(r, (PeerFailure, torch.Tensor)) for r in first), first
             install(comms, "ring", 2)  # rerun the step under a new epoch
         received = receiver.stats.lane_frames_received
-        for _ in range(2):
+        for _ in range(20):  # the new lane connects in its own thread: rounds until it is used
             out = results(comms, xs, op="sum")
-        assert all(torch.equal(r, out[0]) for r in out)
+            assert all(torch.equal(r, out[0]) for r in out)
+            if receiver.stats.lane_frames_received > received:
+                break
         assert receiver.stats.lane_frames_received > received  # a new lane was offered and used
 
 
