@@ -49,6 +49,12 @@ StateDigest = Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[0-9a-f]*$")
 """Hex SHA-256 of a restored training state (stop-resume); empty: not a restored state."""
 Detail = Annotated[str, msgspec.Meta(max_length=1024)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+MAX_COUNTER = (1 << 53) - 1
+"""Largest term, epoch or step a message may carry. Far beyond what a cluster reaches, it keeps
+every counter exact as a float and far from any fixed-width integer limit: a forged
+``2**64 - 1`` is refused as malformed instead of overflowing at the next increment."""
+Counter = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNTER)]
+"""A term, an epoch or a step: a bounded non-negative integer (see :data:`MAX_COUNTER`)."""
 Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
 
 MAX_STATE_TENSORS = 32_768
@@ -105,7 +111,7 @@ class _Base(msgspec.Struct, kw_only=True, frozen=True, tag_field="type"):
 
     v: int = PROTOCOL_VERSION
     sender: Annotated[str, msgspec.Meta(max_length=64)] = ""
-    epoch: NonNeg = 0
+    epoch: Counter = 0
 
 
 # ----------------------------------------------------------------------------- shared structs
@@ -158,7 +164,7 @@ class SyncPolicyWire(msgspec.Struct, kw_only=True, frozen=True):
     connected: bool = True
     addresses: dict[NodeId, str] = {}
     """Data-plane endpoint of every node in the policy."""
-    topology_epoch: NonNeg = 0
+    topology_epoch: Counter = 0
     """The epoch in which this data-plane structure (kind, nodes, tree or ring, endpoints) was
     first issued; allreduce frames carry it. A commit that leaves the structure as it was and
     restarts no allreduce (a link that no tree or ring uses, a node's trainer becoming ready)
@@ -198,8 +204,8 @@ class ReplicationWire(msgspec.Struct, kw_only=True, frozen=True):
 class ClusterView(msgspec.Struct, kw_only=True, frozen=True):
     """The scheduler's cluster view at one epoch."""
 
-    epoch: NonNeg
-    term: NonNeg
+    epoch: Counter
+    term: Counter
     scheduler: NodeId | None
     nodes: list[NodeInfo]
     links: list[LinkInfo]
@@ -212,7 +218,7 @@ class SchedulerHeartbeat(_Base, frozen=True, tag="scheduler_heartbeat"):
     """Scheduler -> every member, every heartbeat interval."""
 
     KIND: ClassVar[str] = "scheduler"
-    term: NonNeg
+    term: Counter
 
 
 class MemberHeartbeat(_Base, frozen=True, tag="member_heartbeat"):
@@ -220,7 +226,7 @@ class MemberHeartbeat(_Base, frozen=True, tag="member_heartbeat"):
 
     KIND: ClassVar[str] = "peer"
     TO_SCHEDULER: ClassVar[bool] = True
-    term: NonNeg
+    term: Counter
     resources: Resources | None = None
 
 
@@ -228,7 +234,7 @@ class RequestVote(_Base, frozen=True, tag="request_vote"):
     """Candidate -> members (Raft). ``epoch`` is the candidate's view epoch."""
 
     KIND: ClassVar[str] = "peer"
-    term: NonNeg
+    term: Counter
     transfer: bool = False
 
 
@@ -236,7 +242,7 @@ class VoteReply(_Base, frozen=True, tag="vote_reply"):
     """Member -> candidate."""
 
     KIND: ClassVar[str] = "peer"
-    term: NonNeg
+    term: Counter
     granted: bool
 
 
@@ -244,7 +250,7 @@ class TimeoutNow(_Base, frozen=True, tag="timeout_now"):
     """Leaving scheduler -> chosen successor: start an election now (scheduler handover)."""
 
     KIND: ClassVar[str] = "command"
-    term: NonNeg
+    term: Counter
 
 
 class JoinRequest(_Base, frozen=True, tag="join_request"):
@@ -289,7 +295,7 @@ class ConnectCommand(_Base, frozen=True, tag="connect_command"):
     """Scheduler -> member: connect to ``peer`` and measure the link, then send a LinkReport."""
 
     KIND: ClassVar[str] = "command"
-    term: NonNeg
+    term: Counter
     peer: NodeId
     address: Address
     measure_bandwidth: bool = True
@@ -301,7 +307,7 @@ class LinkReport(_Base, frozen=True, tag="link_report"):
 
     KIND: ClassVar[str] = "peer"
     TO_SCHEDULER: ClassVar[bool] = True
-    term: NonNeg
+    term: Counter
     peer: NodeId
     up: bool
     latency_s: Seconds | None = None
@@ -314,7 +320,7 @@ class AgentReport(_Base, frozen=True, tag="agent_report"):
 
     KIND: ClassVar[str] = "peer"
     TO_SCHEDULER: ClassVar[bool] = True
-    term: NonNeg
+    term: Counter
     address: Address
     joined_at: float
     links: Annotated[list[LinkInfo], msgspec.Meta(max_length=256)] = []
@@ -343,7 +349,7 @@ class ClusterUpdate(_Base, frozen=True, tag="cluster_update"):
     """Scheduler -> every member: the new view and policies, applied at a step boundary."""
 
     KIND: ClassVar[str] = "command"
-    term: NonNeg
+    term: Counter
     view: ClusterView
     sync: SyncPolicyWire
     replication: ReplicationWire | None = None
@@ -358,7 +364,7 @@ class PolicyAck(_Base, frozen=True, tag="policy_ack"):
 
     KIND: ClassVar[str] = "peer"
     TO_SCHEDULER: ClassVar[bool] = True
-    term: NonNeg
+    term: Counter
 
 
 class Ping(_Base, frozen=True, tag="ping"):
@@ -419,7 +425,7 @@ class Refusal(_Base, frozen=True, tag="refusal"):
     reason: Reason
     detail: Detail = ""
     ref_type: Annotated[str, msgspec.Meta(max_length=64)] = ""
-    term: NonNeg = 0
+    term: Counter = 0
     scheduler: NodeId | None = None
     req_id: NonNeg = 0
 
@@ -444,7 +450,7 @@ class StatusReply(_Base, frozen=True, tag="status_reply"):
     state: Annotated[str, msgspec.Meta(max_length=32)]
     paused: bool
     scheduler: NodeId | None
-    term: NonNeg
+    term: Counter
     nodes: list[NodeInfo]
     links: list[LinkInfo]
     sync: SyncPolicyWire | None = None
@@ -529,7 +535,7 @@ class TrainerEvent(_Base, frozen=True, tag="trainer_event"):
 class PolicyReply(_Base, frozen=True, tag="policy_reply"):
     """Daemon -> trainer (``epoch`` is the policy's epoch)."""
 
-    term: NonNeg
+    term: Counter
     members: list[NodeId]
     sync: SyncPolicyWire | None
     replication: ReplicationWire | None = None

@@ -15,7 +15,7 @@ from typing import Annotated, Union
 
 import msgspec
 
-from chaos.protocol.messages import Reason, Refusal
+from chaos.protocol.messages import MAX_COUNTER, Reason, Refusal
 from chaos.wire import REPLICATION_VERSION
 
 __all__ = [
@@ -50,6 +50,8 @@ def manifest_digest(manifest_bytes: bytes | memoryview) -> str:
 # ----------------------------------------------------------------------------- messages
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Counter = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNTER)]
+"""An epoch or a step, bounded like the control plane's (:data:`~chaos.protocol.messages.MAX_COUNTER`)."""
 Hex = Annotated[str, msgspec.Meta(max_length=64)]
 
 
@@ -64,8 +66,8 @@ class ManifestRequest(WireMessage, frozen=True, tag="manifest_req"):
     ``newer_ok`` also accepts a snapshot published under a later epoch (a donor may install a
     newer policy than the one that named it before it publishes); the reply names its epoch."""
 
-    epoch: NonNeg
-    step: NonNeg | None = None
+    epoch: Counter
+    step: Counter | None = None
     newer_ok: bool = False
 
 
@@ -76,8 +78,8 @@ class ShardRequest(WireMessage, frozen=True, tag="shard_req"):
     donor whose state differs refuses instead of sending bytes of another layout.
     """
 
-    epoch: NonNeg
-    step: NonNeg
+    epoch: Counter
+    step: Counter
     fingerprint: Hex
     digest: Hex
     offset: NonNeg
@@ -87,16 +89,16 @@ class ShardRequest(WireMessage, frozen=True, tag="shard_req"):
 class ManifestReply(WireMessage, frozen=True, tag="manifest"):
     """Header of a manifest reply; the next frame is the encoded manifest."""
 
-    epoch: NonNeg
-    step: NonNeg
+    epoch: Counter
+    step: Counter
     digest: Hex
 
 
 class ShardReply(WireMessage, frozen=True, tag="shard"):
     """Header of a shard reply; the next frame is the payload of ``length`` bytes."""
 
-    epoch: NonNeg
-    step: NonNeg
+    epoch: Counter
+    step: Counter
     offset: NonNeg
     length: NonNeg
     checksum: NonNeg
