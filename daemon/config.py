@@ -23,7 +23,8 @@ from typing import Any
 
 from chaos.errors import ConfigError
 from chaos.protocol import DEFAULT_MAX_FRAME_BYTES
-from chaos.protocol.ids import check_node_id, check_tcp_endpoint
+from chaos.protocol.ids import check_node_id, check_tcp_endpoint, is_loopback_endpoint
+from chaos.security import ClusterKey
 
 
 def default_run_dir() -> str:
@@ -100,6 +101,12 @@ class DaemonConfig:
         event_log: JSONL event log path (``None``: ``<run_dir>/events-<node_id>.jsonl``).
         faults: Named transport faults active from the start, e.g. ``["drop_to:n2"]``
             (test and harness use only).
+        cluster_key: Path of the cluster key file (``chaos-daemon keygen``). Every socket then
+            authenticates peers and encrypts traffic; only key holders can join or talk to the
+            daemon over TCP. ``None``: no key, allowed only on a loopback ``listen`` address
+            unless ``insecure`` is set.
+        insecure: Allow listening on a non-loopback address without a cluster key (anyone who
+            can reach the port then controls the cluster).
 
     Raises:
         ConfigError: any value is invalid or the values are inconsistent.
@@ -134,6 +141,8 @@ class DaemonConfig:
     ipc_endpoint: str | None = None
     event_log: str | None = None
     faults: tuple[str, ...] = ()
+    cluster_key: str | None = None
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         check_node_id(self.node_id)
@@ -221,6 +230,20 @@ class DaemonConfig:
             )
         for f in self.faults:
             _parse_fault_spec(f)
+        self._check_security()
+
+    def _check_security(self) -> None:
+        if not isinstance(self.insecure, bool):
+            raise ConfigError(f"insecure must be true or false, got {self.insecure!r}")
+        if self.cluster_key is not None:
+            ClusterKey.load(self.cluster_key)  # raises ConfigError with the reason
+            return
+        if not self.insecure and not is_loopback_endpoint(self.listen):
+            raise ConfigError(
+                f"refusing to listen on {self.listen} without a cluster key: anyone who can "
+                "reach it could control the cluster. Pass --cluster-key FILE (create one with "
+                "'chaos-daemon keygen FILE'), listen on 127.0.0.1, or pass --insecure"
+            )
 
     @property
     def election_timeout_range_s(self) -> tuple[float, float]:

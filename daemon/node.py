@@ -82,6 +82,7 @@ from chaos.protocol import (
     VoteReply,
     refusal,
 )
+from chaos.security import Security
 
 log = logging.getLogger("chaos.daemon")
 
@@ -112,9 +113,11 @@ class Daemon:
             self.faults.apply(name, peers)
         self.events = EventLog(cfg.resolved_event_log, cfg.node_id)
         self.metrics = Metrics(cfg.node_id, cfg.metrics_port)
+        self.security = Security.from_key_file(cfg.cluster_key)
         self.transport = Transport(
-            cfg.listen, cfg.resolved_ipc_endpoint, cfg.max_frame_bytes, self.faults
-        )
+            cfg.listen, cfg.resolved_ipc_endpoint, cfg.max_frame_bytes, self.faults,
+            self.security,
+        )  # fmt: skip
         self.state = DaemonState.STARTING
         self.exit_code = 0
         self.election = Election(cfg.node_id, cfg, rng)

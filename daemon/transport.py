@@ -26,6 +26,7 @@ import zmq
 from chaos.daemon.config import IPC_PATH_MAX
 
 from chaos.errors import ConfigError
+from chaos.security import Security, authenticated_key
 
 log = logging.getLogger("chaos.daemon.transport")
 
@@ -34,6 +35,11 @@ _ZERO_COPY_MIN_BYTES = 64 * 1024
 _PEER_HWM = 1000
 _NOTIFY_HWM = 64
 NOTIFY_SUFFIX = ".notify"
+_HANDSHAKE_ERRORS = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication",
+}
 """The notifier's IPC path is the daemon's IPC path plus this."""
 
 
@@ -143,6 +149,9 @@ class Inbound:
     frame: bytes | None
     reply: ReplyPath
     attachment: bytes | memoryview | None = None
+    peer_key: str | None = None
+    """The CURVE public key of the connection it came in on (``None``: not authenticated, i.e.
+    the local IPC socket, a DEALER's reply, or a daemon without a cluster key)."""
 
 
 class Transport:
@@ -153,19 +162,28 @@ class Transport:
         ipc_endpoint: IPC endpoint to bind (its directory is created with mode 0700).
         max_frame_bytes: Frame cap; ZeroMQ drops connections that send frames over 4x this.
         faults: The fault injector consulted on every send and receive.
+        security: The cluster key and this node's keypair (default: none, plain sockets). With
+            a key the TCP ROUTER is a CURVE server and every DEALER a CURVE client; the IPC
+            socket stays plain (the run directory's permissions guard it).
 
     Raises:
         ConfigError: an endpoint cannot be bound (in use, bad address, no permission).
     """
 
     def __init__(
-        self, listen: str, ipc_endpoint: str, max_frame_bytes: int, faults: FaultInjector
-    ) -> None:
+        self, listen: str, ipc_endpoint: str, max_frame_bytes: int, faults: FaultInjector,
+        security: Security | None = None,
+    ) -> None:  # fmt: skip
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.security = security if security is not None else Security()
+        self.security.authenticate(self.ctx)
         self.faults = faults
         self.max_frame_bytes = max_frame_bytes
         self.send_failures = 0
-        self.router = self._router(listen)
+        self.handshake_failures = 0
+        """TCP connections refused in the CURVE handshake (no or a wrong cluster key)."""
+        self.router = self._router(listen, secure=True)
+        self._handshakes = self._watch_handshakes(self.router)
         path = ipc_endpoint.removeprefix("ipc://")
         Path(path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if os.path.exists(path):
@@ -178,6 +196,8 @@ class Transport:
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self.ipc, zmq.POLLIN)
+        if self._handshakes is not None:
+            self.poller.register(self._handshakes, zmq.POLLIN)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -209,9 +229,38 @@ class Transport:
             except zmq.ZMQError as exc:
                 log.debug("notice not published: %s", exc)
 
-    def _router(self, endpoint: str) -> zmq.Socket[bytes]:
+    def _watch_handshakes(self, sock: zmq.Socket[bytes]) -> zmq.Socket[bytes] | None:
+        """A monitor of the failed CURVE handshakes on ``sock`` (``None`` when insecure)."""
+        if not self.security.enabled:
+            return None
+        events = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                  | zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # fmt: skip
+        return sock.get_monitor_socket(events)
+
+    def _drain_handshakes(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        sock = self._handshakes
+        if sock is None:
+            return
+        for _ in range(_DRAIN_PER_SOCKET):
+            try:
+                event = recv_monitor_message(sock, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.handshake_failures += 1
+            endpoint = event.get("endpoint", b"")
+            where = endpoint.decode(errors="replace") if isinstance(endpoint, bytes) else endpoint
+            log.warning(
+                "refused a connection on %s: CURVE handshake failed (%s): the peer has no or "
+                "a different cluster key", where, _HANDSHAKE_ERRORS.get(event["event"], "error"),
+            )  # fmt: skip
+
+    def _router(self, endpoint: str, secure: bool = False) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        if secure:
+            self.security.server(sock)
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_frame_bytes)
         sock.setsockopt(zmq.SNDHWM, 10_000)
         try:
@@ -226,6 +275,7 @@ class Transport:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, _PEER_HWM)
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_frame_bytes)
+        self.security.client(sock)
         sock.connect(address)
         self.poller.register(sock, zmq.POLLIN)
         return sock
@@ -319,6 +369,9 @@ class Transport:
         events = dict(self.poller.poll(max(0, math.ceil(timeout_s * 1000))))
         out: list[Inbound] = []
         for sock in events:
+            if sock is self._handshakes:
+                self._drain_handshakes()
+                continue
             if not isinstance(sock, zmq.Socket):
                 try:
                     self._wake_r.recv(4096)
@@ -331,7 +384,10 @@ class Transport:
                     frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                out.append(self._split(sock, frames, is_router))
+                inbound = self._split(sock, frames, is_router)
+                if sock is self.router and len(frames) > 1:
+                    inbound.peer_key = authenticated_key(frames[-1])
+                out.append(inbound)
         return out
 
     @staticmethod
@@ -362,12 +418,16 @@ class Transport:
             sock.close(linger=linger)
         self.dealers.clear()
         self.close_contacts()
+        if self._handshakes is not None:
+            self.router.disable_monitor()
+            self._handshakes.close(linger=0)
         self.router.close(linger=0)
         self.ipc.close(linger=0)
         if self._notify is not None:
             self._notify.close(linger=0)
         self._wake_r.close()
         self._wake_w.close()
+        self.security.release(self.ctx)
         self.ctx.term()  # waits at most linger_s for the DEALERs' queued frames
         path = self.ipc_endpoint.removeprefix("ipc://")
         for p in (path, (self.notify_endpoint or "").removeprefix("ipc://")):

@@ -8,6 +8,7 @@ daemon's socket, a data plane on one host).
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from typing import Annotated
 
@@ -113,3 +114,19 @@ def check_daemon_endpoint(value: str) -> str:
     if not (isinstance(value, str) and value.startswith("ipc://")):
         check_tcp_endpoint(value, "daemon endpoint (ipc://PATH or tcp://HOST:PORT)")
     return value
+
+
+def is_loopback_endpoint(value: str) -> bool:
+    """Whether a ``tcp://HOST:PORT`` endpoint's host is a loopback address (``127.0.0.0/8``,
+    ``::1`` or ``localhost``); names other than ``localhost`` are not resolved and count as
+    not loopback."""
+    m = _TCP_RE.match(value) if isinstance(value, str) else None
+    if m is None:
+        return False
+    host = m.group(1).strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
