@@ -16,6 +16,7 @@ from chaos.daemon.config import DaemonConfig
 from chaos.daemon.events import EventLog
 from chaos.daemon.facts import MemberFacts
 from chaos.daemon.metrics import Metrics
+from chaos.daemon.peer_auth import sender_refusal
 from chaos.daemon.states import DaemonState, Role
 from chaos.daemon.transport import FaultInjector, Inbound, ReplyPath, Transport
 
@@ -134,6 +135,16 @@ class Dispatcher:
             return
         if self.faults.blocks_in(result.sender):
             self.faults.dropped += 1
+            return
+        forged = sender_refusal(result, inbound.peer_key, self.source.view)
+        if forged is not None:
+            self.refused += 1
+            self.metrics.refused(Reason.NOT_AUTHENTICATED)
+            log.warning("refused %s from %r: %s", tag_of(result), result.sender, forged)
+            self.events.emit("refused_sender", type=tag_of(result), sender=result.sender,
+                             detail=forged)  # fmt: skip
+            no = refusal(Reason.NOT_AUTHENTICATED, ctx, forged, tag_of(result))
+            self.transport.reply(inbound.reply, encode(no))
             return
         self.metrics.message(tag_of(result))
         self.dispatch(result, inbound.reply, now)

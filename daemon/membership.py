@@ -38,6 +38,7 @@ class MembershipHost(Protocol):
 
     node_id: str
     address: str
+    public_key: str
     cfg: DaemonConfig
     state: DaemonState
     election: Election
@@ -113,6 +114,7 @@ class Membership:
             address=h.address,
             neighbors=self._join_neighbors,
             op_id=uuid.uuid4().hex[:12],
+            public_key=h.public_key,
         )
         h.transport.send_contact(self._join_contact, encode(req))
 

@@ -114,6 +114,8 @@ class Daemon:
         self.events = EventLog(cfg.resolved_event_log, cfg.node_id)
         self.metrics = Metrics(cfg.node_id, cfg.metrics_port)
         self.security = Security.from_key_file(cfg.cluster_key)
+        self.public_key = self.security.public_key if self.security.enabled else ""
+        """This daemon's CURVE public key, bound to its id at admission (empty: no key)."""
         self.transport = Transport(
             cfg.listen, cfg.resolved_ipc_endpoint, cfg.max_frame_bytes, self.faults,
             self.security,

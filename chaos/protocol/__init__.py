@@ -28,6 +28,7 @@ from chaos.protocol.codec import (
 from chaos.protocol.ids import Address, Endpoint, NodeId
 from chaos.protocol.messages import (
     DEFAULT_MAX_FRAME_BYTES,
+    MAX_COUNTER,
     MAX_STATE_TENSORS,
     AgentReport,
     ApplyAt,
@@ -36,6 +37,7 @@ from chaos.protocol.messages import (
     ClusterUpdate,
     ClusterView,
     ConnectCommand,
+    Counter,
     Detail,
     DonorLink,
     FaultCommand,
@@ -51,8 +53,6 @@ from chaos.protocol.messages import (
     MemberHeartbeat,
     Message,
     NodeInfo,
-    MAX_COUNTER,
-    Counter,
     NonNeg,
     OpId,
     OpResult,

@@ -61,6 +61,8 @@ MAX_STATE_TENSORS = 32_768
 """Most tensors a training state layout may list (keeps a ClusterUpdate well below 1 MiB)."""
 
 TensorSizes = Annotated[list[NonNeg], msgspec.Meta(max_length=MAX_STATE_TENSORS)]
+PublicKey = Annotated[str, msgspec.Meta(max_length=40, pattern=r"^[\x21-\x7e]*$")]
+"""A CURVE public key, Z85 text (40 characters); empty: none (a cluster without a key)."""
 """Byte size of every tensor of the training state, in canonical stream order."""
 
 
@@ -82,6 +84,9 @@ class Reason(str, enum.Enum):
     TIMEOUT = "timeout"
     NO_STATE_SOURCE = "no_state_source"
     STATE_CONFLICT = "state_conflict"
+    NOT_AUTHENTICATED = "not_authenticated"
+    """The sender is not the authenticated peer of the connection (another key than the one
+    bound to its id at admission)."""
     # a donor's shard server (chaos.replication.wire)
     NOT_PUBLISHED = "not_published"
     STALE_STATE = "stale_state"
@@ -138,6 +143,10 @@ class NodeInfo(msgspec.Struct, kw_only=True, frozen=True):
     data_address: Endpoint | None = None
     shard_address: Endpoint | None = None
     trainer: TrainerState = TrainerState.NONE
+    public_key: PublicKey = ""
+    """The daemon's CURVE public key, bound to its id at admission (empty: no cluster key)."""
+    data_key: PublicKey = ""
+    """Its trainer's CURVE public key (data plane and shard server; empty: none)."""
 
 
 class LinkInfo(msgspec.Struct, kw_only=True, frozen=True):
@@ -164,6 +173,9 @@ class SyncPolicyWire(msgspec.Struct, kw_only=True, frozen=True):
     connected: bool = True
     addresses: dict[NodeId, str] = {}
     """Data-plane endpoint of every node in the policy."""
+    keys: dict[NodeId, PublicKey] = {}
+    """The trainers' CURVE public keys (with a cluster key): a data frame is accepted only from
+    the connection of the member it names."""
     topology_epoch: Counter = 0
     """The epoch in which this data-plane structure (kind, nodes, tree or ring, endpoints) was
     first issued; allreduce frames carry it. A commit that leaves the structure as it was and
@@ -264,6 +276,9 @@ class JoinRequest(_Base, frozen=True, tag="join_request"):
     tensor_sizes: Annotated[list[NonNeg], msgspec.Meta(max_length=100_000)] | None = None
     forwarded_by: NodeId | None = None
     op_id: OpId = ""
+    public_key: PublicKey = ""
+    """The joiner's CURVE public key; the member it contacts checks it is the key of the
+    connection it came in on, and the scheduler binds it to ``node_id`` at admission."""
 
 
 class LeaveRequest(_Base, frozen=True, tag="leave_request"):
@@ -514,6 +529,9 @@ class TrainerRegister(_Base, frozen=True, tag="trainer_register"):
     state_digest: StateDigest = ""
     op_id: OpId = ""
     pid: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    public_key: PublicKey = ""
+    """The trainer's CURVE public key, the client key of its data-plane connections (empty:
+    no cluster key)."""
 
 
 class TrainerEvent(_Base, frozen=True, tag="trainer_event"):

@@ -36,8 +36,12 @@ class ClusterMonitor:
 
     # -- nodes -----------------------------------------------------------------------------
 
-    def add_node(self, node_id: str, address: str, state: NodeState, joined_at: float) -> None:
-        """Adds (or replaces) a node without links."""
+    def add_node(
+        self, node_id: str, address: str, state: NodeState, joined_at: float,
+        public_key: str = "",
+    ) -> None:  # fmt: skip
+        """Adds (or replaces) a node without links (``public_key``: its CURVE key, bound to its
+        id; empty without a cluster key)."""
         if node_id in self.g:
             self.g.remove_node(node_id)
         self._nodes_changed()
@@ -51,6 +55,8 @@ class ClusterMonitor:
             data_address=None,
             shard_address=None,
             tensor_sizes=None,
+            public_key=public_key,
+            data_key="",
         )
 
     def remove_node(self, node_id: str) -> None:
@@ -277,6 +283,8 @@ class ClusterMonitor:
                 data_address=d["data_address"],
                 shard_address=d["shard_address"],
                 trainer=d["trainer"].value,
+                public_key=d["public_key"],
+                data_key=d["data_key"],
             )
             for n, d in sorted(self.g.nodes(data=True))
             if n in keep
@@ -300,7 +308,8 @@ class ClusterMonitor:
         """Rebuilds a monitor from a view (a new scheduler starts from its last copy)."""
         m = cls()
         for n in view.nodes:
-            m.add_node(n.id, n.address, NodeState(n.state), n.joined_at)
+            m.add_node(n.id, n.address, NodeState(n.state), n.joined_at, n.public_key)
+            m.g.nodes[n.id]["data_key"] = n.data_key
             m.set_resources(n.id, n.resources)
             if n.trainer != "none":
                 m.set_trainer(n.id, TrainerState(n.trainer), n.data_address, n.shard_address)

@@ -62,6 +62,7 @@ class SchedulerHost(Protocol):
 
     node_id: str
     address: str
+    public_key: str
 
     @property
     def term(self) -> int: ...  # noqa: D102
@@ -104,7 +105,9 @@ class SchedulerRole:
         self.cfg = cfg
         if view is None:
             self.monitor = ClusterMonitor()
-            self.monitor.add_node(host.node_id, host.address, NodeState.ACTIVE, time.time())
+            self.monitor.add_node(
+                host.node_id, host.address, NodeState.ACTIVE, time.time(), host.public_key
+            )
         else:
             self.monitor = ClusterMonitor.from_view(view)
         members = self.monitor.members()

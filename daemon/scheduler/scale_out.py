@@ -111,7 +111,7 @@ class ScaleOuts:
             self._refuse(msg, Reason.UNKNOWN_PEER, f"unknown neighbor(s) {unknown}")
             return
         nbrs = list(msg.neighbors) or [msg.forwarded_by or self.host.node_id]
-        self.monitor.add_node(j, msg.address, NodeState.JOINING, time.time())
+        self.monitor.add_node(j, msg.address, NodeState.JOINING, time.time(), msg.public_key)
         so = ScaleOut(
             msg, uuid.uuid4().hex[:12], now, now + self.cfg.probe_timeout_s + 1.0, set(nbrs)
         )
