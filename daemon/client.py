@@ -35,8 +35,12 @@ from chaos.protocol import (
     encode,
 )
 from chaos.protocol.ids import check_daemon_endpoint
+from chaos.security import Security
 
 _GONE_CHECK_S = 0.05
+_HANDSHAKE_CHECK_S = 0.1
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # fmt: skip
 """How often a request given ``gone`` checks whether the daemon has exited."""
 
 
@@ -71,13 +75,17 @@ class DaemonClient:
     Args:
         endpoint: ``ipc://PATH`` (the local daemon) or ``tcp://HOST:PORT``.
         timeout_s: Default wait for each reply.
+        security: The cluster key and this client's keypair, for a TCP endpoint of a daemon
+            started with a cluster key (``None``: plain; the IPC endpoint is always plain).
 
     Raises:
         ProtocolError: an ``ipc://`` endpoint whose socket file does not exist.
         ConfigError: an endpoint that is neither ``ipc://PATH`` nor ``tcp://HOST:PORT``.
     """
 
-    def __init__(self, endpoint: str, timeout_s: float = 15.0) -> None:
+    def __init__(
+        self, endpoint: str, timeout_s: float = 15.0, security: Security | None = None
+    ) -> None:
         check_daemon_endpoint(endpoint)
         if endpoint.startswith("ipc://") and not os.path.exists(endpoint[len("ipc://") :]):
             raise ProtocolError(f"no daemon listening at {endpoint} (no socket file)")
@@ -86,6 +94,12 @@ class DaemonClient:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._handshake: zmq.Socket[bytes] | None = None
+        if endpoint.startswith("tcp://"):
+            if security is not None:
+                security.client(self._sock)
+            self._handshake = self._sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        self._keyed = security is not None and security.enabled
         self._sock.connect(endpoint)
 
     def request(
@@ -122,11 +136,25 @@ class DaemonClient:
             if left <= 0:
                 raise ChaosTimeout(f"no answer from {self.endpoint} within {wait:.1f} s")
             slice_s = left if gone is None else min(left, _GONE_CHECK_S)
+            if self._handshake is not None:
+                slice_s = min(slice_s, _HANDSHAKE_CHECK_S)
             if self._sock.poll(int(slice_s * 1000) + 1, zmq.POLLIN):
                 parts = self._sock.recv_multipart()
                 return decode(parts[-1], DEFAULT_MAX_FRAME_BYTES * 4)
+            self._check_handshake()
             if gone is not None and gone():
                 raise DaemonGone(f"the daemon at {self.endpoint} exited before it answered")
+
+    def _check_handshake(self) -> None:
+        """Raises when the connection failed its security handshake (a key mismatch)."""
+        if self._handshake is None or not self._handshake.poll(0, zmq.POLLIN):
+            return
+        self._handshake.recv_multipart()
+        if self._keyed:
+            hint = "it has no cluster key or another one than this client's --cluster-key"
+        else:
+            hint = "it uses a cluster key: pass --cluster-key FILE (or set CHAOS_CLUSTER_KEY)"
+        raise ProtocolError(f"the daemon at {self.endpoint} refused the connection: {hint}")
 
     def _expect(
         self,
@@ -266,6 +294,9 @@ class DaemonClient:
 
     def close(self) -> None:
         """Closes the socket."""
+        if self._handshake is not None:
+            self._sock.disable_monitor()
+            self._handshake.close(linger=0)
         self._sock.close(linger=0)
         self._ctx.term()
 
