@@ -51,7 +51,8 @@ def manifest_digest(manifest_bytes: bytes | memoryview) -> str:
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 Counter = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNTER)]
-"""An epoch or a step, bounded like the control plane's (:data:`~chaos.protocol.messages.MAX_COUNTER`)."""
+"""An epoch or a step, bounded like the control plane's
+(:data:`~chaos.protocol.messages.MAX_COUNTER`)."""
 Hex = Annotated[str, msgspec.Meta(max_length=64)]
 
 
@@ -107,8 +108,32 @@ class ShardReply(WireMessage, frozen=True, tag="shard"):
 Request = Union[ManifestRequest, ShardRequest]
 Reply = Union[ManifestReply, ShardReply, Refusal]
 
+UNREADABLE: tuple[type[Exception], ...] = (msgspec.DecodeError, RecursionError, UnicodeDecodeError)
+"""What msgspec raises on bytes it cannot read: malformed or mistyped msgpack, nesting deeper
+than its recursion limit, a string that is not UTF-8."""
+
+
+class ReplyDecoder:
+    """Decodes a shard server's reply header; every way bytes can be unreadable is one
+    :class:`msgspec.DecodeError`."""
+
+    def __init__(self) -> None:
+        self._decoder = msgspec.msgpack.Decoder(Reply)
+
+    def decode(self, buf: bytes | bytearray | memoryview) -> Reply:
+        """Decodes one reply header.
+
+        Raises:
+            msgspec.DecodeError: malformed, of another schema, nested too deep or not UTF-8.
+        """
+        try:
+            return self._decoder.decode(buf)
+        except (RecursionError, UnicodeDecodeError) as exc:
+            raise msgspec.DecodeError(f"unreadable reply: {exc}") from exc
+
+
 WIRE_ENCODER = msgspec.msgpack.Encoder()
-REPLY_DECODER = msgspec.msgpack.Decoder(Reply)
+REPLY_DECODER = ReplyDecoder()
 
 
 def refusal(req_id: int, reason: Reason, detail: str) -> Refusal:
@@ -139,7 +164,7 @@ def validate_request(frames: Sequence[bytes]) -> Request | Refusal:
         return refusal(0, Reason.TOO_LARGE, f"request of {len(body)} bytes")
     try:
         raw = msgspec.msgpack.decode(body)
-    except msgspec.DecodeError as exc:
+    except UNREADABLE as exc:
         return refusal(0, Reason.MALFORMED, f"not msgpack: {exc}")
     if not isinstance(raw, dict):
         return refusal(0, Reason.MALFORMED, "request is not a map")
@@ -151,5 +176,5 @@ def validate_request(frames: Sequence[bytes]) -> Request | Refusal:
         )
     try:
         return msgspec.convert(raw, Request)
-    except msgspec.ValidationError as exc:
+    except (msgspec.ValidationError, RecursionError) as exc:
         return refusal(req_id, Reason.MALFORMED, str(exc))
