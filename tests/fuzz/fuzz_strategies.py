@@ -39,8 +39,9 @@ scalars = st.one_of(
 
 values = st.recursive(
     scalars,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
-                                                                max_size=4),  # fmt: skip
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
     max_leaves=16,
 )
 """Random msgpack structures (as Python values)."""

@@ -24,9 +24,7 @@ from chaos.errors import ProtocolError
 from chaos.wire import FRAME_HEADER, FRAME_VERSION
 
 _VALID = [
-    encode_header(op, dt, 1, 2**64 - 1, 7, 2**32 - 1, 1024)
-    for op in Op
-    for dt in WIRE_DTYPES
+    encode_header(op, dt, 1, 2**64 - 1, 7, 2**32 - 1, 1024) for op in Op for dt in WIRE_DTYPES
 ]
 
 
@@ -61,22 +59,39 @@ def test_mutations(data: st.DataObject, i: int) -> None:
 
 @settings(max_examples=300)
 @given(
-    version=st.integers(0, 255), op=st.integers(0, 255), code=st.integers(0, 255),
-    reserved=st.integers(0, 255), seg=st.integers(0, 2**32 - 1), epoch=st.integers(0, 2**64 - 1),
-    step=st.integers(0, 2**64 - 1), chunk=st.integers(0, 2**32 - 1),
+    version=st.integers(0, 255),
+    op=st.integers(0, 255),
+    code=st.integers(0, 255),
+    reserved=st.integers(0, 255),
+    seg=st.integers(0, 2**32 - 1),
+    epoch=st.integers(0, 2**64 - 1),
+    step=st.integers(0, 2**64 - 1),
+    chunk=st.integers(0, 2**32 - 1),
     nelem=st.integers(0, 2**32 - 1),
-)  # fmt: skip
+)
 def test_every_field(
-    version: int, op: int, code: int, reserved: int, seg: int, epoch: int, step: int,
-    chunk: int, nelem: int,
-) -> None:  # fmt: skip
+    version: int,
+    op: int,
+    code: int,
+    reserved: int,
+    seg: int,
+    epoch: int,
+    step: int,
+    chunk: int,
+    nelem: int,
+) -> None:
     raw = FRAME_HEADER.pack(version, op, code, reserved, seg, epoch, step, chunk, nelem)
     header = check_header(raw)
     valid = version == FRAME_VERSION and op in set(Op) and code in WIRE_DTYPES.values()
     assert (header is not None) == valid
     if header is not None:
         assert (header.seg, header.epoch, header.step, header.chunk, header.nelem) == (
-            seg, epoch, step, chunk, nelem)  # fmt: skip
+            seg,
+            epoch,
+            step,
+            chunk,
+            nelem,
+        )
 
 
 @pytest.mark.parametrize("raw", _VALID[:3])

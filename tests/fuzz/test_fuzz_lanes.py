@@ -22,7 +22,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chaos.collectives.frames import DATA_OPS, HEADER_BYTES, Header, Op, encode_header
-from chaos.collectives.lanes import InLane, Lanes, decode_offer, encode_hello, encode_offer, read_frame
+from chaos.collectives.lanes import (
+    InLane,
+    Lanes,
+    decode_offer,
+    encode_hello,
+    encode_offer,
+    read_frame,
+)
 from chaos.collectives.links import Frame
 from chaos.errors import ProtocolError
 from chaos.wire import LANE_HELLO, LANE_MAGIC, LANE_OFFER, LANE_VERSION
@@ -131,7 +138,12 @@ def test_hello_fields(
     token = _token(lanes) if right_token else 12345
     raw = LANE_HELLO.pack(magic, version, token, n) + name
     want = (magic, version, n, name[:n], right_token) == (
-        LANE_MAGIC, LANE_VERSION, len(_PEER), _PEER.encode(), True)  # fmt: skip
+        LANE_MAGIC,
+        LANE_VERSION,
+        len(_PEER),
+        _PEER.encode(),
+        True,
+    )
     assert _greet(lanes, raw, 5) == want
 
 
@@ -179,8 +191,9 @@ def _read(raw: bytes, placed: bool) -> Frame | str:
     with a, b:
         a.sendall(raw)
         a.shutdown(socket.SHUT_WR)
-        got = read_frame(InLane(_PEER, b), _KEY, time.monotonic() + 2.0, 0.05, place,
-                         _MAX_BYTES, lambda: None)  # fmt: skip
+        got = read_frame(
+            InLane(_PEER, b), _KEY, time.monotonic() + 2.0, 0.05, place, _MAX_BYTES, lambda: None
+        )
     if isinstance(got, Frame):
         assert got.header.op in DATA_OPS
         assert len(raw) >= HEADER_BYTES + got.header.nelem * got.header.dtype.itemsize

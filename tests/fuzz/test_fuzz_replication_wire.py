@@ -28,8 +28,15 @@ from chaos.replication import wire
 REQUESTS = [
     wire.ManifestRequest(req_id=1, epoch=3),
     wire.ManifestRequest(req_id=2, epoch=3, step=9, newer_ok=True),
-    wire.ShardRequest(req_id=3, epoch=3, step=9, fingerprint="ab" * 32, digest="cd" * 32,
-                      offset=4096, length=1 << 20),  # fmt: skip
+    wire.ShardRequest(
+        req_id=3,
+        epoch=3,
+        step=9,
+        fingerprint="ab" * 32,
+        digest="cd" * 32,
+        offset=4096,
+        length=1 << 20,
+    ),
 ]
 REPLIES = [
     wire.ManifestReply(req_id=1, epoch=3, step=9, digest="cd" * 32),
