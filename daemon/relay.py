@@ -104,6 +104,7 @@ class TrainerRelay:
             tensor_sizes=msg.tensor_sizes,
             op_id=op_id,
             state_digest=msg.state_digest,
+            data_key=msg.public_key,
         )
         self.host.relay(reply, info, op_id)
 

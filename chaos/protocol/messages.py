@@ -87,6 +87,11 @@ class Reason(str, enum.Enum):
     NOT_AUTHENTICATED = "not_authenticated"
     """The sender is not the authenticated peer of the connection (another key than the one
     bound to its id at admission)."""
+    FORBIDDEN = "forbidden"
+    """The request is not allowed on this connection or by this daemon's configuration (e.g.
+    ``leave`` over TCP without a cluster key, ``fault`` without ``--enable-fault-injection``)."""
+    OVERLOADED = "overloaded"
+    """A budget is exhausted (join rate, link measurements, sockets); retry later."""
     # a donor's shard server (chaos.replication.wire)
     NOT_PUBLISHED = "not_published"
     STALE_STATE = "stale_state"
@@ -358,6 +363,8 @@ class TrainerInfo(_Base, frozen=True, tag="trainer_info"):
     tensor_sizes: TensorSizes | None = None
     op_id: OpId = ""
     state_digest: StateDigest = ""
+    data_key: PublicKey = ""
+    """The trainer's CURVE public key (from its registration; empty: no cluster key)."""
 
 
 class ClusterUpdate(_Base, frozen=True, tag="cluster_update"):

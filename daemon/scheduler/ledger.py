@@ -21,7 +21,13 @@ from typing import Protocol
 import msgspec
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.scheduler.monitor import ClusterMonitor
-from chaos.daemon.scheduler.planner import data_addresses, same_data_plane, sync_policy, to_wire
+from chaos.daemon.scheduler.planner import (
+    data_addresses,
+    data_keys,
+    same_data_plane,
+    sync_policy,
+    to_wire,
+)
 from chaos.daemon.scheduler.quorum import QuorumBase
 from chaos.daemon.transport import ReplyPath
 
@@ -121,7 +127,8 @@ class EpochLedger:
     def current_sync(self) -> SyncPolicyWire:
         """The sync policy the monitor gives now, with the members' data endpoints."""
         policy = sync_policy(self.monitor, self.cfg, self.last_sync)
-        return to_wire(policy, data_addresses(self.monitor, policy.nodes))
+        nodes = policy.nodes
+        return to_wire(policy, data_addresses(self.monitor, nodes), data_keys(self.monitor, nodes))
 
     def data_plane_changes(self) -> bool:
         """Whether the sync policy built from the monitor now differs from the last one issued."""

@@ -83,6 +83,10 @@ class ClusterMonitor:
         if node_id in self.g and resources is not None:
             self.g.nodes[node_id]["resources"] = resources
 
+    def set_data_key(self, node_id: str, key: str) -> None:
+        """Records the CURVE public key of a node's trainer (empty: none)."""
+        self.g.nodes[node_id]["data_key"] = key
+
     def set_trainer(
         self,
         node_id: str,

@@ -115,8 +115,21 @@ def data_addresses(monitor: ClusterMonitor, nodes: tuple[str, ...] | list[str]) 
     return out
 
 
-def to_wire(p: SyncPolicy, addresses: dict[str, str] | None = None) -> SyncPolicyWire:
-    """Converts a :class:`SyncPolicy` to its wire struct (with the nodes' data endpoints)."""
+def data_keys(monitor: ClusterMonitor, nodes: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """The CURVE public keys of the trainers of ``nodes`` (those that registered one)."""
+    out: dict[str, str] = {}
+    for n in nodes:
+        k = monitor.node_attr(n, "data_key") if monitor.has(n) else ""
+        if k:
+            out[n] = k
+    return out
+
+
+def to_wire(
+    p: SyncPolicy, addresses: dict[str, str] | None = None, keys: dict[str, str] | None = None
+) -> SyncPolicyWire:
+    """Converts a :class:`SyncPolicy` to its wire struct (with the nodes' data endpoints and
+    their trainers' keys)."""
     kind = p.kind if p.kind in ("tree", "ring", "single") else "tree"
     return SyncPolicyWire(
         kind=kind,  # type: ignore[arg-type]
@@ -128,6 +141,7 @@ def to_wire(p: SyncPolicy, addresses: dict[str, str] | None = None) -> SyncPolic
         est_time_s=p.est_time_s if p.est_time_s != float("inf") else 0.0,
         connected=p.connected,
         addresses=dict(addresses or {}),
+        keys=dict(keys or {}),
     )
 
 

@@ -130,6 +130,7 @@ class TrainerRegistry:
             self._answer(reply, msg.op_id, Reason.BAD_REQUEST, repl.skipped)
             return
         mon.set_trainer(n, TrainerState.SYNCING, msg.data_address, msg.shard_address)
+        mon.set_data_key(n, msg.data_key)
         self.registered_at[n] = now
         self.pending[n] = repl
         self.host.event(

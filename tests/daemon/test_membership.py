@@ -51,6 +51,7 @@ class _Host:
     def __init__(self, state: DaemonState = DaemonState.STARTING, scheduler: bool = True) -> None:
         self.node_id = "me"
         self.address = "tcp://127.0.0.1:7000"
+        self.public_key = ""
         self.cfg = DaemonConfig(node_id="me", listen=self.address, join_timeout_s=10.0)
         self.view: ClusterView | None = None
         self.state = state

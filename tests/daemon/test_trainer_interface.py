@@ -266,6 +266,7 @@ class _Host:
 
     node_id = "a"
     address = "tcp://127.0.0.1:1"
+    public_key = ""
     term = 1
 
     def __init__(self) -> None:
