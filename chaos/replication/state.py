@@ -183,6 +183,8 @@ class RuntimeInfo(msgspec.Struct, kw_only=True, frozen=True):
     numpy_rng: NumpyRandomState
 
 
+_UNREADABLE = (msgspec.DecodeError, RecursionError, UnicodeDecodeError)
+"""What msgspec raises on unreadable bytes (malformed, nested too deep, not UTF-8)."""
 _MANIFEST_DECODER = msgspec.msgpack.Decoder(Manifest)
 _RUNTIME_DECODER = msgspec.msgpack.Decoder(RuntimeInfo)
 _ENCODER = msgspec.msgpack.Encoder()
@@ -267,7 +269,7 @@ def restore_rng(info: RuntimeInfo) -> None:
             random.setstate(saved[1])
             np.random.set_state(saved[2])
             raise
-    except (ValueError, TypeError, RuntimeError) as exc:
+    except (ValueError, TypeError, RuntimeError, OverflowError) as exc:
         raise StateLayoutError(f"malformed RNG state in the runtime record: {exc}") from exc
 
 
@@ -359,13 +361,14 @@ def decode_manifest(data: bytes | memoryview) -> Manifest:
 
     Raises:
         StateLayoutError: the bytes are oversized, malformed, of another format version, name an
-            unsupported dtype, or are inconsistent (sizes, fingerprint).
+            unsupported dtype, or are inconsistent (sizes, fingerprint, optimizer state or
+            hyperparameters for params that the layout does not have).
     """
     if len(data) > MAX_MANIFEST_BYTES:
         raise StateLayoutError(f"manifest of {len(data)} bytes exceeds {MAX_MANIFEST_BYTES}")
     try:
         m = _MANIFEST_DECODER.decode(data)
-    except msgspec.DecodeError as exc:
+    except _UNREADABLE as exc:
         raise StateLayoutError(f"malformed state manifest: {exc}") from exc
     if m.version != STATE_FORMAT_VERSION:
         raise StateLayoutError(
@@ -383,6 +386,16 @@ def decode_manifest(data: bytes | memoryview) -> Manifest:
         raise StateLayoutError(f"manifest total_bytes {m.total_bytes} != its tensors' {total}")
     if len(m.param_groups) != len(m.params):
         raise StateLayoutError("manifest has a different number of param groups and param lists")
+    owners = [(o.group, o.index) for o in m.optim]
+    owners += [(v.group, v.index) for v in m.optim_values]  # the values are not fingerprinted
+    for group, index in owners:
+        if group >= len(m.params) or index >= len(m.params[group]):
+            raise StateLayoutError(
+                f"manifest names optimizer state of param {index} of group {group},"
+                " which its layout does not have"
+            )
+    if any("params" in hyper for hyper in m.param_groups):
+        raise StateLayoutError("manifest hyperparameters name 'params'")
     if layout_fingerprint(m.model, m.optimizer_class, m.params, m.optim) != m.fingerprint:
         raise StateLayoutError("manifest fingerprint does not match its layout")
     return m
@@ -708,7 +721,7 @@ class TrainingState:
             raise StateLayoutError("the received runtime record does not match its digest")
         try:
             runtime = _RUNTIME_DECODER.decode(self._views[-1])
-        except msgspec.DecodeError as exc:
+        except _UNREADABLE as exc:
             raise StateLayoutError(f"malformed runtime record: {exc}") from exc
         restore_rng(runtime)
         opt = self._optimizer
