@@ -46,21 +46,25 @@ class StoreTimeout(ChaosTimeout):
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float) -> bytearray:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
+    """Reads exactly ``n`` bytes. The buffer grows as they arrive: a header that announces a
+    huge size allocates nothing before the bytes are there."""
+    buf = bytearray()
+    chunk = bytearray(min(CHUNK_BYTES, n))
+    view = memoryview(chunk)
+    while len(buf) < n:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise StoreTimeout(f"checkpoint transfer stalled after {got} of {n} bytes")
+            raise StoreTimeout(f"checkpoint transfer stalled after {len(buf)} of {n} bytes")
         sock.settimeout(left)
         try:
-            k = sock.recv_into(view[got:], min(CHUNK_BYTES, n - got))
+            k = sock.recv_into(view, min(CHUNK_BYTES, n - len(buf)))
         except TimeoutError as exc:
-            raise StoreTimeout(f"checkpoint transfer stalled after {got} of {n} bytes") from exc
+            raise StoreTimeout(
+                f"checkpoint transfer stalled after {len(buf)} of {n} bytes"
+            ) from exc
         if k == 0:
-            raise CheckpointFetchError(f"store closed the connection after {got} of {n} bytes")
-        got += k
+            raise CheckpointFetchError(f"store closed the connection after {len(buf)} of {n} bytes")
+        buf += view[:k]
     return buf
 
 
