@@ -93,6 +93,8 @@ def daemon_command(
     config: str | Path | None = None,
     heartbeat_interval_s: float | None = None,
     failure_timeout_s: float | None = None,
+    cluster_key: str | Path | None = None,
+    enable_fault_injection: bool = False,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """The ``chaos-daemon start`` command line.
@@ -105,6 +107,9 @@ def daemon_command(
         config: A TOML file of daemon settings (``--config``).
         heartbeat_interval_s: ``--heartbeat-interval``, if given.
         failure_timeout_s: ``--failure-timeout``, if given.
+        cluster_key: The cluster key file (``--cluster-key``), if any.
+        enable_fault_injection: Accept the ``fault`` command and ``faults`` presets
+            (``--enable-fault-injection``; tests and the harness).
         extra_args: More ``chaos-daemon start`` arguments, passed last.
 
     Returns:
@@ -123,6 +128,10 @@ def daemon_command(
         argv += ["--heartbeat-interval", str(heartbeat_interval_s)]
     if failure_timeout_s is not None:
         argv += ["--failure-timeout", str(failure_timeout_s)]
+    if cluster_key is not None:
+        argv += ["--cluster-key", str(cluster_key)]
+    if enable_fault_injection:
+        argv.append("--enable-fault-injection")
     if join is not None:
         argv += ["--join", join]
     for n in neighbors:
@@ -189,8 +198,9 @@ def spawn_daemon(
 ) -> subprocess.Popen[bytes]:
     """Starts a ``chaos-daemon start`` process (see :func:`daemon_command`).
 
-    Its run directory is created and passed in :data:`RUN_DIR_ENV`; its stdout and stderr are
-    appended to ``log_path``.
+    Its run directory is created private (mode 0700; an existing one of this user is made so,
+    as the daemon refuses a run directory others can enter) and passed in :data:`RUN_DIR_ENV`;
+    its stdout and stderr are appended to ``log_path``.
 
     Args:
         command: The daemon's argv.
@@ -203,7 +213,7 @@ def spawn_daemon(
     Returns:
         The process; the caller stops and reaps it (e.g. :func:`kill_and_reap`).
     """
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    private_dir(run_dir)
     log = Path(log_path) if log_path is not None else Path(run_dir) / "daemon.log"
     with log.open("ab") as out:  # the child keeps its own descriptor
         return subprocess.Popen(
@@ -213,6 +223,26 @@ def spawn_daemon(
             env=daemon_env(run_dir, log_level),
             preexec_fn=_follow_training_process if follow_parent else None,
         )
+
+
+def private_dir(path: str | Path) -> Path:
+    """Creates ``path`` with mode 0700, or makes an existing directory of this user 0700.
+
+    Args:
+        path: The directory (a daemon's run directory).
+
+    Returns:
+        It.
+
+    Raises:
+        OSError: it cannot be created.
+    """
+    p = Path(path)
+    p.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = p.stat()
+    if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+        p.chmod(0o700)
+    return p
 
 
 def spawn_worker(
@@ -429,6 +459,7 @@ __all__ = [
     "free_port",
     "free_tcp_address",
     "kill_and_reap",
+    "private_dir",
     "signal_group",
     "spawn_daemon",
     "spawn_worker",

@@ -10,7 +10,13 @@
   ``bandwidth_probe_bytes`` (iperf-like). Only then is the link reported to the scheduler.
   A bandwidth measurement of a link that is already connected, whose latency is known (its
   probes, or a measurement of the last ``_LATENCY_REUSE_S``), skips the pings.
-* **Resources** via psutil: CPU, memory and battery where present.
+* **Resources** via psutil: CPU, memory and battery where present. A sample that fails (e.g.
+  ``EMFILE``: no file descriptor left to read ``/proc``) keeps the last one.
+
+A ``ConnectCommand`` never re-points the connection of a peer this node already has at another
+address (that would let whoever sent it redirect a member's traffic): it is refused, logged,
+written as the event ``connect_refused`` and reported down. At most ``max_measurements`` run at
+once; one beyond is reported down at once (the event ``overloaded``).
 """
 
 from __future__ import annotations
@@ -68,6 +74,9 @@ class AgentHost(Protocol):
     def to_scheduler(self, msg: Message) -> bool: ...  # noqa: D102
 
     def connect_peer(self, peer: str, address: str) -> bool: ...  # noqa: D102
+
+    def peer_address(self, peer: str) -> str | None:
+        """The address this node's connection to ``peer`` points at (``None``: none open)."""
 
     def event(self, name: str, **fields: object) -> None: ...  # noqa: D102
 
@@ -135,6 +144,8 @@ class Agent:
     bandwidth (a connect-link's first measurement has none)."""
     incoming: dict[str, _Incoming] = field(default_factory=dict)
     resources: Resources | None = None
+    overloaded: int = 0
+    """Connect commands refused because ``max_measurements`` were in progress."""
     _seq: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:
@@ -203,8 +214,16 @@ class Agent:
 
     # -- periodic --------------------------------------------------------------------------
 
-    def sample_resources(self) -> Resources:
-        """Samples CPU, memory and battery (non-blocking)."""
+    def sample_resources(self) -> Resources | None:
+        """Samples CPU, memory and battery (non-blocking); keeps the last sample when psutil
+        fails (e.g. no file descriptor left to read ``/proc``)."""
+        try:
+            return self._sample()
+        except (OSError, psutil.Error) as exc:
+            log.warning("resource sample failed, keeping the last one: %s", exc)
+            return self.resources
+
+    def _sample(self) -> Resources:
         vm = psutil.virtual_memory()
         battery = None
         try:
@@ -290,7 +309,29 @@ class Agent:
     # -- measurements ----------------------------------------------------------------------
 
     def on_connect(self, cmd: ConnectCommand, now: float) -> None:
-        """Starts measuring the link to ``cmd.peer`` (ping, then maybe bulk)."""
+        """Starts measuring the link to ``cmd.peer`` (ping, then maybe bulk).
+
+        Refused (reported down at once) when it would re-point an open connection to another
+        address, or when ``max_measurements`` are in progress already.
+        """
+        current = self.host.peer_address(cmd.peer)
+        if current is not None and current != cmd.address:
+            log.warning(
+                "refused a connect_command from %r: it would re-point %s from %s to %s",
+                cmd.sender, cmd.peer, current, cmd.address,
+            )  # fmt: skip
+            self.host.event("connect_refused", peer=cmd.peer, sender=cmd.sender,
+                            address=cmd.address, current=current, op_id=cmd.op_id)  # fmt: skip
+            self._report_down(cmd)
+            return
+        if len(self.measurements) >= self.cfg.max_measurements:
+            self.overloaded += 1
+            if self.overloaded == 1 or self.overloaded % 100 == 0:
+                log.warning("%d link measurements in progress: %d connect_commands refused so "
+                            "far", len(self.measurements), self.overloaded)  # fmt: skip
+                self.host.event("overloaded", budget="measurements", refused=self.overloaded)
+            self._report_down(cmd)
+            return
         warm = self.host.connect_peer(cmd.peer, cmd.address)
         seq = next(self._seq)
         m = Measurement(cmd=cmd, started=now, deadline=now + self.cfg.probe_timeout_s, seq=seq)
@@ -307,6 +348,19 @@ class Agent:
         m.burst_sent = warm
         for _ in range(_MEASURE_PINGS if warm else 1):
             self._ping(m, now)
+
+    def _report_down(self, cmd: ConnectCommand) -> None:
+        """Reports a link it will not measure as down, so that its scale-out is not held up."""
+        self.host.to_scheduler(
+            LinkReport(
+                sender=self.host.node_id,
+                epoch=self.host.epoch,
+                term=self.host.term,
+                peer=cmd.peer,
+                up=False,
+                op_id=cmd.op_id,
+            )
+        )
 
     def _known_latency(self, peer: str, now: float) -> float | None:
         """The latency to ``peer`` from its link probes, else from a measurement taken within

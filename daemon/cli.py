@@ -2,19 +2,26 @@
 
 Commands::
 
+    chaos-daemon keygen FILE
     chaos-daemon start --id ID --listen tcp://HOST:PORT [--join tcp://HOST:PORT]
                        [--neighbor ID ...] [--config FILE.toml] [--heartbeat-interval S]
-                       [--failure-timeout S] [--metrics-port P]
-    chaos-daemon status [--connect tcp://HOST:PORT] [--json]
-    chaos-daemon leave [--connect tcp://HOST:PORT]
-    chaos-daemon link add|remove PEER_ID [--connect tcp://HOST:PORT]
-    chaos-daemon fault NAME [PEER_ID ...] [--connect tcp://HOST:PORT]   (testing only)
+                       [--failure-timeout S] [--metrics-port P] [--metrics-host HOST]
+                       [--cluster-key FILE] [--insecure] [--enable-fault-injection]
+                       [--fault NAME:PEER,...] [--max-peer-sockets N] [--max-measurements N]
+                       [--join-rate R] [--join-burst N] [--straggler-grace S]
+    chaos-daemon status [--connect tcp://HOST:PORT] [--cluster-key FILE] [--json]
+    chaos-daemon leave [--connect tcp://HOST:PORT] [--cluster-key FILE]
+    chaos-daemon link add|remove PEER_ID [--connect tcp://HOST:PORT] [--cluster-key FILE]
+    chaos-daemon fault NAME [PEER_ID ...] [--connect tcp://HOST:PORT] [--cluster-key FILE]
+                                                                   (testing only)
 
 Environment variables are read here and nowhere else:
 
 * ``CHAOS_DAEMON_DIR``: the run directory (IPC socket, default event log); one daemon per run
   directory. It also tells the client commands which local daemon to talk to.
 * ``CHAOS_DAEMON_LOG_LEVEL``: ``logging`` level of ``start`` (default ``INFO``).
+* ``CHAOS_CLUSTER_KEY``: the cluster key file, when ``--cluster-key`` is not given (``start``
+  and the client commands).
 
 Precedence: flags and these variables over the TOML file over the defaults.
 """
@@ -34,39 +41,76 @@ import msgspec
 from chaos.daemon.client import DaemonClient
 from chaos.daemon.config import (
     REPLICATION_STRATEGIES,
+    DaemonConfig,
     default_run_dir,
+    ensure_private_run_dir,
     ipc_endpoint_for,
     load_config,
 )
 
 from chaos.errors import ChaosError, ChaosTimeout, ConfigError
 from chaos.protocol import FaultName, StatusReply
-from chaos.protocol.ids import NODE_ID_RULE, check_node_id, check_tcp_endpoint
+from chaos.protocol.ids import (
+    NODE_ID_RULE,
+    check_node_id,
+    check_tcp_endpoint,
+    is_loopback_endpoint,
+)
+from chaos.security import ClusterKey, Security
 
 _ENV_DIR = "CHAOS_DAEMON_DIR"
 _ENV_LOG = "CHAOS_DAEMON_LOG_LEVEL"
+_ENV_KEY = "CHAOS_CLUSTER_KEY"
 _CONNECT_HELP = "Talk to the daemon at this TCP endpoint instead of the local one."
+_KEY_HELP = f"Cluster key file (chaos-daemon keygen; default ${_ENV_KEY})."
 
 
 def _local_endpoint() -> str:
     return ipc_endpoint_for(os.environ.get(_ENV_DIR) or default_run_dir())
 
 
-def _client(connect: str | None) -> DaemonClient:
+def _key_file(option: str | None) -> str | None:
+    """The cluster key file: the option, else ``CHAOS_CLUSTER_KEY`` (``None``: no key)."""
+    return option or os.environ.get(_ENV_KEY) or None
+
+
+def _client(connect: str | None, cluster_key: str | None = None) -> DaemonClient:
     if connect is not None:
         try:
             check_tcp_endpoint(connect, "--connect endpoint")
         except ConfigError as exc:
             raise click.BadParameter(str(exc), param_hint="--connect") from exc
+    key = _key_file(cluster_key)
     try:
-        return DaemonClient(connect or _local_endpoint())
+        security = Security.from_key_file(key) if key is not None else None
+        return DaemonClient(connect or _local_endpoint(), security=security)
     except ChaosError as exc:
         raise click.ClickException(str(exc)) from exc
+
+
+def _key_option(fn: Any) -> Any:
+    return click.option("--cluster-key", type=click.Path(dir_okay=False), help=_KEY_HELP)(fn)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Chaos control-plane daemon: one per device."""
+
+
+@main.command()
+@click.argument("file", type=click.Path(dir_okay=False))
+def keygen(file: str) -> None:
+    """Write a new cluster key to FILE (mode 0600; an existing file is never overwritten).
+
+    Every daemon and client given the file (--cluster-key, or $CHAOS_CLUSTER_KEY) belongs to
+    the cluster: keep it secret, copy it only to the cluster's hosts.
+    """
+    key = ClusterKey.generate()
+    try:
+        path = key.write(file)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"wrote cluster key {path} (fingerprint {key.fingerprint()})")
 
 
 @main.command()
@@ -82,12 +126,40 @@ def main() -> None:
 )
 @click.option("--heartbeat-interval", type=float, help="Heartbeat period in seconds (0.5).")
 @click.option("--failure-timeout", type=float, help="Silence before a node is failed (1.5 s).")
+@click.option(
+    "--straggler-grace",
+    type=float,
+    help="A trainer without step progress this long, while others wait, is evicted (10 s; 0: off).",
+)
 @click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port.")
+@click.option(
+    "--metrics-host", help="Address the metrics endpoint binds (default: the --listen host)."
+)
 @click.option(
     "--replication-strategy",
     type=click.Choice(list(REPLICATION_STRATEGIES)),
     help="How a joiner's state is sourced (chaos).",
 )
+@_key_option
+@click.option(
+    "--insecure",
+    is_flag=True,
+    default=None,
+    help="Allow a non-loopback --listen without a cluster key (anyone reaching it controls it).",
+)
+@click.option(
+    "--enable-fault-injection",
+    is_flag=True,
+    default=None,
+    help="Accept the fault command and --fault presets (tests and the harness only).",
+)
+@click.option(
+    "--fault", "faults", multiple=True, help="Fault active from the start, NAME:PEER,... (repeat)."
+)
+@click.option("--max-peer-sockets", type=int, help="Most peer sockets open at once (512).")
+@click.option("--max-measurements", type=int, help="Most link measurements at once (64).")
+@click.option("--join-rate", type=float, help="Join requests accepted per second (20).")
+@click.option("--join-burst", type=int, help="Join requests accepted at once (64).")
 def start(
     node_id: str | None,
     listen: str | None,
@@ -96,8 +168,18 @@ def start(
     config_file: str | None,
     heartbeat_interval: float | None,
     failure_timeout: float | None,
+    straggler_grace: float | None,
     metrics_port: int | None,
+    metrics_host: str | None,
     replication_strategy: str | None,
+    cluster_key: str | None,
+    insecure: bool | None,
+    enable_fault_injection: bool | None,
+    faults: tuple[str, ...],
+    max_peer_sockets: int | None,
+    max_measurements: int | None,
+    join_rate: float | None,
+    join_burst: int | None,
 ) -> None:
     """Run a daemon in the foreground; SIGINT, SIGTERM and SIGHUP make it leave gracefully.
 
@@ -110,9 +192,19 @@ def start(
         "neighbors": tuple(neighbors),
         "heartbeat_interval_s": heartbeat_interval,
         "failure_timeout_s": failure_timeout,
+        "straggler_grace_s": straggler_grace,
         "metrics_port": metrics_port,
+        "metrics_host": metrics_host,
         "replication_strategy": replication_strategy,
         "run_dir": os.environ.get(_ENV_DIR) or None,
+        "cluster_key": _key_file(cluster_key),
+        "insecure": insecure,
+        "enable_fault_injection": enable_fault_injection,
+        "faults": tuple(faults),
+        "max_peer_sockets": max_peer_sockets,
+        "max_measurements": max_measurements,
+        "join_rate_per_s": join_rate,
+        "join_burst": join_burst,
     }
     try:
         cfg = load_config(cli, config_file)
@@ -123,6 +215,11 @@ def start(
         level=getattr(logging, level, logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    _warn_if_exposed(cfg)
+    try:
+        ensure_private_run_dir(cfg.run_dir)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
     _refuse_if_running(cfg.resolved_ipc_endpoint)
     from chaos.daemon.node import Daemon
 
@@ -138,6 +235,24 @@ def start(
         if signal.getsignal(sig) is not signal.SIG_IGN:
             signal.signal(sig, lambda *_: daemon.request_leave())
     sys.exit(daemon.run())
+
+
+def _warn_if_exposed(cfg: DaemonConfig) -> None:
+    """Warns on stderr when the daemon listens beyond loopback without a cluster key."""
+    if cfg.cluster_key is None and not is_loopback_endpoint(cfg.listen):
+        click.echo(
+            f"WARNING: --insecure: listening on {cfg.listen} without a cluster key. Anyone who "
+            "can reach this address can join the cluster, read its state and make members "
+            "join, leave or re-link. Create a key with 'chaos-daemon keygen FILE' and pass "
+            "--cluster-key FILE to every daemon instead.",
+            err=True,
+        )
+    if cfg.enable_fault_injection:
+        click.echo(
+            "WARNING: --enable-fault-injection: the fault command can cut this daemon's links "
+            "(tests and the harness only).",
+            err=True,
+        )
 
 
 def _refuse_if_running(endpoint: str) -> None:
@@ -186,10 +301,11 @@ def _fmt(v: float | None, scale: float, unit: str) -> str:
 
 @main.command()
 @click.option("--connect", help=_CONNECT_HELP)
+@_key_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def status(connect: str | None, as_json: bool) -> None:
+def status(connect: str | None, cluster_key: str | None, as_json: bool) -> None:
     """Show the cluster as this daemon sees it."""
-    with _client(connect) as c:
+    with _client(connect, cluster_key) as c:
         try:
             st = c.status()
         except ChaosError as exc:
@@ -230,9 +346,13 @@ def _report(result: Any, what: str) -> None:
 
 @main.command()
 @click.option("--connect", help=_CONNECT_HELP)
-def leave(connect: str | None) -> None:
-    """Leave the cluster gracefully (scale-in); the daemon then exits."""
-    with _client(connect) as c:
+@_key_option
+def leave(connect: str | None, cluster_key: str | None) -> None:
+    """Leave the cluster gracefully (scale-in); the daemon then exits.
+
+    Over --connect (TCP) it needs the cluster key; the local daemon always accepts it.
+    """
+    with _client(connect, cluster_key) as c:
         try:
             _report(c.leave(), "leave")
         except ChaosError as exc:
@@ -244,12 +364,12 @@ def link() -> None:
     """Add or remove an overlay link of this daemon."""
 
 
-def _link(peer: str, add: bool, connect: str | None) -> None:
+def _link(peer: str, add: bool, connect: str | None, cluster_key: str | None) -> None:
     try:
         check_node_id(peer, "PEER_ID")
     except ConfigError as exc:
         raise click.BadParameter(str(exc), param_hint="PEER_ID") from exc
-    with _client(connect) as c:
+    with _client(connect, cluster_key) as c:
         try:
             _report(c.link(peer, add), f"link {'add' if add else 'remove'} {peer}")
         except ChaosError as exc:
@@ -259,17 +379,19 @@ def _link(peer: str, add: bool, connect: str | None) -> None:
 @link.command("add")
 @click.argument("peer_id")
 @click.option("--connect", help=_CONNECT_HELP)
-def link_add(peer_id: str, connect: str | None) -> None:
+@_key_option
+def link_add(peer_id: str, connect: str | None, cluster_key: str | None) -> None:
     """Connect-link to PEER_ID."""
-    _link(peer_id, True, connect)
+    _link(peer_id, True, connect, cluster_key)
 
 
 @link.command("remove")
 @click.argument("peer_id")
 @click.option("--connect", help=_CONNECT_HELP)
-def link_remove(peer_id: str, connect: str | None) -> None:
+@_key_option
+def link_remove(peer_id: str, connect: str | None, cluster_key: str | None) -> None:
     """Disconnect-link from PEER_ID."""
-    _link(peer_id, False, connect)
+    _link(peer_id, False, connect, cluster_key)
 
 
 @main.command()
@@ -278,14 +400,20 @@ def link_remove(peer_id: str, connect: str | None) -> None:
 )
 @click.argument("peers", nargs=-1)
 @click.option("--connect", help=_CONNECT_HELP)
-def fault(name: FaultName, peers: tuple[str, ...], connect: str | None) -> None:
-    """Inject a named transport fault (testing and the harness only)."""
+@_key_option
+def fault(
+    name: FaultName, peers: tuple[str, ...], connect: str | None, cluster_key: str | None
+) -> None:
+    """Inject a named transport fault (testing and the harness only).
+
+    The daemon must run with --enable-fault-injection.
+    """
     for p in peers:
         try:
             check_node_id(p, "PEER_ID")
         except ConfigError as exc:
             raise click.BadParameter(str(exc), param_hint="PEERS") from exc
-    with _client(connect) as c:
+    with _client(connect, cluster_key) as c:
         try:
             reply = c.fault(name, list(peers))
         except ChaosError as exc:

@@ -1,6 +1,8 @@
 """The local clients' requests: answered here, or relayed to the scheduler and answered later.
 
-:class:`ClientRequests` answers ``status``, ``policy`` and ``fault`` at once; it turns a
+:class:`ClientRequests` answers ``status``, ``policy`` and ``fault`` at once (``fault`` only with
+``enable_fault_injection``; who may send which command is decided before, in
+:func:`chaos.daemon.dispatch.client_permission`); it turns a
 ``link add``/``link remove`` into a :class:`~chaos.protocol.LinkRequest` to the scheduler (and,
 for a connect, measures the new link while the request travels); and it keeps every request
 relayed to the scheduler (the trainer's too) until the scheduler's
@@ -23,6 +25,7 @@ from typing import Protocol
 
 import msgspec
 from chaos.daemon.agent import Agent
+from chaos.daemon.dispatch import fault_permission
 from chaos.daemon.relay import TrainerRelay
 from chaos.daemon.replies import ReplySource, policy_reply, status_reply
 from chaos.daemon.states import DaemonState
@@ -38,6 +41,7 @@ from chaos.protocol import (
     OpResult,
     PolicyRequest,
     Reason,
+    Refusal,
     StatusRequest,
     TrainerEvent,
     TrainerInfo,
@@ -108,8 +112,22 @@ class ClientRequests:
         self.host.respond(reply, policy_reply(self.host))
 
     def on_fault(self, msg: FaultCommand, reply: ReplyPath | None, now: float) -> None:
-        """Sets an injected fault and answers with the faults now active."""
+        """Sets an injected fault and answers with the faults now active; refused
+        (``forbidden``) unless the daemon runs with ``enable_fault_injection``."""
         h = self.host
+        why = fault_permission(h.cfg)
+        if why is not None:
+            h.event("refused_command", type="fault_command", detail=why)
+            no = Refusal(
+                sender=h.node_id,
+                epoch=h.epoch,
+                reason=Reason.FORBIDDEN,
+                detail=why,
+                ref_type="fault_command",
+                term=h.term,
+            )
+            h.respond(reply, no)
+            return
         self.faults.apply(msg.name, list(msg.peers))
         h.event("fault", fault=msg.name, peers=list(msg.peers))
         h.respond(reply, FaultReply(sender=h.node_id, epoch=h.epoch, active=self.faults.describe()))

@@ -14,6 +14,7 @@ import dataclasses
 import hashlib
 import math
 import os
+import stat
 import tempfile
 import tomllib
 from collections.abc import Mapping
@@ -88,6 +89,11 @@ class DaemonConfig:
             ``"even"`` (equal split over the same neighbours), ``"single-source"`` (the fastest
             neighbour only, as in EDL+) or ``"multi-source"`` (equal split over every training
             member, multi-hop, as in Autoscaling).
+        straggler_grace_s: A trainer silent this long (no step progress) while other trainers
+            have waited this long in their allreduce is evicted from the sync policy as a
+            straggler (event ``straggler_evicted``); it rejoins as a joiner when it resumes.
+            Set it above the longest step time of the slowest device (a device that is merely
+            slow sets the pace and is never evicted). 0 turns the check off.
         join_timeout_s: A joiner that is not admitted within this long exits with an error.
         op_timeout_s: A primitive whose policy is not acknowledged by every member within this
             long completes as failed.
@@ -107,6 +113,18 @@ class DaemonConfig:
             unless ``insecure`` is set.
         insecure: Allow listening on a non-loopback address without a cluster key (anyone who
             can reach the port then controls the cluster).
+        enable_fault_injection: Accept the ``fault`` command and the ``faults`` presets (tests
+            and the harness). Off: both are refused (``forbidden``; a ``faults`` preset is a
+            configuration error).
+        metrics_host: Address the metrics endpoint binds (``None``: the host of ``listen``).
+        max_peer_sockets: Most DEALER sockets to peers and join contacts open at once (the
+            ZeroMQ context allows 1023 sockets in all). A peer beyond it is not connected: its
+            frames are dropped and counted, like lost packets.
+        max_measurements: Most link measurements in progress at once; a ``connect_command``
+            beyond it is reported down at once.
+        join_rate_per_s: Join requests accepted per second on average (a token bucket); more
+            are refused (``overloaded``).
+        join_burst: Join requests accepted at once before the rate applies.
 
     Raises:
         ConfigError: any value is invalid or the values are inconsistent.
@@ -131,6 +149,7 @@ class DaemonConfig:
     sync_switch_min_gain: float = 0.2
     per_shard_cost_s: float = 4e-6
     replication_strategy: str = "chaos"
+    straggler_grace_s: float = 10.0
     join_timeout_s: float = 30.0
     op_timeout_s: float = 10.0
     leave_timeout_s: float = 5.0
@@ -143,6 +162,12 @@ class DaemonConfig:
     faults: tuple[str, ...] = ()
     cluster_key: str | None = None
     insecure: bool = False
+    enable_fault_injection: bool = False
+    metrics_host: str | None = None
+    max_peer_sockets: int = 512
+    max_measurements: int = 64
+    join_rate_per_s: float = 20.0
+    join_burst: int = 64
 
     def __post_init__(self) -> None:
         check_node_id(self.node_id)
@@ -174,6 +199,7 @@ class DaemonConfig:
             "op_timeout_s",
             "leave_timeout_s",
             "resource_interval_s",
+            "join_rate_per_s",
         ):
             _positive(name, getattr(self, name))
         for name in ("election_timeout_min_s", "election_timeout_max_s"):
@@ -184,6 +210,9 @@ class DaemonConfig:
             "bandwidth_probe_chunk_bytes",
             "sync_message_bytes",
             "max_frame_bytes",
+            "max_peer_sockets",
+            "max_measurements",
+            "join_burst",
         ):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -195,6 +224,18 @@ class DaemonConfig:
             v = self.keep_probe_memory
             raise ConfigError(f"keep_probe_memory must be true or false, got {v!r}")
         self._check_consistency()
+        self._check_straggler_grace()
+
+    def _check_straggler_grace(self) -> None:
+        g = self.straggler_grace_s
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g):
+            raise ConfigError(f"straggler_grace_s must be a finite number, got {g!r}")
+        if g != 0 and g <= 2 * self.heartbeat_interval_s:
+            raise ConfigError(
+                f"straggler_grace_s ({g}) must be 0 (off) or exceed twice heartbeat_interval_s "
+                f"({self.heartbeat_interval_s}): the trainers' progress reaches the scheduler "
+                "once per heartbeat interval"
+            )
 
     def _check_consistency(self) -> None:
         if self.failure_timeout_s <= 2 * self.heartbeat_interval_s:
@@ -230,11 +271,27 @@ class DaemonConfig:
             )
         for f in self.faults:
             _parse_fault_spec(f)
+        if self.max_peer_sockets > MAX_PEER_SOCKETS:
+            raise ConfigError(
+                f"max_peer_sockets must be at most {MAX_PEER_SOCKETS} (the daemon's own sockets "
+                f"share ZeroMQ's limit of 1023), got {self.max_peer_sockets}"
+            )
+        if self.metrics_host is not None and (
+            not isinstance(self.metrics_host, str) or not self.metrics_host
+        ):
+            raise ConfigError(f"metrics_host must be a host name or address, got "
+                              f"{self.metrics_host!r}")  # fmt: skip
         self._check_security()
 
     def _check_security(self) -> None:
-        if not isinstance(self.insecure, bool):
-            raise ConfigError(f"insecure must be true or false, got {self.insecure!r}")
+        for name in ("insecure", "enable_fault_injection"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.faults and not self.enable_fault_injection:
+            raise ConfigError(
+                "fault presets (faults / --fault) need enable_fault_injection "
+                "(--enable-fault-injection): faults are for tests and the harness only"
+            )
         if self.cluster_key is not None:
             ClusterKey.load(self.cluster_key)  # raises ConfigError with the reason
             return
@@ -267,9 +324,66 @@ class DaemonConfig:
         return self.ipc_endpoint or ipc_endpoint_for(self.run_dir)
 
     @property
+    def resolved_metrics_host(self) -> str:
+        """The address the metrics endpoint binds: ``metrics_host``, else the listen host."""
+        if self.metrics_host is not None:
+            return self.metrics_host
+        host = self.listen.removeprefix("tcp://").rsplit(":", 1)[0]
+        return host.strip("[]")
+
+    @property
     def resolved_event_log(self) -> str:
         """The event log path actually written."""
         return self.event_log or str(Path(self.run_dir) / f"events-{self.node_id}.jsonl")
+
+
+#: Most peer DEALERs :attr:`DaemonConfig.max_peer_sockets` may allow (ZeroMQ's default limit of
+#: 1023 sockets per context, less room for the daemon's own ROUTERs, monitors and notifier).
+MAX_PEER_SOCKETS = 960
+
+
+def ensure_private_run_dir(path: str | os.PathLike[str]) -> Path:
+    """Creates the run directory with mode 0700, or checks that an existing one is private.
+
+    The run directory holds the IPC socket, through which any local process that can reach it
+    controls the daemon, and the event log. It must be a directory owned by this user with no
+    group or other permission bits.
+
+    Args:
+        path: The run directory.
+
+    Returns:
+        The directory.
+
+    Raises:
+        ConfigError: it cannot be created, is not a directory, belongs to another user, or is
+            open to the group or to others.
+    """
+    p = Path(path)
+    try:
+        p.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(p)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the run directory {p}: {exc.strerror}") from exc
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            st = os.stat(p)
+        except OSError as exc:
+            raise ConfigError(f"run directory {p} is a dangling symlink") from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"run directory {p} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise ConfigError(
+            f"run directory {p} belongs to uid {st.st_uid}, not to this user ({os.geteuid()}): "
+            "another user could control the daemon through it; choose another CHAOS_DAEMON_DIR"
+        )
+    if st.st_mode & 0o077:
+        mode = stat.S_IMODE(st.st_mode)
+        raise ConfigError(
+            f"run directory {p} is open to other users (mode {mode:o}): they could control the "
+            f"daemon through its IPC socket; run 'chmod 700 {p}'"
+        )
+    return p
 
 
 #: Longest path a unix socket address can hold (``sizeof(sockaddr_un.sun_path) - 1`` on Linux).

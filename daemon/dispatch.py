@@ -1,9 +1,11 @@
 """Inbound frames: validated with :func:`chaos.protocol.validate`, then routed by message type.
 
 :class:`Dispatcher` holds the validation context (rebuilt only when something it holds may have
-changed), refuses what does not validate, drops what a fault blocks, and calls the one handler
-registered for the message's type. A handler that raises is logged (event ``handler_error``):
-a bug must not take the control plane down.
+changed), refuses what does not validate, drops what a fault blocks, refuses what the connection
+may not ask (:func:`client_permission`) or what a budget no longer allows (the join rate), and
+calls the one handler registered for the message's type. A handler that raises is logged at
+ERROR with its traceback, counted (``chaos_internal_errors_total{where="handler"}``) and written
+as the event ``handler_error``: a bug must not take the control plane down.
 """
 
 from __future__ import annotations
@@ -22,8 +24,13 @@ from chaos.daemon.transport import FaultInjector, Inbound, ReplyPath, Transport
 
 from chaos.protocol import (
     ClusterView,
+    FaultCommand,
+    JoinRequest,
+    LeaveCommand,
+    LinkCommand,
     Message,
     Reason,
+    Refusal,
     Rejected,
     ValidationContext,
     encode,
@@ -36,6 +43,70 @@ log = logging.getLogger("chaos.daemon")
 
 Handler = Callable[[Any, ReplyPath | None, float], None]
 """A message handler: ``(message, reply path or None for a local message, monotonic now)``."""
+
+OPERATOR_COMMANDS: tuple[type, ...] = (LeaveCommand, LinkCommand, FaultCommand)
+"""Client commands that change the cluster: accepted on the local IPC socket, or over TCP only
+from an authenticated key holder (see :func:`client_permission`)."""
+
+
+def client_permission(msg: Message, local: bool, peer_key: str | None) -> str | None:
+    """Who may ask what (``docs/daemon.md``, "Who may do what").
+
+    * The local IPC socket (in the private run directory: only this user reaches it) may ask
+      anything.
+    * A TCP connection authenticated with the cluster key (``peer_key`` set) may ask anything.
+    * A TCP connection without authentication (a daemon without a cluster key: loopback, or
+      ``--insecure``) may read ``status`` but not ``leave``, ``link`` or ``fault``: any local user
+      reaches a loopback port.
+
+    ``fault`` also needs ``enable_fault_injection``; that is checked where it is handled.
+
+    Args:
+        msg: A validated message.
+        local: Whether it came in on the IPC socket.
+        peer_key: The connection's CURVE public key (``None``: not authenticated).
+
+    Returns:
+        ``None`` when allowed, else why not.
+    """
+    if local or peer_key is not None or not isinstance(msg, OPERATOR_COMMANDS):
+        return None
+    return (
+        f"{tag_of(msg)} is accepted only on the local IPC socket or from a cluster key holder; "
+        "this TCP connection is not authenticated"
+    )
+
+
+def fault_permission(cfg: DaemonConfig) -> str | None:
+    """Why a ``fault`` command is refused (``None``: fault injection is enabled)."""
+    if cfg.enable_fault_injection:
+        return None
+    return "fault injection is off (start the daemon with --enable-fault-injection)"
+
+
+class TokenBucket:
+    """A rate limit: ``rate_per_s`` on average, ``burst`` at once.
+
+    Args:
+        rate_per_s: Tokens added per second.
+        burst: The most tokens held (and the tokens at start).
+    """
+
+    def __init__(self, rate_per_s: float, burst: int) -> None:
+        self.rate_per_s = rate_per_s
+        self.burst = float(burst)
+        self.tokens = float(burst)
+        self._at: float | None = None
+
+    def take(self, now: float) -> bool:
+        """Takes one token at monotonic time ``now``; ``False`` when none is left."""
+        if self._at is not None:
+            self.tokens = min(self.burst, self.tokens + (now - self._at) * self.rate_per_s)
+        self._at = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
 
 
 class ValidationSource(MemberFacts, Protocol):
@@ -85,7 +156,12 @@ class Dispatcher:
         self.events = events
         self.handlers: dict[type, Handler] = {}
         self.refused = 0
+        self.errors = 0
+        """Handler (and dispatch) exceptions survived so far."""
         self._ctx: tuple[tuple[object, ...], ValidationContext] | None = None
+        cfg = source.cfg
+        self._joins = TokenBucket(cfg.join_rate_per_s, cfg.join_burst)
+        self._overloaded = 0
 
     def register(self, handlers: dict[type, Handler]) -> None:
         """Adds handlers by message type."""
@@ -119,7 +195,21 @@ class Dispatcher:
         return ctx
 
     def on_frame(self, inbound: Inbound, now: float) -> None:
-        """Validates one inbound frame and dispatches its message (or refuses it)."""
+        """Validates one inbound frame and dispatches its message (or refuses it).
+
+        Never raises: an unexpected exception is logged, counted and written as an event.
+        """
+        try:
+            self._on_frame(inbound, now)
+        except Exception as exc:  # a bug must not take the control plane down
+            self._failed("dispatch", "frame", exc)
+
+    def _refuse(self, inbound: Inbound, no: Refusal) -> None:
+        self.refused += 1
+        self.metrics.refused(no.reason)
+        self.transport.reply(inbound.reply, encode(no))
+
+    def _on_frame(self, inbound: Inbound, now: float) -> None:
         ctx = self.context()
         if inbound.frame is None:
             result: Message | Rejected = Rejected(
@@ -146,6 +236,23 @@ class Dispatcher:
             no = refusal(Reason.NOT_AUTHENTICATED, ctx, forged, tag_of(result))
             self.transport.reply(inbound.reply, encode(no))
             return
+        local = inbound.reply.local or inbound.reply.socket is self.transport.ipc
+        why = client_permission(result, local, inbound.peer_key)
+        if why is None and isinstance(result, FaultCommand):
+            why = fault_permission(self.source.cfg)
+        if why is not None:
+            log.warning("refused %s: %s", tag_of(result), why)
+            self.events.emit("refused_command", type=tag_of(result), detail=why)
+            self._refuse(inbound, refusal(Reason.FORBIDDEN, ctx, why, tag_of(result)))
+            return
+        if isinstance(result, JoinRequest) and not local and not self._joins.take(now):
+            self._overloaded += 1
+            if self._overloaded == 1 or self._overloaded % 100 == 0:
+                log.warning("join rate exceeded: %d join requests refused so far", self._overloaded)
+                self.events.emit("overloaded", budget="join_rate", refused=self._overloaded)
+            detail = f"more than {self.source.cfg.join_rate_per_s:g} joins per second"
+            self._refuse(inbound, refusal(Reason.OVERLOADED, ctx, detail, tag_of(result)))
+            return
         self.metrics.message(tag_of(result))
         self.dispatch(result, inbound.reply, now)
 
@@ -157,5 +264,14 @@ class Dispatcher:
         try:
             handler(msg, reply, now)
         except Exception as exc:  # a bug must not take the control plane down
-            log.exception("handler for %s failed", tag_of(msg))
-            self.events.emit("handler_error", type=tag_of(msg), error=repr(exc)[:300])
+            self._failed("handler", tag_of(msg), exc)
+
+    def _failed(self, where: str, what: str, exc: BaseException) -> None:
+        """Logs (ERROR, with the traceback), counts and records an exception survived."""
+        self.errors += 1
+        log.exception("%s for %s failed", where, what)
+        try:
+            self.metrics.error(where)
+            self.events.emit(f"{where}_error", type=what, error=repr(exc)[:300])
+        except Exception:  # noqa: BLE001 - reporting must not raise either
+            log.exception("reporting a %s error failed", where)

@@ -9,6 +9,12 @@
 * A member that heard a live scheduler within :attr:`DaemonConfig.scheduler_stickiness_s` denies
   votes (Raft section 6), so a node that was cut off cannot depose a healthy scheduler when it
   comes back; a scheduler handover (``TimeoutNow``) is exempt.
+* A handover is honoured only from the scheduler this member follows: a ``TimeoutNow`` from
+  anyone else is ignored (:meth:`Election.honours_handover`), and a vote request marked as a
+  transfer skips the stickiness rule only once the scheduler it follows has left the view
+  (:meth:`Election.honours_transfer`): a leaving scheduler hands over after its own leave is
+  committed and acknowledged, so a member that still sees it in the view treats the request as
+  any other.
 * Election timeouts are randomized in ``election_timeout_range_s``.
 
 A member without a scheduler, or a candidate, is *paused*: it makes no changes. A minority side of
@@ -121,6 +127,29 @@ class Election:
         self.scheduler = None
         self.reset_deadline(now)
         return RequestVote(sender=self.node_id, epoch=epoch, term=self.term, transfer=transfer)
+
+    def honours_handover(self, sender: str) -> bool:
+        """Whether a ``TimeoutNow`` from ``sender`` is obeyed: only from the scheduler this
+        node follows."""
+        return self.scheduler is not None and sender == self.scheduler != self.node_id
+
+    def honours_transfer(self, msg: RequestVote, members: Collection[str]) -> bool:
+        """Whether a vote request marked ``transfer`` may skip the stickiness rule.
+
+        Args:
+            msg: The request.
+            members: This node's membership (its installed view).
+
+        Returns:
+            ``True`` when no scheduler is followed (stickiness does not apply anyway), or the
+            scheduler it follows is no longer a member (it left and handed over); ``False``
+            for a request without ``transfer`` or while the scheduler is still a member.
+        """
+        if not msg.transfer:
+            return False
+        if self.role == Role.SCHEDULER:
+            return False
+        return self.scheduler is None or self.scheduler not in members
 
     def has_majority(self, members: Collection[str]) -> bool:
         """Whether the votes are a strict majority of ``members``."""

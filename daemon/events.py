@@ -7,6 +7,7 @@ are listed in ``docs/daemon.md``.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -22,16 +23,27 @@ class EventLog:
     """Writes events for one node.
 
     Args:
-        path: The JSONL file; created with its parent directory, appended to if it exists.
+        path: The JSONL file; created (mode 0600) with its parent directory (mode 0700),
+            appended to if it exists. A symlink is refused (``O_NOFOLLOW``): whoever planted it
+            would have the daemon write where they chose.
         node_id: The node every event is stamped with.
 
     Raises:
-        OSError: the file cannot be opened.
+        OSError: the file cannot be opened, or is a symlink (``ELOOP``, with a clear message).
     """
 
     def __init__(self, path: str | os.PathLike[str], node_id: str) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._fh: IO[bytes] | None = open(path, "ab")  # noqa: SIM115 - closed in close()
+        Path(path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise OSError(
+                    exc.errno, f"event log {path} is a symlink; refusing to follow it"
+                ) from exc
+            raise
+        self._fh: IO[bytes] | None = os.fdopen(fd, "ab")
         self._node = node_id
         self._enc = msgspec.json.Encoder()
         self.path = str(path)

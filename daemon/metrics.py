@@ -1,7 +1,8 @@
 """Prometheus metrics (prometheus-client), served only when ``--metrics-port`` is given.
 
 Without a port every method is a cheap no-op, so the daemon never pays for metrics it does not
-serve.
+serve (the internal-error counts are kept either way, :attr:`Metrics.errors`). The endpoint binds
+the daemon's listen host unless ``metrics_host`` names another.
 """
 
 from __future__ import annotations
@@ -17,13 +18,16 @@ class Metrics:
     Args:
         node_id: Value of the ``node`` label.
         port: HTTP port to serve ``/metrics`` on (``None``: metrics off).
+        host: Address to bind it on (the daemon passes its listen host).
 
     Raises:
         OSError: the port cannot be bound.
     """
 
-    def __init__(self, node_id: str, port: int | None) -> None:
+    def __init__(self, node_id: str, port: int | None, host: str = "127.0.0.1") -> None:
         self.enabled = port is not None
+        self.errors: dict[str, int] = {}
+        """Internal errors survived so far, by where they happened (``handler``, ``timer``...)."""
         if port is None:
             return
         from prometheus_client import (
@@ -53,9 +57,15 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0),
             registry=reg,
         )
+        self._errors = Counter(
+            "chaos_internal_errors_total",
+            "Exceptions caught in a handler, a timer or the loop (each one is a bug)",
+            ["node", "where"],
+            registry=reg,
+        )
         self._node = node_id
-        start_http_server(port, registry=reg)
-        log.info("metrics on :%d/metrics", port)
+        start_http_server(port, addr=host, registry=reg)
+        log.info("metrics on %s:%d/metrics", host, port)
 
     def state(self, epoch: int, term: int, members: int, scheduler: bool, paused: bool) -> None:
         """Updates the gauges."""
@@ -77,6 +87,12 @@ class Metrics:
         """Counts one refused or dropped frame by reason."""
         if self.enabled:
             self._refused.labels(self._node, reason).inc()
+
+    def error(self, where: str) -> None:
+        """Counts one exception caught in ``where`` (``handler``, ``timer``, ``loop``)."""
+        self.errors[where] = self.errors.get(where, 0) + 1
+        if self.enabled:
+            self._errors.labels(self._node, where).inc()
 
     def primitive(self, name: str, seconds: float) -> None:
         """Observes one primitive's control-path completion time."""

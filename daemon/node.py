@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 from chaos.daemon.agent import Agent
 from chaos.daemon.client_ops import ClientRequests
-from chaos.daemon.config import DaemonConfig, parse_fault_spec
+from chaos.daemon.config import DaemonConfig, ensure_private_run_dir, parse_fault_spec
 from chaos.daemon.dispatch import Dispatcher, Handler
 from chaos.daemon.election import Election
 from chaos.daemon.events import EventLog
@@ -111,8 +111,9 @@ class Daemon:
         for spec in cfg.faults:
             name, peers = parse_fault_spec(spec)
             self.faults.apply(name, peers)
+        ensure_private_run_dir(cfg.run_dir)
         self.events = EventLog(cfg.resolved_event_log, cfg.node_id)
-        self.metrics = Metrics(cfg.node_id, cfg.metrics_port)
+        self.metrics = Metrics(cfg.node_id, cfg.metrics_port, cfg.resolved_metrics_host)
         self.security = Security.from_key_file(cfg.cluster_key)
         self.public_key = self.security.public_key if self.security.enabled else ""
         """This daemon's CURVE public key, bound to its id at admission (empty: no key)."""
@@ -120,10 +121,11 @@ class Daemon:
             cfg.listen, cfg.resolved_ipc_endpoint, cfg.max_frame_bytes, self.faults,
             self.security,
         )  # fmt: skip
+        self.transport.max_dealers = cfg.max_peer_sockets
         self.state = DaemonState.STARTING
         self.exit_code = 0
         self.election = Election(cfg.node_id, cfg, rng)
-        self.timers = Timers()
+        self.timers = Timers(on_error=self.internal_error)
         self.outbox = Outbox(cfg.node_id, self.transport, self._known_scheduler)
         self.agent = Agent(self, cfg)
         self.trainer = TrainerRelay(self)
@@ -284,6 +286,17 @@ class Daemon:
         self.events.emit(name, **fields)
         log.info("%s %s %s", self.node_id, name, fields if fields else "")
 
+    def internal_error(self, where: str, what: str, exc: BaseException) -> None:
+        """Counts and records an exception the loop survived (already logged with its
+        traceback)."""
+        self.metrics.error(where)
+        self.events.emit(f"{where}_error", type=what, error=repr(exc)[:300])
+
+    def peer_address(self, peer: str) -> str | None:
+        """The address this node's DEALER to ``peer`` points at (``None``: none open)."""
+        cur = self.transport.dealers.get(peer)
+        return cur[0] if cur is not None else None
+
     def observe_primitive(self, name: str, seconds: float) -> None:
         """Records a primitive's control-path time."""
         self.metrics.primitive(name, seconds)
@@ -326,6 +339,10 @@ class Daemon:
 
         Returns:
             The exit code: 0 after a leave, 3 if the join was refused, 4 if it timed out.
+
+        Raises:
+            BaseException: whatever ended the loop unexpectedly, after the ``stopped`` event
+                recorded the exit code it ends the process with (1, or a ``SystemExit``'s).
         """
         now = time.monotonic()
         self.event(
@@ -338,18 +355,31 @@ class Daemon:
             self.membership.begin_join(now, self.cfg.join, list(self.cfg.neighbors))
         try:
             while not self._stop:
-                self._step()
+                self._guarded_step()
+        except BaseException as exc:  # recorded, then the process dies of it
+            self.exit_code = _exit_code_of(exc)
+            log.critical("the daemon's loop ended: %r", exc)
+            raise
         finally:
             self.event("stopped", exit_code=self.exit_code)
             self.transport.close(linger_s=0.2)
             self.events.close()
         return self.exit_code
 
+    def _guarded_step(self) -> None:
+        """One loop step; an exception that escapes every finer guard is survived too."""
+        try:
+            self._step()
+        except Exception as exc:  # a bug must not take the control plane down
+            log.exception("loop step failed")
+            self.internal_error("loop", "step", exc)
+            time.sleep(0.01)  # a step that fails at once every time must not spin
+
     def _step(self) -> None:
         now = time.monotonic()
         if self._leave_requested:
             self._leave_requested = False
-            self.membership.start_leave(None, now)
+            self.timers.call("leave", self.membership.start_leave, None, now)
         self._run_timers(now)
         timeout = 0.0 if self.outbox.local else max(0.0, self.timers.next() - time.monotonic())
         for inbound in self.transport.poll(min(timeout, _MAX_POLL_S)):
@@ -360,35 +390,45 @@ class Daemon:
         while local and not self._stop:
             self.dispatcher.dispatch(local.popleft(), None, time.monotonic())
         # a new scheduler gets the requests the old one left unanswered
-        self.requests.follow_scheduler(self._known_scheduler(), self.term, time.monotonic())
-        self.notices.publish(now)  # trainers hear of a change without asking
+        self.timers.call(
+            "follow_scheduler",
+            self.requests.follow_scheduler,
+            self._known_scheduler(),
+            self.term,
+            time.monotonic(),
+        )
+        self.timers.call("notices", self.notices.publish, now)  # trainers hear without asking
 
     def _run_timers(self, now: float) -> None:
         t = self.timers
+        # every job runs under Timers.call: one that raises is logged and counted, and the
+        # others (and the loop) go on
         if t.is_due("heartbeat", now):
             t.set("heartbeat", now + self.cfg.heartbeat_interval_s)
-            self.succession.heartbeat(now)
-            self.trainer.check_trainer()  # a trainer process that exited leaves the policy
+            t.call("heartbeat", self.succession.heartbeat, now)
+            # a trainer process that exited leaves the policy
+            t.call("check_trainer", self.trainer.check_trainer)
         if t.is_due("probe", now):
             t.set("probe", now + self.cfg.link_probe_interval_s)
             if self.state == DaemonState.ACTIVE:
-                self.agent.probe_links(now)
+                t.call("probe", self.agent.probe_links, now)
         if t.is_due("resources", now):
             t.set("resources", now + self.cfg.resource_interval_s)
-            self.agent.sample_resources()
+            t.call("resources", self.agent.sample_resources)
         if t.is_due("housekeeping", now):
             t.set("housekeeping", now + _HOUSEKEEPING_S)
-            self._housekeeping(now)
+            t.call("housekeeping", self._housekeeping, now)
         if self.agent.busy:
-            self.agent.tick_measurements(now)
+            t.call("measurements", self.agent.tick_measurements, now)
         t.set("measure", now + _MEASURE_TICK_S if self.agent.busy else now + _MAX_POLL_S)
         if self.state == DaemonState.ACTIVE and not self.is_scheduler:
             if now >= self.election.deadline:
-                self.succession.start_election(now)
+                t.call("election", self.succession.start_election, now)
             t.set("election", self.election.deadline)
         else:
             t.set("election", now + _MAX_POLL_S)
-        self._run_failure_timer(now)
+        if not t.call("failures", self._run_failure_timer, now):
+            t.set("failures", now + self.cfg.heartbeat_interval_s)
 
     def _run_failure_timer(self, now: float) -> None:
         role = self.succession.role
@@ -416,16 +456,16 @@ class Daemon:
         return {
             SchedulerHeartbeat: s.on_scheduler_heartbeat,
             MemberHeartbeat: self._on_member_heartbeat,
-            RequestVote: s.on_request_vote,
+            RequestVote: self._on_request_vote,
             VoteReply: s.on_vote_reply,
-            TimeoutNow: s.on_timeout_now,
+            TimeoutNow: self._on_timeout_now,
             JoinRequest: self._on_join,
             LeaveRequest: self._scheduler_only(lambda n, m, r, t: n.on_leave(m, r, t)),
             LinkRequest: self._scheduler_only(lambda n, m, r, t: n.on_link_request(m, r, t)),
             LinkReport: self._scheduler_only(lambda n, m, r, t: n.on_link_report(m, t)),
             AgentReport: self._scheduler_only(lambda n, m, r, t: n.on_agent_report(m, t)),
             PolicyAck: self._scheduler_only(lambda n, m, r, t: n.on_ack(m, t)),
-            ConnectCommand: lambda m, r, t: a.on_connect(m, t),
+            ConnectCommand: lambda m, r, t: a.on_connect(m, t),  # never re-points a peer
             ClusterUpdate: self.views.on_cluster_update,
             Ping: self._on_ping,
             Pong: lambda m, r, t: a.on_pong(m, t),
@@ -466,6 +506,22 @@ class Daemon:
             reason = Reason.PAUSED if self.paused else Reason.NOT_SCHEDULER
             ctx = self.dispatcher.context()
             self.respond(reply, refusal(reason, ctx, "no scheduler", "join_request"))
+
+    def _on_request_vote(self, msg: RequestVote, reply: ReplyPath | None, now: float) -> None:
+        """A vote request; one marked ``transfer`` skips the stickiness rule only when
+        :meth:`Election.honours_transfer` says so."""
+        if msg.transfer and not self.election.honours_transfer(msg, self.members()):
+            self.event("transfer_ignored", peer=msg.sender, term=msg.term,
+                       scheduler=self.election.scheduler)  # fmt: skip
+            msg = msgspec.structs.replace(msg, transfer=False)
+        self.succession.on_request_vote(msg, reply, now)
+
+    def _on_timeout_now(self, msg: TimeoutNow, reply: ReplyPath | None, now: float) -> None:
+        """A handover, obeyed only from the scheduler this node follows."""
+        if not self.election.honours_handover(msg.sender):
+            self.event("handover_ignored", peer=msg.sender, scheduler=self.election.scheduler)
+            return
+        self.succession.on_timeout_now(msg, reply, now)
 
     def _on_member_heartbeat(
         self, msg: MemberHeartbeat, reply: ReplyPath | None, now: float
@@ -515,4 +571,14 @@ class Daemon:
         if msg.node_id is None:  # from the local trainer
             self.trainer.on_event(msg, reply)
         elif self.succession.role is not None:  # forwarded by a member
-            self.succession.role.trainers.on_event(msg, reply, now)
+            self.succession.role.on_trainer_event(msg, reply, now)
+
+
+def _exit_code_of(exc: BaseException) -> int:
+    """The exit code a process ends with when ``exc`` escapes (1 but for a ``SystemExit``)."""
+    if isinstance(exc, SystemExit):
+        code = exc.code
+        if code is None:
+            return 0
+        return code if isinstance(code, int) else 1
+    return 1

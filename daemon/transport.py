@@ -180,6 +180,10 @@ class Transport:
         self.faults = faults
         self.max_frame_bytes = max_frame_bytes
         self.send_failures = 0
+        self.max_dealers = 512
+        """Most DEALERs (peers and join contacts) open at once (``max_peer_sockets``)."""
+        self.socket_failures = 0
+        """DEALERs not opened: over ``max_dealers``, or ZeroMQ refused (too many sockets)."""
         self.handshake_failures = 0
         """TCP connections refused in the CURVE handshake (no or a wrong cluster key)."""
         self.router = self._router(listen, secure=True)
@@ -270,15 +274,35 @@ class Transport:
             raise ConfigError(f"cannot bind {endpoint}: {exc.strerror}") from exc
         return sock
 
-    def _dealer(self, address: str) -> zmq.Socket[bytes]:
-        sock: zmq.Socket[bytes] = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, _PEER_HWM)
-        sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_frame_bytes)
-        self.security.client(sock)
-        sock.connect(address)
+    def _dealer(self, address: str) -> zmq.Socket[bytes] | None:
+        """A new DEALER to ``address``; ``None`` (logged, counted in ``socket_failures``) when
+        ``max_dealers`` are open or ZeroMQ cannot make one (too many sockets or files)."""
+        if len(self.dealers) + len(self.contacts) >= self.max_dealers:
+            self._socket_failed(address, f"{self.max_dealers} peer sockets open (the budget)")
+            return None
+        try:
+            sock: zmq.Socket[bytes] = self.ctx.socket(zmq.DEALER)
+        except zmq.ZMQError as exc:  # EMFILE: ZeroMQ's socket limit or the process's files
+            self._socket_failed(address, exc.strerror)
+            return None
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, _PEER_HWM)
+            sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_frame_bytes)
+            self.security.client(sock)
+            sock.connect(address)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            self._socket_failed(address, exc.strerror)
+            return None
         self.poller.register(sock, zmq.POLLIN)
         return sock
+
+    def _socket_failed(self, address: str, why: str) -> None:
+        self.socket_failures += 1
+        n = self.socket_failures
+        if n == 1 or n % 100 == 0:  # a flood must not flood the log too
+            log.warning("no socket to %s: %s (%d refused so far)", address, why, n)
 
     def ensure_peer(self, peer: str, address: str) -> bool:
         """Opens (or re-points) the DEALER to ``peer`` at ``address``.
@@ -291,7 +315,9 @@ class Transport:
             return True
         if cur is not None:
             self.drop_peer(peer)
-        self.dealers[peer] = (address, self._dealer(address))
+        sock = self._dealer(address)
+        if sock is not None:  # else its frames are dropped and counted, like lost packets
+            self.dealers[peer] = (address, sock)
         return False
 
     def drop_peer(self, peer: str) -> None:
@@ -327,6 +353,9 @@ class Transport:
         sock = self.contacts.get(address)
         if sock is None:
             sock = self._dealer(address)
+            if sock is None:
+                self.send_failures += 1
+                return False
             self.contacts[address] = sock
         return self._send(sock, [frame])
 

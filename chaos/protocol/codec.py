@@ -78,16 +78,25 @@ def decode(frame: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Mess
 def _decode_checked(frame: bytes, max_frame_bytes: int) -> Message | tuple[Reason, str]:
     if len(frame) > max_frame_bytes:
         return Reason.TOO_LARGE, f"{len(frame)} bytes > {max_frame_bytes}"
+    # Any exception is bad input, not only msgspec's own: a frame of a few thousand nested
+    # arrays raises RecursionError, a huge integer OverflowError, and so on.
     try:
         env = _ENVELOPE_DECODER.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        return Reason.MALFORMED, str(exc)[:200]
+    except Exception as exc:  # noqa: BLE001 - untrusted input must never raise
+        return Reason.MALFORMED, _why(exc)
     if env.v != PROTOCOL_VERSION:  # also a frame without a version (the full decode's default)
         return Reason.BAD_VERSION, f"version {env.v}, expected {PROTOCOL_VERSION}"
     try:
         return _DECODER.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        return Reason.MALFORMED, str(exc)[:200]
+    except Exception as exc:  # noqa: BLE001 - untrusted input must never raise
+        return Reason.MALFORMED, _why(exc)
+
+
+def _why(exc: BaseException) -> str:
+    """A short description of a decode error (its type when it is not msgspec's own)."""
+    if isinstance(exc, (msgspec.DecodeError, msgspec.ValidationError)):
+        return str(exc)[:200]
+    return f"{type(exc).__name__}: {exc}"[:200]
 
 
 @dataclass(frozen=True)
@@ -161,7 +170,8 @@ def validate(
 ) -> Message | Rejected:
     """The single validation point: decodes ``frame`` and applies the semantic checks.
 
-    Never raises on bad input.
+    Never raises, whatever the input: an unexpected exception while checking a frame refuses it
+    as ``malformed``.
 
     Args:
         frame: The raw frame.
@@ -171,6 +181,15 @@ def validate(
     Returns:
         The decoded message, or :class:`Rejected` with a refusal that says why.
     """
+    try:
+        return _validate(frame, ctx, attachment)
+    except Exception as exc:  # noqa: BLE001 - untrusted input must never raise
+        return Rejected(refusal(Reason.MALFORMED, ctx, _why(exc)))
+
+
+def _validate(
+    frame: bytes, ctx: ValidationContext, attachment: bytes | memoryview | None
+) -> Message | Rejected:
     result = _decode_checked(frame, ctx.max_frame_bytes)
     if isinstance(result, tuple):
         return Rejected(refusal(result[0], ctx, result[1]))

@@ -109,7 +109,11 @@ class Reason(str, enum.Enum):
 
 ApplyAt = Literal["after_allreduce", "before_next_allreduce"]
 FaultName = Literal["drop_to", "drop_from", "cut_link", "partition", "clear"]
-TrainerEventKind = Literal["ready", "replication_done", "step_failed", "gone"]
+TrainerEventKind = Literal["ready", "replication_done", "step_failed", "gone", "progress"]
+MAX_ELAPSED_S = 1e9
+"""Longest duration a trainer's progress report may state (about 31 years)."""
+Elapsed = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_ELAPSED_S)]
+"""A bounded, finite duration in seconds (a trainer's progress report)."""
 
 
 class _Base(msgspec.Struct, kw_only=True, frozen=True, tag_field="type"):
@@ -546,7 +550,13 @@ class TrainerEvent(_Base, frozen=True, tag="trainer_event"):
 
     ``ready``: the trainer holds the state and takes part in training. ``gone``: sent by the
     local daemon only, its trainer's process exited (the node stays a member without a trainer).
-    Answered with an :class:`OpResult`.
+    Answered with an :class:`OpResult`, except ``progress``.
+
+    ``progress`` is the step heartbeat that finds a straggler (docs/daemon.md). From the trainer
+    (one-way, never answered) it says the trainer is alive at ``step``, inside ``update()``
+    (``in_step``) or computing, for ``elapsed_s`` in that phase; the daemon forwards the latest
+    one to the scheduler every heartbeat interval, with ``silent_s``, the time since its trainer
+    was last heard, and ``elapsed_s`` aged to that moment.
     """
 
     KIND: ClassVar[str] = "client"
@@ -555,6 +565,9 @@ class TrainerEvent(_Base, frozen=True, tag="trainer_event"):
     elapsed_s: Seconds = 0.0
     detail: Detail = ""
     op_id: OpId = ""
+    step: Counter = 0
+    in_step: bool = False
+    silent_s: Elapsed = 0.0
 
 
 class PolicyReply(_Base, frozen=True, tag="policy_reply"):

@@ -99,7 +99,12 @@ class Node:
         return read_events(self.events_path) if self.events_path.exists() else []
 
     def client(self, timeout_s: float = 5.0) -> DaemonClient:
+        """A client over TCP (read-only without a cluster key: ``status``, trainer messages)."""
         return DaemonClient(self.address, timeout_s=timeout_s)
+
+    def local_client(self, timeout_s: float = 5.0) -> DaemonClient:
+        """A client over the local IPC socket (``leave``, ``link`` and ``fault`` need it)."""
+        return DaemonClient(self.ipc, timeout_s=timeout_s)
 
     def status(self, timeout_s: float = 2.0) -> StatusReply:
         with self.client(timeout_s) as c:
@@ -137,6 +142,7 @@ class Cluster:
             config=self.config,
             heartbeat_interval_s=HB_S,
             failure_timeout_s=FT_S,
+            enable_fault_injection=True,  # tests inject faults by name
             extra_args=extra,
         )
         proc = spawn_daemon(argv, run_dir, log_path=run_dir / "stderr.log", log_level=LOG_LEVEL)

@@ -39,6 +39,9 @@ class _Host:
     def connect_peer(self, peer: str, address: str) -> bool:
         return True  # a connection that is already up: every ping goes out at once
 
+    def peer_address(self, peer: str) -> str | None:
+        return None  # never re-pointed here
+
     def event(self, name: str, **fields: object) -> None:
         self.events.append((name, fields))
 

@@ -141,7 +141,7 @@ def test_link_add_and_remove(cluster: Cluster) -> None:
     assert n4.alive() and nodes[0].alive()
     assert "n4" in next(x for x in n2.status().nodes if x.id == "n2").neighbors
 
-    res = cluster.cli(n4, "link", "remove", "n4", "--connect", n2.address)  # from n2
+    res = cluster.cli(n2, "link", "remove", "n4")  # from n2
     assert res.returncode == 0, res.stderr
     wait_until(lambda: all(_link(n, "n2", "n4") is None for n in nodes), "link removed")
     # n2-n3 goes; then n1-n2 is n2's only link and removing it would split the overlay
@@ -156,9 +156,9 @@ def test_link_cut_is_disconnect_link_not_a_failure(cluster: Cluster) -> None:
     nodes = cluster.start(4)
     n3, n4 = nodes[2], nodes[3]
     assert _link(nodes[0], "n3", "n4") is not None
-    with n3.client() as c:
+    with n3.local_client() as c:
         c.fault("cut_link", ["n4"])
-    with n4.client() as c:
+    with n4.local_client() as c:
         c.fault("cut_link", ["n3"])
     wait_until(lambda: (_link(nodes[0], "n3", "n4") or {}).get("up") is False, "n3-n4 down")
     assert cluster.members(nodes[0]) == {"n1", "n2", "n3", "n4"}
@@ -169,7 +169,7 @@ def test_link_cut_is_disconnect_link_not_a_failure(cluster: Cluster) -> None:
     assert cut and cut[-1]["restart_allreduce"] is True
     # healing the link reports it back up (connect-link)
     for n in (n3, n4):
-        with n.client() as c:
+        with n.local_client() as c:
             c.fault("clear", [])
     wait_until(lambda: (_link(nodes[0], "n3", "n4") or {}).get("up"), "link back up")
 
@@ -180,7 +180,7 @@ def test_partition_minority_pauses_majority_goes_on(cluster: Cluster) -> None:
     majority = ["n3", "n4", "n5"]
     for n in nodes:
         side = minority if n.id in minority else majority
-        with n.client() as c:
+        with n.local_client() as c:
             c.fault("partition", side)
     by_id = {n.id: n for n in nodes}
     wait_until(lambda: all(by_id[m].status().paused for m in minority), "minority paused")
@@ -197,7 +197,7 @@ def test_partition_minority_pauses_majority_goes_on(cluster: Cluster) -> None:
     assert res.returncode != 0 and "paused" in res.stderr
     # heal: the minority rejoins the majority's cluster
     for n in nodes:
-        with n.client() as c:
+        with n.local_client() as c:
             c.fault("clear", [])
     everyone = {n.id for n in nodes}
     wait_until(

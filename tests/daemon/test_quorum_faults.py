@@ -31,7 +31,7 @@ def test_crash_and_leave_in_one_window_keep_one_working_scheduler(cluster: Clust
     n1, n2, n3, n4 = cluster.start(4)
     wait_until(lambda: _one_scheduler([n1, n2, n3, n4]) == "n1", "n1 schedules")
     cluster.kill9(n2)  # before it can acknowledge the leave's epoch
-    with n4.client(timeout_s=10.0) as c:
+    with n4.local_client(timeout_s=10.0) as c:
         left = c.leave(timeout_s=10.0)  # answered once the view without n4 is acknowledged
     wait_until(
         lambda: any(e["cause"] == "scale_in_leave" for e in _events(n1, "committed")),
