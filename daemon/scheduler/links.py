@@ -6,6 +6,10 @@
 * **disconnect-link**: requested (``after_allreduce``; refused if it would disconnect the
   overlay) or a failed probe (``before_next_allreduce`` with restart; the link stays, marked
   down).
+* **healing**: when a failure, a leave or a link loss has split the overlay of active members,
+  the scheduler itself orders a connect-link across the cut, best candidate pair first
+  (:mod:`chaos.daemon.scheduler.healing`); a pair that cannot reach each other is skipped for
+  the next one, until the overlay is whole again.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from chaos.daemon.config import DaemonConfig
+from chaos.daemon.scheduler.healing import candidate_pairs, components
 from chaos.daemon.scheduler.ledger import EpochLedger
 from chaos.daemon.scheduler.monitor import ClusterMonitor
 from chaos.daemon.transport import ReplyPath
@@ -64,6 +69,9 @@ class LinkOps:
         self.monitor = monitor
         self.ledger = ledger
         self.pending: dict[str, LinkOp] = {}
+        self._healing: str | None = None  # the op id of the heal in progress
+        self._tried: set[frozenset[str]] = set()  # pairs found unreachable during this split
+        self._next_heal_check = 0.0
 
     def on_request(self, msg: LinkRequest, reply: ReplyPath | None, now: float) -> None:
         """Connect-link or disconnect-link."""
@@ -128,6 +136,13 @@ class LinkOps:
         if lop is None:
             return False
         a, b = lop.req.a, lop.req.b
+        if msg.op_id == self._healing:
+            self._healing = None
+            if not msg.up:
+                self._tried.add(frozenset((a, b)))
+                self.host.event("heal_unreachable", a=a, b=b)
+                return True
+            self.host.event("overlay_healed", a=a, b=b, latency_s=msg.latency_s)
         if not msg.up or not self.monitor.has(a) or not self.monitor.has(b):
             self.ledger.refuse(
                 lop.reply, lop.req.op_id, Reason.UNREACHABLE, f"{a} cannot reach {b}"
@@ -164,11 +179,40 @@ class LinkOps:
             ),
         )
 
+    def heal(self, now: float) -> None:
+        """Orders a connect-link across the cut when the overlay of active members is split
+        (one at a time, checked every heartbeat interval)."""
+        if self._healing is not None or now < self._next_heal_check:
+            return
+        self._next_heal_check = now + self.cfg.heartbeat_interval_s
+        members = self.monitor.members()
+        pairs = candidate_pairs(self.monitor.g, members, self.cfg.default_bandwidth_bps,
+                                self._tried)  # fmt: skip
+        if not pairs:
+            if len(components(self.monitor.g, members)) < 2:
+                self._tried.clear()  # whole again: a later split starts afresh
+            return
+        a, b = pairs[0]
+        op_id = "heal-" + uuid.uuid4().hex[:8]
+        req = LinkRequest(sender=self.host.node_id, epoch=self.ledger.epoch, a=a, b=b,
+                          op="connect", op_id=op_id)  # fmt: skip
+        self.pending[op_id] = LinkOp(req, None, now, now + self.cfg.probe_timeout_s)
+        self._healing = op_id
+        parts = components(self.monitor.g, members)
+        self.host.event("heal_started", a=a, b=b, parts=parts)
+        self._order_probe(a, b, op_id, measure_bandwidth=False)
+
     def tick(self, now: float) -> None:
-        """Fails the connect-links whose measurement is overdue."""
+        """Fails the connect-links whose measurement is overdue; heals a split overlay."""
         for op_id, lop in list(self.pending.items()):
             if now > lop.deadline:
                 self.pending.pop(op_id)
+                if op_id == self._healing:
+                    self._healing = None
+                    self._tried.add(frozenset((lop.req.a, lop.req.b)))
+                    self.host.event("heal_unreachable", a=lop.req.a, b=lop.req.b)
+                    continue
                 self.ledger.refuse(
                     lop.reply, lop.req.op_id, Reason.TIMEOUT, "link measurement timed out"
                 )
+        self.heal(now)
