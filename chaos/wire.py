@@ -50,8 +50,10 @@ FRAME_HEADER = struct.Struct(BYTE_ORDER + "BBBBIQQII")
 """version u8, op u8, dtype u8, reserved u8, seg u32, epoch u64, step u64, chunk u32,
 nelem u32: 32 bytes, then the raw chunk."""
 
-LANE_VERSION = 1
-"""A payload lane's hello and offer (:mod:`chaos.collectives.lanes`)."""
+LANE_VERSION = 2
+"""A payload lane's hello and offer (:mod:`chaos.collectives.lanes`). 2: with a cluster key the
+offer carries a lane key and every byte on the lane is sealed with AES-256-GCM (the sealed
+layouts below)."""
 
 LANE_MAGIC = b"CHLN"
 """The first four bytes of a lane hello."""
@@ -61,6 +63,23 @@ LANE_HELLO = struct.Struct(BYTE_ORDER + "4sBQB")
 
 LANE_OFFER = struct.Struct(BYTE_ORDER + "HQ")
 """port u16, token u64: the payload of an ``Op.LANE`` frame."""
+
+LANE_SEALED_MAGIC = b"CHLS"
+"""The first four bytes of a sealed lane hello (a communicator with a cluster key)."""
+
+LANE_SEALED_OFFER = struct.Struct(BYTE_ORDER + "HQ32s")
+"""port u16, token u64, lane key 32s: the payload of an ``Op.LANE`` frame with a cluster key
+(it travels inside the CURVE-encrypted link)."""
+
+LANE_SEALED_HELLO = struct.Struct(BYTE_ORDER + "4sBIH")
+"""magic 4s, version u8, attempt u32, sealed length u16; then the sealed body (the hello's
+associated data is these 11 bytes)."""
+
+LANE_HELLO_BODY = struct.Struct(BYTE_ORDER + "QB")
+"""token u64, id length u8; then the node id (utf-8): the plaintext of a sealed hello."""
+
+LANE_NONCE = struct.Struct(BYTE_ORDER + "IQ")
+"""The AES-GCM nonce of a sealed lane record: direction << 24 | attempt u32, counter u64."""
 
 # ----------------------------------------------------------------------------- emulation
 
@@ -132,7 +151,8 @@ FORMATS: tuple[WireFormat, ...] = (
         "struct",
         "chaos.collectives.lanes",
         "chaos.collectives.lanes.Lanes._greet",
-        (LANE_HELLO, LANE_OFFER),
+        (LANE_HELLO, LANE_OFFER, LANE_SEALED_OFFER, LANE_SEALED_HELLO, LANE_HELLO_BODY,
+         LANE_NONCE),
     ),
     WireFormat(
         "checkpoint store",

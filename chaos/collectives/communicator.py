@@ -15,6 +15,11 @@ the sorting of frames by round (:class:`~chaos.collectives.inbox.Inbox`), the no
 in other rounds (:class:`~chaos.collectives.notices.PeerNotices`) and the payload lanes
 (:class:`~chaos.collectives.lane_switch.LaneSwitch`). The settings and counters are in
 :mod:`chaos.collectives.config` (re-exported here).
+
+With a cluster key (the ``security`` argument) the data plane is authenticated and encrypted:
+the endpoint is a CURVE server of the cluster, every link a CURVE client, the payload lanes are
+sealed with AES-256-GCM, and a topology that names the members' keys binds each member's frames
+to its key (see :mod:`chaos.collectives.peers` and :mod:`chaos.collectives.lanes`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from chaos.collectives.peers import PeerSockets
 from chaos.collectives.receiver import Interrupt, Receiver
 from chaos.collectives.sender import Sender
 from chaos.collectives.topology import Topology
+from chaos.security import Security
 
 # CommunicatorConfig, CollectiveStats and ReduceOp live in chaos.collectives.config and are
 # re-exported here.
@@ -51,24 +57,36 @@ class Communicator:
     Args:
         config: The settings.
         topology: The initial topology (may be given later with :meth:`update_topology`).
+        security: The cluster key and this process's keypair; default: none (plain sockets and
+            lanes, anyone who reaches the endpoint can send frames).
 
     Raises:
         zmq.ZMQError: the listen endpoint cannot be bound.
         ValueError: see :meth:`update_topology`.
     """
 
-    def __init__(self, config: CommunicatorConfig, topology: Topology | None = None) -> None:
+    def __init__(
+        self,
+        config: CommunicatorConfig,
+        topology: Topology | None = None,
+        *,
+        security: Security | None = None,
+    ) -> None:
         self.config = config
         self.node_id = config.node_id
         self.stats = CollectiveStats()
+        self.security = security if security is not None else Security()
         if config.keep_frame_memory:
             keep_frame_memory(config.chunk_bytes)
-        self._peers = PeerSockets(config)
+        self._peers = PeerSockets(config, self.stats, self.security)
         self.address: str = self._peers.address
         self._topology: Topology | None = None
-        self._notices = PeerNotices(self._peers.ctx, self.node_id, self.stats, self._peers)
+        self._notices = PeerNotices(
+            self._peers.ctx, self.node_id, self.stats, self._peers, self.security
+        )
         self._inbox = Inbox(config, self.stats, self._notices, self._peers)
-        self._lanes = LaneSwitch(config, self.address)  # opened at the first large round
+        # opened at the first large round
+        self._lanes = LaneSwitch(config, self.address, sealed=self.security.enabled)
         self._interrupt = Interrupt(self.node_id)
         self._receiver = Receiver(
             config, self.stats, self._peers, self._lanes, self._inbox, self._interrupt
@@ -82,6 +100,11 @@ class Communicator:
             self.update_topology(topology)
 
     # ------------------------------------------------------------------ topology
+
+    @property
+    def public_key(self) -> str:
+        """This node's CURVE public key (Z85 text): its key in :attr:`Topology.keys`."""
+        return self.security.public_key
 
     @property
     def topology(self) -> Topology | None:
@@ -103,12 +126,20 @@ class Communicator:
             topology: The new topology; this node must be a member.
 
         Raises:
-            ValueError: this node is not a member, the epoch went backwards, or the same epoch
-                came with a different structure.
+            ValueError: this node is not a member, the epoch went backwards, the same epoch
+                came with a different structure, or the topology names members' keys while
+                this node has no cluster key or another key of its own.
         """
         self._check_open()
         if self.node_id not in topology.addresses:
             raise ValueError(f"{self.node_id!r} is not a member of the topology")
+        if topology.keys is not None:
+            if not self.security.enabled:
+                raise ValueError("the topology names the members' keys: it needs a communicator "
+                                 "with a cluster key")  # fmt: skip
+            if topology.keys[self.node_id] != self.public_key:
+                raise ValueError(f"the topology gives {self.node_id!r} another public key than "
+                                 "this communicator's: its frames would be dropped")  # fmt: skip
         old = self._topology
         if old is not None:
             if topology.epoch < old.epoch:
@@ -124,6 +155,7 @@ class Communicator:
         wanted = {p: topology.addresses[p] for p in topology.neighbours(self.node_id)}
         self._peers.connect(wanted, self._lanes.drop)
         self._topology = topology
+        self._peers.vouch(topology.keys, topology.epoch)
         self._notices.retain(topology.addresses)
         self._peers.clear_dead()
         self._inbox.drop_older_than(topology.epoch)

@@ -116,3 +116,11 @@ class CollectiveStats:
     """Data frames read from a payload lane (the rest came through ZeroMQ)."""
     lane_frames_placed: int = 0
     """Lane frames read straight into the round's result buffer (no copy)."""
+    handshake_failures: int = 0
+    """Connections that failed the CURVE handshake (a communicator with a cluster key): a
+    stranger without the cluster key, or with another one, connecting to this node's data
+    endpoint, or this node's link to a neighbour with another key."""
+    dropped_unauthenticated: int = 0
+    """Frames whose connection's key is not the key the topology gives the member they claim
+    to come from (:attr:`Topology.keys <chaos.collectives.topology.Topology.keys>`): a key
+    holder sending as another member."""

@@ -30,11 +30,14 @@ class LaneSwitch:
     Args:
         config: The communicator's settings (``lanes``, ``lane_min_bytes``, timeouts).
         address: The communicator's bound data endpoint (the lanes listen on its host).
+        sealed: Seal every lane with AES-256-GCM (the communicator has a cluster key; see
+            :mod:`chaos.collectives.lanes`).
     """
 
-    def __init__(self, config: CommunicatorConfig, address: str) -> None:
+    def __init__(self, config: CommunicatorConfig, address: str, sealed: bool = False) -> None:
         self._config = config
         self._address = address
+        self.sealed = sealed
         self.lanes: Lanes | None = None
         """The lanes, once opened at the first round of a large tensor (for inspection)."""
         self._wanted = config.lanes
@@ -52,7 +55,9 @@ class LaneSwitch:
             return False
         if self.lanes is None:
             cfg = self._config
-            self.lanes = open_lanes(cfg.node_id, self._address, cfg.timeout_s, cfg.poll_slice_s)
+            self.lanes = open_lanes(
+                cfg.node_id, self._address, cfg.timeout_s, cfg.poll_slice_s, self.sealed
+            )
             self._wanted = self.lanes is not None  # do not try again every round
         return self.lanes is not None
 

@@ -24,6 +24,19 @@ Hello (little-endian): ``b"CHLN"``, u8 :data:`LANE_VERSION`, u64 token, u8 id le
 (utf-8), answered by the one byte :data:`_ACK` once accepted (the sender uses the lane only
 then, so no frame is written into a connection the receiver refuses). Offer payload: u16 port,
 u64 token.
+
+**Sealed lanes** (a communicator with a cluster key, ``Lanes(sealed=True)``): the offer, which
+travels inside the CURVE-encrypted ZeroMQ link, also carries a fresh random 32-byte lane key,
+and every byte on the lane is an AES-256-GCM record under that key (:class:`LaneCipher`): the
+hello (``b"CHLS"``, u8 version, u32 attempt, u16 sealed length, then the sealed token and id,
+the 11 clear bytes authenticated as associated data), the acknowledgement, and each frame's
+header and payload as two records. A record's nonce is its direction, the connection's attempt
+number and a counter of that direction's records; the sender numbers its connections to one
+offer 0, 1, ... and the receiver accepts each attempt of a key at most once, so no nonce is
+used twice with a key and a recorded lane cannot be replayed. The token alone is useless
+without the key, and a record that fails authentication (tampered, injected or replayed) closes
+the lane like a malformed frame. The receiver finds the offer a hello answers by opening it
+with each current offer's key: nothing on the lane names the peer in clear.
 """
 
 from __future__ import annotations
@@ -47,14 +60,20 @@ from chaos.collectives.frames import DATA_OPS, HEADER_BYTES, Header, decode_head
 from chaos.collectives.links import Frame, LanePayload
 from chaos.errors import PeerTimeout, ProtocolError
 from chaos.wire import LANE_HELLO as _HELLO
+from chaos.wire import LANE_HELLO_BODY as _HELLO_BODY
 from chaos.wire import LANE_MAGIC as _MAGIC
+from chaos.wire import LANE_NONCE as _NONCE
 from chaos.wire import LANE_OFFER as _OFFER
+from chaos.wire import LANE_SEALED_HELLO as _SEALED_HELLO
+from chaos.wire import LANE_SEALED_MAGIC as _SEALED_MAGIC
+from chaos.wire import LANE_SEALED_OFFER as _SEALED_OFFER
 from chaos.wire import LANE_VERSION
 
 __all__ = [
-    "LANE_VERSION", "InLane", "Lanes", "OutLane", "Place", "decode_offer", "encode_offer",
-    "endpoint_host", "open_lanes", "read_frame", "resend",
-]
+    "LANE_KEY_BYTES", "LANE_VERSION", "InLane", "LaneCipher", "Lanes", "OutLane", "Place",
+    "decode_offer", "decode_sealed_offer", "encode_hello", "encode_offer", "encode_sealed_hello",
+    "encode_sealed_offer", "endpoint_host", "open_lanes", "read_frame", "resend",
+]  # fmt: skip
 
 Place = Callable[[str, Header], "memoryview | None"]
 """Where a lane frame's payload goes: a writable region of the round's result buffer, or
@@ -67,10 +86,122 @@ _MAX_ID = 255
 _PENDING_LIMIT = 64
 """Accepted connections still owing their hello; beyond this the oldest is dropped."""
 
+LANE_KEY_BYTES = 32
+"""A sealed lane's AES-256-GCM key, fresh for every offer."""
+_TAG = 16
+"""Bytes an AES-GCM record adds to its plaintext (the authentication tag)."""
+_SEALED_HEADER = HEADER_BYTES + _TAG
+_SEALED_ACK = len(_ACK) + _TAG
+_MAX_ATTEMPT = (1 << 24) - 1
+"""Connections one sealed offer may be tried with (the attempt has 24 bits of the nonce)."""
+_MAX_SEALED_BODY = _HELLO_BODY.size + _MAX_ID + _TAG
+_TO_RECEIVER = 0
+"""Nonce direction of the records the connecting side (the sender of the data) writes."""
+_TO_SENDER = 1
+"""Nonce direction of the records the accepting side (the receiver) writes: the ack."""
+
+
+class LaneCipher:
+    """AES-256-GCM records of one direction of one lane connection.
+
+    The ``i``-th record sealed (or opened) uses the nonce ``(direction << 24 | attempt, i)``
+    (:data:`chaos.wire.LANE_NONCE`); both ends count the records of a direction in the same
+    order, so a record that is dropped, reordered or replayed fails to open.
+
+    Args:
+        key: The lane key (32 bytes, from the offer).
+        attempt: The connection's attempt number for this key (0 to 2**24 - 1).
+        direction: :data:`_TO_RECEIVER` or :data:`_TO_SENDER`.
+
+    Raises:
+        ValueError: a key of another size, or an attempt out of range.
+    """
+
+    def __init__(self, key: bytes, attempt: int, direction: int) -> None:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        if len(key) != LANE_KEY_BYTES:
+            raise ValueError(f"a lane key is {LANE_KEY_BYTES} bytes")
+        if not 0 <= attempt <= _MAX_ATTEMPT:
+            raise ValueError(f"lane attempt {attempt} out of range")
+        self._aead = AESGCM(key)
+        self._prefix = (direction << 24) | attempt
+        self._counter = 0
+        self._into = hasattr(self._aead, "encrypt_into")
+
+    def _nonce(self) -> bytes:
+        nonce = _NONCE.pack(self._prefix, self._counter)
+        self._counter += 1
+        return nonce
+
+    def seal(self, data: bytes | memoryview, aad: bytes | None = None) -> bytes:
+        """The next record: ``data`` encrypted, with its tag (``len(data) + 16`` bytes)."""
+        return self._aead.encrypt(self._nonce(), data, aad)
+
+    def seal_into(self, data: memoryview, out: memoryview) -> None:
+        """Seals the next record into ``out`` (exactly ``len(data) + 16`` bytes): one pass
+        over the payload, no copy of its own."""
+        nonce = self._nonce()
+        if self._into:
+            self._aead.encrypt_into(nonce, data, None, out)
+        else:  # cryptography < 45: one copy more
+            out[:] = self._aead.encrypt(nonce, data, None)
+
+    def open(
+        self, record: bytes | bytearray | memoryview, aad: bytes | None = None
+    ) -> bytes | None:
+        """The plaintext of the next record, or ``None`` when it fails authentication."""
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            return self._aead.decrypt(self._nonce(), record, aad)
+        except InvalidTag:
+            return None
+
+    def open_into(self, record: memoryview, out: memoryview) -> bool:
+        """Opens the next record into ``out`` (exactly ``len(record) - 16`` bytes).
+
+        Returns:
+            ``False`` when it fails authentication (``out`` then holds garbage: the caller
+            must not use it).
+        """
+        from cryptography.exceptions import InvalidTag
+
+        nonce = self._nonce()
+        try:
+            if self._into:
+                self._aead.decrypt_into(nonce, record, None, out)
+            else:  # cryptography < 45: one copy more
+                out[:] = self._aead.decrypt(nonce, record, None)
+        except InvalidTag:
+            return False
+        return True
+
 
 def encode_offer(port: int, token: int) -> bytes:
     """The payload of an ``Op.LANE`` offer."""
     return _OFFER.pack(port, token)
+
+
+def encode_sealed_offer(port: int, token: int, key: bytes) -> bytes:
+    """The payload of an ``Op.LANE`` offer of a sealed lane (it carries the lane key, so it
+    must travel only inside an encrypted link)."""
+    return _SEALED_OFFER.pack(port, token, key)
+
+
+def decode_sealed_offer(raw: bytes | memoryview) -> tuple[int, int, bytes]:
+    """``(port, token, key)`` of a sealed lane's offer.
+
+    Raises:
+        ProtocolError: wrong size (e.g. an offer without a key) or port 0.
+    """
+    if len(raw) != _SEALED_OFFER.size:
+        raise ProtocolError(f"sealed lane offer is {len(raw)} bytes, expected "
+                            f"{_SEALED_OFFER.size}")  # fmt: skip
+    port, token, key = _SEALED_OFFER.unpack(raw)
+    if port == 0:
+        raise ProtocolError("lane offer names port 0")
+    return int(port), int(token), bytes(key)
 
 
 def decode_offer(raw: bytes | memoryview) -> tuple[int, int]:
@@ -97,6 +228,21 @@ def encode_hello(node_id: str, token: int) -> bytes:
     if not 0 < len(raw) <= _MAX_ID:
         raise ValueError("a lane hello needs a node id of 1 to 255 bytes")
     return _HELLO.pack(_MAGIC, LANE_VERSION, token, len(raw)) + raw
+
+
+def encode_sealed_hello(node_id: str, token: int, cipher: LaneCipher, attempt: int) -> bytes:
+    """The first bytes of a sealed lane: the clear prefix, then the token and id sealed with
+    ``cipher`` (the connection's :data:`_TO_RECEIVER` cipher, whose first record it is).
+
+    Raises:
+        ValueError: the node id is longer than 255 bytes.
+    """
+    raw = node_id.encode()
+    if not 0 < len(raw) <= _MAX_ID:
+        raise ValueError("a lane hello needs a node id of 1 to 255 bytes")
+    body = _HELLO_BODY.pack(token, len(raw)) + raw
+    prefix = _SEALED_HELLO.pack(_SEALED_MAGIC, LANE_VERSION, attempt, len(body) + _TAG)
+    return prefix + cipher.seal(body, prefix)
 
 
 def _set_timeo(sock: socket.socket, option: int, seconds: float) -> None:
@@ -130,15 +276,27 @@ class OutLane:
         connect_timeout_s: Longest wait for the connection.
         slice_s: Longest single blocking write; the thread checks for :meth:`close` between
             slices, so a write to a stuck neighbour never blocks forever.
+        key: The sealed offer's lane key (``None``: a plain lane).
+        attempt: This connection's number among those made for the same sealed offer.
     """
 
     def __init__(self, peer: str, host: str, port: int, token: int, node_id: str,
-                 connect_timeout_s: float, slice_s: float) -> None:  # fmt: skip
+                 connect_timeout_s: float, slice_s: float, key: bytes | None = None,
+                 attempt: int = 0) -> None:  # fmt: skip
         self.peer = peer
         self.port = port
         self.token = token
+        self.attempt = attempt
         self._address = (host, port)
-        self._hello = encode_hello(node_id, token)
+        self._seal: LaneCipher | None = None
+        self._unseal: LaneCipher | None = None
+        self._scratch = bytearray()
+        if key is None:
+            self._hello = encode_hello(node_id, token)
+        else:
+            self._seal = LaneCipher(key, attempt, _TO_RECEIVER)
+            self._unseal = LaneCipher(key, attempt, _TO_SENDER)
+            self._hello = encode_sealed_hello(node_id, token, self._seal, attempt)
         self._connect_timeout_s = connect_timeout_s
         self._slice_s = slice_s
         self._cv = threading.Condition()
@@ -252,7 +410,7 @@ class OutLane:
                     self._inflight = item = self._queue.popleft()
                 if _closed_by_peer(sock):
                     raise OSError("the receiver closed the lane")
-                self._write(sock, [memoryview(item[0]), item[1]])
+                self._write(sock, self._records(item[0], item[1]))
                 with self._cv:
                     self._inflight = None
                     self._done += 1
@@ -270,15 +428,40 @@ class OutLane:
             if sock is not None:
                 sock.close()
 
+    def _records(self, header: bytes, payload: memoryview) -> list[memoryview]:
+        """What goes on the wire for one frame: header and payload as they are (a plain lane),
+        or sealed as two records, the payload encrypted in one call into a reused buffer."""
+        if self._seal is None:
+            return [memoryview(header), payload]
+        data = _flat(payload)
+        need = len(data) + _TAG
+        if len(self._scratch) < need:
+            self._scratch = bytearray(need)
+        out = memoryview(self._scratch)[:need]
+        sealed_header = self._seal.seal(header)
+        self._seal.seal_into(data, out)
+        return [memoryview(sealed_header), out]
+
     def _await_ack(self, sock: socket.socket) -> None:
         """Waits (up to the connect timeout) for the receiver to accept the hello.
 
         Raises:
-            OSError: refused (closed), or no answer in time.
+            OSError: refused (closed), no answer in time, or (sealed) an answer that fails
+                authentication.
         """
         _set_timeo(sock, socket.SO_RCVTIMEO, self._connect_timeout_s)
-        if sock.recv(1) != _ACK:
-            raise OSError("the receiver refused the lane")
+        if self._unseal is None:
+            if sock.recv(1) != _ACK:
+                raise OSError("the receiver refused the lane")
+            return
+        got = b""
+        while len(got) < _SEALED_ACK:
+            chunk = sock.recv(_SEALED_ACK - len(got))
+            if not chunk:
+                raise OSError("the receiver refused the lane")
+            got += chunk
+        if self._unseal.open(got) != _ACK:
+            raise OSError("the receiver's answer failed authentication")
 
     def _write(self, sock: socket.socket, views: list[memoryview]) -> None:
         """Writes all of ``views``, in slices of at most ``slice_s`` blocking each.
@@ -287,7 +470,7 @@ class OutLane:
             OSError: the connection failed.
             _Closed: :meth:`close` was called meanwhile.
         """
-        views = [v.cast("B") if v.format != "B" or v.ndim != 1 else v for v in views]
+        views = [_flat(v) for v in views]
         while views:
             try:
                 n = sock.sendmsg(views)
@@ -301,6 +484,11 @@ class OutLane:
                 else:
                     views[0] = views[0][n:]
                     n = 0
+
+
+def _flat(view: memoryview) -> memoryview:
+    """``view`` as flat bytes."""
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:
@@ -322,12 +510,26 @@ class InLane:
 
     A read blocks in the kernel (one ``recv`` with ``MSG_WAITALL`` per payload, as long as the
     bytes keep coming), in slices of at most the time given to :meth:`set_timeout`.
+
+    Args:
+        peer: The neighbour's node id.
+        sock: The greeted connection.
+        cipher: Opens a sealed lane's records (``None``: a plain lane).
     """
 
-    def __init__(self, peer: str, sock: socket.socket) -> None:
+    def __init__(self, peer: str, sock: socket.socket, cipher: LaneCipher | None = None) -> None:
         self.peer = peer
         self.sock = sock
+        self.cipher = cipher
         self._timeout_s = -1.0
+        self._scratch = bytearray()
+
+    def scratch(self, nbytes: int) -> memoryview:
+        """A reused buffer of ``nbytes`` (where a sealed payload is read before it is opened
+        into its destination)."""
+        if len(self._scratch) < nbytes:
+            self._scratch = bytearray(nbytes)
+        return memoryview(self._scratch)[:nbytes]
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -353,7 +555,7 @@ class InLane:
             ``None`` when filled, ``"closed"`` at the end of the stream (the peer closed or
             died), ``"timeout"`` when the bytes did not come by the deadline.
         """
-        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        view = _flat(view)
         got, n = 0, len(view)
         while got < n:
             try:
@@ -380,13 +582,16 @@ def endpoint_host(address: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
-def open_lanes(node_id: str, address: str, timeout_s: float, slice_s: float) -> Lanes | None:
+def open_lanes(
+    node_id: str, address: str, timeout_s: float, slice_s: float, sealed: bool = False
+) -> Lanes | None:
     """The payload lanes of a communicator bound at ``address`` (its host), or ``None`` where
-    lanes cannot be had (not a ``tcp://`` endpoint, or the listener cannot be bound)."""
+    lanes cannot be had (not a ``tcp://`` endpoint, or the listener cannot be bound).
+    ``sealed``: AES-256-GCM lanes (a communicator with a cluster key)."""
     if not address.startswith("tcp://"):
         return None
     try:
-        return Lanes(node_id, endpoint_host(address), timeout_s, slice_s)
+        return Lanes(node_id, endpoint_host(address), timeout_s, slice_s, sealed=sealed)
     except OSError as exc:
         log.warning("no payload lanes (%s): tensor chunks go through ZeroMQ", exc)
         return None
@@ -431,14 +636,21 @@ def read_frame(
 
     Returns:
         The frame, or why there is none: ``"closed"`` (the stream ended), ``"timeout"`` (it
-        stopped in the middle of a frame) or ``"malformed: ..."`` (a bad header: the stream
-        cannot be trusted any more). The caller closes the lane in every case but a frame.
+        stopped in the middle of a frame) or ``"malformed: ..."`` (a bad header, or on a sealed
+        lane a record that fails authentication: the stream cannot be trusted any more). The
+        caller closes the lane in every case but a frame.
     """
     lane.set_timeout(slice_s)
-    raw = bytearray(HEADER_BYTES)
+    sealed = lane.cipher
+    raw = bytearray(_SEALED_HEADER if sealed is not None else HEADER_BYTES)
     status = lane.read_into(memoryview(raw), deadline, between)
     if status is not None:
         return status
+    if sealed is not None:
+        opened = sealed.open(raw)
+        if opened is None:
+            return f"malformed: {_FORGED} (a frame header)"
+        raw = bytearray(opened)
     try:
         header = decode_header(memoryview(raw))
         nbytes = header.nelem * header.dtype.itemsize
@@ -448,10 +660,33 @@ def read_frame(
         return f"malformed: {exc}"
     dest = place(lane.peer, header) if place is not None and header.key == key else None
     buf = dest if dest is not None else torch.empty(nbytes, dtype=torch.uint8).numpy().data
-    status = lane.read_into(buf, deadline, between)
-    if status is not None:
-        return status
+    if sealed is None:
+        status = lane.read_into(buf, deadline, between)
+        if status is not None:
+            return status
+    else:
+        record = lane.scratch(nbytes + _TAG)
+        status = lane.read_into(record, deadline, between)
+        if status is not None:
+            return status
+        # On failure the region holds garbage; the frame is lost with the lane, so the round
+        # cannot complete with it (it fails and is rerun) and the region is never used.
+        if not sealed.open_into(record, _flat(buf)):
+            return f"malformed: {_FORGED} (a payload)"
     return Frame(lane.peer, header, bytes(raw), LanePayload(buf), placed=dest is not None)
+
+
+_FORGED = "a record failed authentication: tampered, injected or not sealed with the lane key"
+
+
+@dataclass
+class _Offer:
+    """This node's current offer to one neighbour: the token, the lane key of a sealed lane,
+    and the newest attempt of that key accepted (a hello must name a newer one)."""
+
+    token: int
+    key: bytes | None
+    accepted: int = -1
 
 
 @dataclass(eq=False)
@@ -478,13 +713,17 @@ class Lanes:
         host: The host to listen on (the host of the ZeroMQ data endpoint).
         connect_timeout_s: See :class:`OutLane`.
         slice_s: See :class:`OutLane`.
+        sealed: AES-256-GCM lanes: offers carry a fresh key, hellos and frames are sealed with
+            it (see the module docstring); plain hellos are refused.
 
     Raises:
         OSError: the listener cannot be bound.
     """
 
-    def __init__(self, node_id: str, host: str, connect_timeout_s: float, slice_s: float) -> None:
+    def __init__(self, node_id: str, host: str, connect_timeout_s: float, slice_s: float,
+                 sealed: bool = False) -> None:  # fmt: skip
         self.node_id = node_id
+        self.sealed = sealed
         self._connect_timeout_s = connect_timeout_s
         self._slice_s = slice_s
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -497,7 +736,10 @@ class Lanes:
             self._listener.close()
             raise
         self.port: int = self._listener.getsockname()[1]
-        self._tokens: dict[str, int] = {}  # peer -> token of this node's current offer
+        self._offers: dict[str, _Offer] = {}  # peer -> this node's current offer to it
+        # peer -> (port, token, attempt) of the last sealed offer this node connected to: a
+        # new connection to the same offer takes the next attempt (a fresh nonce space)
+        self._attempts: dict[str, tuple[int, int, int]] = {}
         self.incoming: dict[str, InLane] = {}
         self.outgoing: dict[str, OutLane] = {}
         self._pending: list[_Pending] = []
@@ -508,11 +750,15 @@ class Lanes:
     # ------------------------------------------------------------------ offers
 
     def offer(self, peer: str) -> bytes:
-        """The offer payload for ``peer`` (a fresh token the first time after :meth:`drop`)."""
-        token = self._tokens.get(peer)
-        if token is None:
-            token = self._tokens[peer] = secrets.randbits(64)
-        return encode_offer(self.port, token)
+        """The offer payload for ``peer`` (a fresh token, and key when sealed, the first time
+        after :meth:`drop` or :meth:`close_incoming`)."""
+        offer = self._offers.get(peer)
+        if offer is None:
+            key = secrets.token_bytes(LANE_KEY_BYTES) if self.sealed else None
+            offer = self._offers[peer] = _Offer(secrets.randbits(64), key)
+        if offer.key is None:
+            return encode_offer(self.port, offer.token)
+        return encode_sealed_offer(self.port, offer.token, offer.key)
 
     def wants_offer(self, peer: str) -> bool:
         """No incoming lane from ``peer`` yet: offer again."""
@@ -524,14 +770,24 @@ class Lanes:
         Raises:
             ProtocolError: a malformed offer.
         """
-        port, token = decode_offer(raw)
+        key: bytes | None = None
+        if self.sealed:
+            port, token, key = decode_sealed_offer(raw)
+        else:
+            port, token = decode_offer(raw)
         old = self.outgoing.get(peer)
         if old is not None and not old.dead and (old.port, old.token) == (port, token):
             return
+        last = self._attempts.get(peer)
+        attempt = last[2] + 1 if last is not None and last[:2] == (port, token) else 0
+        if attempt > _MAX_ATTEMPT:
+            return  # this offer was tried too often: ZeroMQ carries the frames
         if old is not None:
             old.close()
+        self._attempts[peer] = (port, token, attempt)
         self.outgoing[peer] = OutLane(peer, host, port, token, self.node_id,
-                                      self._connect_timeout_s, self._slice_s)  # fmt: skip
+                                      self._connect_timeout_s, self._slice_s, key,
+                                      attempt)  # fmt: skip
 
     # ------------------------------------------------------------------ polling
 
@@ -578,13 +834,14 @@ class Lanes:
                 self._refuse(self._pending[0])
 
     def _greet(self, pending: _Pending) -> None:
-        """Reads the hello (exactly its bytes: data frames may follow at once)."""
+        """Reads the hello (exactly its bytes: data frames may follow at once) and accepts the
+        lane when it answers a current offer; refuses it otherwise."""
+        prefix = _SEALED_HELLO if self.sealed else _HELLO
         data = pending.data
-        if len(data) < _HELLO.size:
-            need = _HELLO.size - len(data)
+        if len(data) < prefix.size:
+            need = prefix.size - len(data)
         else:
-            magic, version, _token, n = _HELLO.unpack_from(data)
-            need = _HELLO.size + n - len(data)
+            need = prefix.size + prefix.unpack_from(data)[-1] - len(data)
         try:
             chunk = pending.sock.recv(need)
         except BlockingIOError:
@@ -595,25 +852,28 @@ class Lanes:
             self._refuse(pending)
             return
         data += chunk
-        if len(data) < _HELLO.size:
+        if len(data) < prefix.size:
             return
-        magic, version, token, n = _HELLO.unpack_from(data)
-        if magic != _MAGIC or version != LANE_VERSION or n == 0:
-            self._refuse(pending)
+        magic, version, _field, n = prefix.unpack_from(data)
+        lo, hi = (_HELLO_BODY.size + 1 + _TAG, _MAX_SEALED_BODY) if self.sealed else (1, _MAX_ID)
+        if (
+            magic != (_SEALED_MAGIC if self.sealed else _MAGIC)
+            or version != LANE_VERSION
+            or not (lo <= n <= hi)
+        ):
+            self._refuse(pending)  # not a hello of this lane version and mode
             return
-        if len(data) < _HELLO.size + n:
+        if len(data) < prefix.size + n:
             return
-        try:
-            peer = bytes(data[_HELLO.size:]).decode()
-        except UnicodeDecodeError:
-            peer = ""
-        if self._tokens.get(peer) != token:
+        found = self._open_hello(bytes(data)) if self.sealed else self._plain_hello(bytes(data))
+        if found is None:
             self._refuse(pending)  # not the current offer of a link
             return
+        peer, ack, cipher = found
         self._pending.remove(pending)
         sock = pending.sock
         try:
-            sock.send(_ACK)
+            sock.send(ack)
         except OSError:
             pending.sock.close()
             return
@@ -622,7 +882,46 @@ class Lanes:
         old = self.incoming.pop(peer, None)
         if old is not None:
             old.close()
-        self.incoming[peer] = InLane(peer, sock)
+        self.incoming[peer] = InLane(peer, sock, cipher)
+
+    def _plain_hello(self, data: bytes) -> tuple[str, bytes, None] | None:
+        """``(peer, ack, None)`` when a plain hello names a peer and its current token."""
+        _magic, _version, token, _n = _HELLO.unpack_from(data)
+        try:
+            peer = data[_HELLO.size :].decode()
+        except UnicodeDecodeError:
+            return None
+        offer = self._offers.get(peer)
+        if offer is None or offer.key is not None or offer.token != token:
+            return None
+        return peer, _ACK, None
+
+    def _open_hello(self, data: bytes) -> tuple[str, bytes, LaneCipher] | None:
+        """``(peer, sealed ack, the lane's cipher)`` when a sealed hello opens with the key of a
+        current offer, names that offer's peer and token, and a newer attempt than any that
+        key was accepted with (a replayed hello names an old one)."""
+        prefix = data[: _SEALED_HELLO.size]
+        _magic, _version, attempt, _n = _SEALED_HELLO.unpack(prefix)
+        if attempt > _MAX_ATTEMPT:
+            return None
+        for peer, offer in self._offers.items():
+            if offer.key is None or attempt <= offer.accepted:
+                continue
+            cipher = LaneCipher(offer.key, attempt, _TO_RECEIVER)
+            body = cipher.open(data[_SEALED_HELLO.size :], prefix)
+            if body is None or len(body) < _HELLO_BODY.size:
+                continue
+            token, n = _HELLO_BODY.unpack_from(body)
+            if (
+                token != offer.token
+                or body[_HELLO_BODY.size :] != peer.encode()
+                or n != len(body) - _HELLO_BODY.size
+            ):
+                return None  # sealed with the key, yet not what the offer said: refuse
+            offer.accepted = attempt
+            ack = LaneCipher(offer.key, attempt, _TO_SENDER).seal(_ACK)
+            return peer, ack, cipher
+        return None
 
     def _refuse(self, pending: _Pending) -> None:
         self.rejected += 1
@@ -638,12 +937,12 @@ class Lanes:
         lane = self.incoming.pop(peer, None)
         if lane is not None:
             lane.close()
-            self._tokens.pop(peer, None)
+            self._offers.pop(peer, None)
 
     def drop(self, peer: str) -> None:
         """Forgets ``peer`` (its link closed): both lanes and the offer's token."""
         self.close_incoming(peer)
-        self._tokens.pop(peer, None)
+        self._offers.pop(peer, None)
         out = self.outgoing.pop(peer, None)
         if out is not None:
             out.close()
@@ -710,7 +1009,7 @@ class Lanes:
 
     def close(self) -> None:
         """Closes every lane and the listener; idempotent."""
-        for peer in list(self._tokens.keys() | self.incoming.keys() | self.outgoing.keys()):
+        for peer in list(self._offers.keys() | self.incoming.keys() | self.outgoing.keys()):
             self.drop(peer)
         for pending in list(self._pending):
             self._refuse(pending)

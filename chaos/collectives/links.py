@@ -20,8 +20,12 @@ from chaos.collectives.frames import Header, Op, encode_header
 from chaos.errors import ProtocolError
 
 __all__ = [
-    "CaughtUp", "Fault", "Frame", "LanePayload", "Link", "overlaps", "result_of", "send_notice",
+    "NOTICE_SUFFIX", "CaughtUp", "Fault", "Frame", "LanePayload", "Link", "overlaps", "result_of",
+    "send_notice",
 ]
+
+NOTICE_SUFFIX = "~notice"
+"""The routing id of a member's notice-only socket is its node id and this suffix."""
 
 
 @dataclass
@@ -34,6 +38,9 @@ class Link:
     monitor: zmq.Socket
     connected: bool = False
     lost: bool = False
+    refused: str | None = None
+    """Why the last CURVE handshake of this link failed (the neighbour has another cluster
+    key), until one succeeds."""
 
 
 class LanePayload:

@@ -25,7 +25,8 @@ import zmq
 
 from chaos.collectives.config import CollectiveStats
 from chaos.collectives.frames import Op, encode_header
-from chaos.collectives.links import Frame, send_notice
+from chaos.collectives.links import NOTICE_SUFFIX, Frame, send_notice
+from chaos.security import Security
 
 __all__ = ["EarlySort", "LinkSockets", "PeerNotices", "sort_early"]
 
@@ -102,12 +103,19 @@ class PeerNotices:
         node_id: This node's id (the notice sockets' routing id derives from it).
         stats: The communicator's counters (``results_sent``).
         links: The data links to the neighbours.
+        security: Makes the notice-only sockets CURVE clients of the cluster (default: plain).
     """
 
     def __init__(
-        self, ctx: zmq.Context, node_id: str, stats: CollectiveStats, links: LinkSockets
+        self,
+        ctx: zmq.Context,
+        node_id: str,
+        stats: CollectiveStats,
+        links: LinkSockets,
+        security: Security | None = None,
     ) -> None:
         self._ctx = ctx
+        self._security = security if security is not None else Security()
         self._node_id = node_id
         self._stats = stats
         self._links = links
@@ -162,8 +170,9 @@ class PeerNotices:
         sock = self._sockets.get(address)
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.ROUTING_ID, f"{self._node_id}~notice".encode())
+            sock.setsockopt(zmq.ROUTING_ID, f"{self._node_id}{NOTICE_SUFFIX}".encode())
             sock.setsockopt(zmq.LINGER, 0)
+            self._security.client(sock)
             sock.connect(address)
             self._sockets[address] = sock
         return sock

@@ -5,24 +5,47 @@ socket bound on the data endpoint (everything addressed to this node arrives the
 socket per neighbour link (everything sent to that neighbour leaves there) with the monitor that
 reports its connection state, the poller over them, and the peers reported dead from other
 threads.
+
+With a cluster key (:class:`~chaos.security.Security`) the ROUTER is a CURVE server of the
+cluster and every DEALER a CURVE client: a connection without the key fails in the handshake
+(logged, counted in :attr:`CollectiveStats.handshake_failures
+<chaos.collectives.config.CollectiveStats.handshake_failures>`), and every frame carries the
+public key its connection was authenticated with. When the topology names the members' keys
+(:attr:`Topology.keys <chaos.collectives.topology.Topology.keys>`), a frame is handed on only
+if that key is the key of the member its routing id claims; frames of a later epoch, whose
+members this node does not know yet, wait for that epoch's topology to vouch for them.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Mapping
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from chaos.collectives.config import CommunicatorConfig
-from chaos.collectives.links import Link
-from chaos.errors import PeerFailure
+from chaos.collectives.config import CollectiveStats, CommunicatorConfig
+from chaos.collectives.frames import decode_header
+from chaos.collectives.links import NOTICE_SUFFIX, Link
+from chaos.errors import PeerFailure, ProtocolError
+from chaos.security import Security, authenticated_key
 
 __all__ = ["PeerSockets"]
 
-_MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+log = logging.getLogger("chaos.collectives")
+
+_HANDSHAKE_FAILED: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication",
+}
+_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # fmt: skip
+_MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_EVENTS
 _NOBLOCK = int(zmq.NOBLOCK)
+_NO_KEY = "it has no or a different cluster key"
 
 
 class PeerSockets:
@@ -30,34 +53,58 @@ class PeerSockets:
 
     Args:
         config: The communicator's settings (node id, endpoint, socket options).
+        stats: The communicator's counters (``handshake_failures``,
+            ``dropped_unauthenticated``).
+        security: The cluster key and this process's keypair (default: none, plain sockets).
 
     Raises:
         zmq.ZMQError: the listen endpoint cannot be bound.
     """
 
-    def __init__(self, config: CommunicatorConfig) -> None:
+    def __init__(
+        self,
+        config: CommunicatorConfig,
+        stats: CollectiveStats | None = None,
+        security: Security | None = None,
+    ) -> None:
         self._config = config
+        self._stats = stats if stats is not None else CollectiveStats()
+        self.security = security if security is not None else Security()
         self.ctx = zmq.Context(config.io_threads)
+        self.security.authenticate(self.ctx)
         self._router = self.ctx.socket(zmq.ROUTER)
+        self._handshakes: zmq.Socket | None = None
         try:
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer takes its id
             self._router.setsockopt(zmq.RCVHWM, config.sndhwm)
             if config.sock_buf_bytes:
                 self._router.setsockopt(zmq.RCVBUF, config.sock_buf_bytes)
+            self.security.server(self._router)
+            if self.security.enabled:
+                self._handshakes = self._router.get_monitor_socket(_HANDSHAKE_EVENTS)
             self._router.bind(config.listen)
         except BaseException:  # e.g. the port is taken: release what was opened, then raise
-            self._router.close(linger=0)
-            self.ctx.term()
+            self._close_router()
             raise
         self.address: str = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         """The bound data endpoint (with the port chosen for a ``*`` wildcard)."""
         self.poller = zmq.Poller()
         """Polls the ROUTER socket and the link monitors (and the payload lanes' sockets)."""
         self.poller.register(self._router, zmq.POLLIN)
+        if self._handshakes is not None:
+            self.poller.register(self._handshakes, zmq.POLLIN)
         self._links: dict[str, Link] = {}
         self._dead: set[str] = set()
         self._dead_lock = threading.Lock()
+        self._keys: Mapping[str, str] | None = None  # the topology's member -> public key
+        self._keys_epoch = -1
+        # frames of a later epoch than the keys' (member, key, epoch, parts), and frames
+        # vouched for by a newer topology, handed out before the socket's
+        self._held: deque[tuple[str, str, int, list[zmq.Frame]]] = deque()
+        self._replay: deque[list[zmq.Frame]] = deque()
+        self._warned: set[tuple[str, str | None]] = set()
+        self._refusals_logged = 0
 
     # ------------------------------------------------------------------ links
 
@@ -101,6 +148,7 @@ class PeerSockets:
         sock.setsockopt(zmq.SNDHWM, self._config.sndhwm)
         if self._config.sock_buf_bytes:
             sock.setsockopt(zmq.SNDBUF, self._config.sock_buf_bytes)
+        self.security.client(sock)
         monitor = sock.get_monitor_socket(_MONITOR_EVENTS)
         sock.connect(address)
         self.poller.register(monitor, zmq.POLLIN)
@@ -138,22 +186,114 @@ class PeerSockets:
         for link in self._links.values():
             if link.lost:
                 raise PeerFailure(link.peer, "connection lost", reported_by=me)
+            if link.refused is not None:
+                raise PeerFailure(
+                    link.peer, f"CURVE handshake failed ({link.refused}): {_NO_KEY}",
+                    reported_by=me,
+                )  # fmt: skip
 
     def drain_monitors(self, events: Mapping[object, int] | None = None) -> None:
         """Applies the monitors' connection events (only the links in ``events``, if given)."""
         for link in self._links.values():
             if events is None or link.monitor in events:
-                _drain_monitor(link)
+                self._drain_monitor(link)
+        if self._handshakes is not None and (events is None or self._handshakes in events):
+            self._drain_handshakes()
+
+    def _drain_monitor(self, link: Link) -> None:
+        while link.monitor.poll(0):
+            event = recv_monitor_message(link.monitor)["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                link.connected, link.lost, link.refused = True, False, None
+            elif event == zmq.EVENT_DISCONNECTED and link.connected:
+                link.lost = True
+            elif event in _HANDSHAKE_FAILED:
+                self._stats.handshake_failures += 1
+                if link.refused is None:
+                    log.warning(
+                        "%s: cannot connect to %s at %s: CURVE handshake failed (%s): %s",
+                        self._config.node_id, link.peer, link.address,
+                        _HANDSHAKE_FAILED[event], _NO_KEY,
+                    )  # fmt: skip
+                link.refused = _HANDSHAKE_FAILED[event]
+
+    def _drain_handshakes(self) -> None:
+        """Counts (and logs, the first ones) the connections the data endpoint refused in the
+        CURVE handshake. The monitor names only this node's endpoint, not the stranger's."""
+        sock = self._handshakes
+        while sock is not None and sock.poll(0):
+            event = recv_monitor_message(sock)["event"]
+            self._stats.handshake_failures += 1
+            if self._refusals_logged < 3:
+                self._refusals_logged += 1
+                log.warning(
+                    "%s: refused a connection to the data endpoint %s: CURVE handshake failed "
+                    "(%s): the peer has no or a different cluster key%s", self._config.node_id,
+                    self.address, _HANDSHAKE_FAILED.get(event, "error"),
+                    "" if self._refusals_logged < 3 else " (further refusals are only counted)",
+                )  # fmt: skip
+
+    # ------------------------------------------------------------------ member keys
+
+    def vouch(self, keys: Mapping[str, str] | None, epoch: int) -> None:
+        """Takes the members' public keys of the topology of ``epoch`` (``None``: accept every
+        frame); the held frames they vouch for are handed out next, those they refute are
+        dropped."""
+        self._keys, self._keys_epoch = keys, epoch
+        held, self._held = self._held, deque()
+        for member, key, frame_epoch, parts in held:
+            if keys is None or keys.get(member) == key:
+                self._replay.append(parts)
+            elif frame_epoch > epoch:
+                self._held.append((member, key, frame_epoch, parts))
+            else:
+                self._refute(member, key)
+
+    def _vouched(self, parts: list[zmq.Frame]) -> bool:
+        """Whether a message comes from the member it claims to (see the module docstring);
+        a frame of a later epoch is held for that epoch's keys."""
+        keys = self._keys
+        if keys is None:
+            return True
+        member = parts[0].bytes.decode(errors="replace").removesuffix(NOTICE_SUFFIX)
+        key = authenticated_key(parts[-1])
+        if key is not None and keys.get(member) == key:
+            return True
+        epoch = _epoch_of(parts)
+        if key is not None and epoch is not None and epoch > self._keys_epoch:
+            if len(self._held) < self._config.max_early_frames:
+                self._held.append((member, key, epoch, parts))
+            else:
+                self._stats.dropped_early_overflow += 1
+            return False
+        self._refute(member, key)
+        return False
+
+    def _refute(self, member: str, key: str | None) -> None:
+        self._stats.dropped_unauthenticated += 1
+        if (member, key) not in self._warned and len(self._warned) < 64:
+            self._warned.add((member, key))
+            log.warning(
+                "%s: dropped a frame that claims to come from %r over a connection with "
+                "another key (%s): a key holder sending as another member", self._config.node_id,
+                member, key,
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ receiving
 
     def recv_nowait(self) -> list[zmq.Frame]:
-        """The next message on the data endpoint, without waiting.
+        """The next message on the data endpoint, without waiting (with member keys: the next
+        one from the member it claims to come from).
 
         Raises:
             zmq.Again: none is queued.
         """
-        return self._router.recv_multipart(_NOBLOCK, copy=False)
+        while True:
+            if self._replay:
+                return self._replay.popleft()
+            parts = self._router.recv_multipart(_NOBLOCK, copy=False)
+            if self._vouched(parts):
+                return parts
 
     def poll(self, timeout_ms: int) -> dict[object, int]:
         """Polls the endpoint, the monitors and what else is registered; applies the link
@@ -177,14 +317,24 @@ class PeerSockets:
 
     def close(self) -> None:
         """Closes the endpoint and terminates the context (close every other socket first)."""
+        self._held.clear()
+        self._replay.clear()
+        self._close_router()
+
+    def _close_router(self) -> None:
+        if self._handshakes is not None:
+            self._router.disable_monitor()
+            self._handshakes.close(linger=0)
         self._router.close(linger=0)
+        self.security.release(self.ctx)
         self.ctx.term()
 
 
-def _drain_monitor(link: Link) -> None:
-    while link.monitor.poll(0):
-        event = recv_monitor_message(link.monitor)["event"]
-        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            link.connected, link.lost = True, False
-        elif event == zmq.EVENT_DISCONNECTED and link.connected:
-            link.lost = True
+def _epoch_of(parts: list[zmq.Frame]) -> int | None:
+    """The epoch a data-endpoint message's header names (``None``: not a well-formed one)."""
+    if len(parts) != 3:
+        return None
+    try:
+        return decode_header(parts[1].buffer).epoch
+    except ProtocolError:
+        return None

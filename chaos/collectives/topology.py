@@ -62,11 +62,15 @@ class Topology:
             dropped.
         ring_order: For a ring: every member once, in ring order (a member sends to the next).
         parent: For a tree: each member's parent, ``None`` for the (single) root.
+        keys: Each member's CURVE public key (Z85 text, 40 characters), or ``None``. With keys
+            (a cluster with a cluster key), a communicator accepts a frame only from the
+            connection authenticated with the key of the member it claims to come from, so a
+            key holder cannot send as another member.
 
     Raises:
         ValueError: empty or duplicate members, a missing address, a negative epoch, a ring order
-            that is not a permutation of the members, or a parent map that is not one tree
-            spanning exactly the members.
+            that is not a permutation of the members, a parent map that is not one tree
+            spanning exactly the members, or keys that miss a member or are not Z85 keys.
     """
 
     kind: Kind
@@ -75,6 +79,7 @@ class Topology:
     epoch: int
     ring_order: tuple[str, ...] | None = None
     parent: Mapping[str, str | None] | None = None
+    keys: Mapping[str, str] | None = None
     _children: Mapping[str, tuple[str, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -93,6 +98,13 @@ class Topology:
         object.__setattr__(
             self, "addresses", MappingProxyType({m: self.addresses[m] for m in self.members})
         )
+        if self.keys is not None:
+            bad = [m for m in self.members if not _is_z85_key(self.keys.get(m))]
+            if bad:
+                raise ValueError(f"no CURVE public key (40 Z85 characters) for members {bad}")
+            object.__setattr__(
+                self, "keys", MappingProxyType({m: self.keys[m] for m in self.members})
+            )
         children: dict[str, list[str]] = {m: [] for m in self.members}
         if self.kind == "ring":
             if self.ring_order is None or sorted(self.ring_order) != list(self.members):
@@ -181,8 +193,16 @@ class Topology:
         return frozenset(self.children(node)) | (frozenset() if up is None else frozenset([up]))
 
 
+def _is_z85_key(key: object) -> bool:
+    """Whether ``key`` looks like a Z85-encoded CURVE public key."""
+    return isinstance(key, str) and len(key) == 40 and key.isascii() and key.isprintable()
+
+
 def topology_from_sync_policy(
-    policy: SyncPolicyView, addresses: Mapping[str, str], epoch: int
+    policy: SyncPolicyView,
+    addresses: Mapping[str, str],
+    epoch: int,
+    keys: Mapping[str, str] | None = None,
 ) -> Topology:
     """Converts the scheduler's sync policy into the data plane's topology.
 
@@ -190,6 +210,7 @@ def topology_from_sync_policy(
         policy: A :class:`chaos.scheduling.sync_policy.SyncPolicy`.
         addresses: Data endpoint of every node of the policy.
         epoch: The membership epoch the policy was issued in (the policy itself carries none).
+        keys: Each node's CURVE public key (see :attr:`Topology.keys`), or ``None``.
 
     Returns:
         The topology. A ``"single"`` policy becomes a one-member ring.
@@ -201,9 +222,12 @@ def topology_from_sync_policy(
     if not policy.connected:
         raise ValueError("the sync policy covers a disconnected overlay")
     if policy.kind == "ring":
-        return Topology("ring", policy.nodes, addresses, epoch, ring_order=policy.ring)
+        return Topology("ring", policy.nodes, addresses, epoch, ring_order=policy.ring,
+                        keys=keys)  # fmt: skip
     if policy.kind == "single":
-        return Topology("ring", policy.nodes, addresses, epoch, ring_order=policy.nodes)
+        return Topology("ring", policy.nodes, addresses, epoch, ring_order=policy.nodes,
+                        keys=keys)  # fmt: skip
     if policy.kind == "tree":
-        return Topology("tree", policy.nodes, addresses, epoch, parent=dict(policy.parents))
+        return Topology("tree", policy.nodes, addresses, epoch, parent=dict(policy.parents),
+                        keys=keys)  # fmt: skip
     raise ValueError(f"unknown sync policy kind {policy.kind!r}")
