@@ -361,7 +361,10 @@ def ensure_private_run_dir(path: str | os.PathLike[str]) -> Path:
     """
     p = Path(path)
     try:
-        p.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            p.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except FileExistsError:
+            pass  # not a directory: said below
         st = os.lstat(p)
     except OSError as exc:
         raise ConfigError(f"cannot create the run directory {p}: {exc.strerror}") from exc

@@ -131,6 +131,7 @@ class Cluster:
         neighbors: tuple[str, ...] = (),
         extra: tuple[str, ...] = (),
         wait: bool = True,
+        fault_injection: bool = True,
     ) -> Node:
         port = free_port()
         run_dir = self.tmp / node_id
@@ -142,7 +143,7 @@ class Cluster:
             config=self.config,
             heartbeat_interval_s=HB_S,
             failure_timeout_s=FT_S,
-            enable_fault_injection=True,  # tests inject faults by name
+            enable_fault_injection=fault_injection,  # tests inject faults by name
             extra_args=extra,
         )
         proc = spawn_daemon(argv, run_dir, log_path=run_dir / "stderr.log", log_level=LOG_LEVEL)
