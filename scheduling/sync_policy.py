@@ -333,7 +333,7 @@ def retain_structure(
     Changing the reduction structure re-wires every trainer's sockets and can make members that
     switch at different step boundaries rerun a round; link measurements are noisy (on a busy
     host, loopback "links" vary by 2x). So ``previous`` is kept, re-estimated under ``links``,
-    while it still applies (same nodes, connected, every edge still up) and ``candidate`` is
+    while it still applies (same nodes, both connected, every edge still up) and ``candidate`` is
     not faster by more than ``min_gain`` of its time.
 
     Args:
@@ -360,6 +360,7 @@ def retain_structure(
         or previous.kind != candidate.kind
         or previous.nodes != candidate.nodes
         or not candidate.connected
+        or not previous.connected  # a forest of a split overlay is never kept once it heals
     ):
         return candidate
     g = _graph(candidate.nodes, links, default_bandwidth_bps, default_latency_s)

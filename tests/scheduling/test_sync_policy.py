@@ -111,3 +111,20 @@ def test_the_structure_in_force_is_kept_unless_a_new_one_is_clearly_faster() -> 
     assert retain_structure(first, three, chain[:2], min_gain=0.9) == three
     with pytest.raises(ValueError, match="min_gain"):
         retain_structure(first, cand, gone, min_gain=1.0)
+
+
+def test_the_forest_of_a_split_overlay_is_not_kept_once_it_heals() -> None:
+    """A policy issued while the overlay was split (a forest, ``connected=False``) is replaced
+    by a spanning structure as soon as a link joins the parts, even under hysteresis."""
+    from chaos.scheduling.sync_policy import retain_structure
+
+    nodes = ["a", "c", "d"]
+    split = [LinkEstimate("c", "d", 1e9)]
+    forest = build_sync_policy(nodes, split, max_ring_nodes=0)
+    assert not forest.connected
+    healed = [*split, LinkEstimate("a", "d", 1e9)]
+    cand = build_sync_policy(nodes, healed, max_ring_nodes=0)
+    assert cand.connected
+    kept = retain_structure(forest, cand, healed, min_gain=0.9)
+    assert kept == cand
+    assert sum(1 for _, parent in kept.parents if parent is None) == 1  # one root
