@@ -83,9 +83,7 @@ def _events(node: Node, name: str) -> list[dict[str, Any]]:
     return [e for e in node.events() if e["event"] == name]
 
 
-def test_nested_arrays_are_malformed_and_the_daemon_goes_on(
-    cluster: Cluster, dealer: Any
-) -> None:
+def test_nested_arrays_are_malformed_and_the_daemon_goes_on(cluster: Cluster, dealer: Any) -> None:
     n1 = cluster.spawn("n1")
     sock = dealer(n1.address)
     nested = b"\x91" * 2000 + b"\xc0"  # 2,000 nested one-element arrays in 2 KB
@@ -243,7 +241,7 @@ def test_a_handler_that_raises_is_logged_counted_and_recorded(tmp_path: Path) ->
     cfg = DaemonConfig(node_id="a", listen="tcp://127.0.0.1:5000")
     events = EventLog(tmp_path / "events.jsonl", "a")
     metrics = Metrics("a", None)
-    d = Dispatcher(_Source(cfg), None, None, metrics, events)  # type: ignore[arg-type]
+    d = Dispatcher(_Source(cfg), None, None, metrics, events)
 
     def boom(msg: Any, reply: Any, now: float) -> None:
         raise ValueError("a bug")
@@ -272,7 +270,7 @@ def test_a_crash_records_the_real_exit_code(tmp_path: Path) -> None:
     def crash() -> None:
         raise SystemExit(7)
 
-    daemon._step = crash  # type: ignore[method-assign]
+    daemon._step = crash
     with pytest.raises(SystemExit):
         daemon.run()
     stopped = [e for e in read_events(cfg.resolved_event_log) if e["event"] == "stopped"]
@@ -294,7 +292,7 @@ def test_a_loop_step_that_raises_is_survived(tmp_path: Path) -> None:
             daemon.finish(0)
         real()
 
-    daemon._step = flaky  # type: ignore[method-assign]
+    daemon._step = flaky
     assert daemon.run() == 0
     names = [e["event"] for e in read_events(cfg.resolved_event_log)]
     assert "loop_error" in names and daemon.metrics.errors == {"loop": 1}
