@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from chaos.launch import (
     free_port,
     free_tcp_address,
     kill_and_reap,
+    private_dir,
     signal_group,
     spawn_daemon,
     spawn_worker,
@@ -67,6 +69,22 @@ def test_the_daemon_command_line_from_typed_arguments(tmp_path: Path) -> None:
     ]  # fmt: skip
     with pytest.raises(ValueError, match="node id"):
         daemon_command("", "tcp://127.0.0.1:1")
+    keyed = daemon_command(
+        "a", "tcp://127.0.0.1:1", cluster_key=tmp_path / "k", enable_fault_injection=True
+    )
+    assert keyed[3:] == [
+        "start", "--id", "a", "--listen", "tcp://127.0.0.1:1",
+        "--cluster-key", str(tmp_path / "k"), "--enable-fault-injection",
+    ]  # fmt: skip
+
+
+def test_a_daemon_run_directory_is_made_private(tmp_path: Path) -> None:
+    fresh = private_dir(tmp_path / "new" / "run")
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o755)
+    assert stat.S_IMODE(private_dir(shared).stat().st_mode) == 0o700
 
 
 def test_the_daemon_environment_names_its_run_directory(tmp_path: Path) -> None:

@@ -172,16 +172,23 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(daemon_cli(*args), capture_output=True, text=True, timeout=60)
 
 
-def test_link_removal_changes_the_policy_and_training_goes_on(cluster: Cluster) -> None:
-    a, b = _start_pair(cluster)
-    c = cluster.start("c", a)  # overlay: a-b, a-c
+def test_link_removal_changes_the_policy_and_training_goes_on(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    # link changes over TCP (--connect) need the cluster key: its daemons and the CLI share one
+    key = tmp_path / "cluster.key"
+    assert _cli("keygen", str(key)).returncode == 0
+    keyed = f"--daemon-arg=--cluster-key={key}"
+    a, b = _start_pair(cluster, keyed)
+    c = cluster.start("c", a, keyed)  # overlay: a-b, a-c
     cluster.wait(lambda: all(_world(m, 3) for m in (a, b, c)), "three members")
-    added = _cli("link", "add", "c", "--connect", b.address)
+    added = _cli("link", "add", "c", "--connect", b.address, "--cluster-key", str(key))
     assert added.returncode == 0, added.stderr
-    removed = _cli("link", "remove", "b", "--connect", a.address)  # overlay: a-c, b-c
+    # overlay: a-c, b-c
+    removed = _cli("link", "remove", "b", "--connect", a.address, "--cluster-key", str(key))
     assert removed.returncode == 0, removed.stderr
     # every member acknowledged the removal's epoch before the CLI returned
-    status = _cli("status", "--connect", a.address, "--json")
+    status = _cli("status", "--connect", a.address, "--cluster-key", str(key), "--json")
     assert status.returncode == 0, status.stderr
     removal = json.loads(status.stdout)["epoch"]
     cluster.wait(
@@ -191,6 +198,6 @@ def test_link_removal_changes_the_policy_and_training_goes_on(cluster: Cluster) 
     first = max(m.last()["step"] for m in (a, b, c))
     cluster.wait(lambda: all(m.last()["step"] > first + 10 for m in (a, b, c)), "10 more steps")
     assert _assert_equal_from([a, b, c], first) >= 10
-    status = _cli("status", "--connect", c.address, "--json")
+    status = _cli("status", "--connect", c.address, "--cluster-key", str(key), "--json")
     links = {tuple(sorted((lk["a"], lk["b"]))) for lk in json.loads(status.stdout)["links"]}
     assert ("a", "b") not in links and ("b", "c") in links, links
