@@ -10,6 +10,13 @@ docs/trainer-daemon-interface.md.
 The relay also watches the trainer's process (the ``pid`` of its registration): when it exits,
 the registration ends and the scheduler is told (``TrainerEvent(kind="gone")``), so that a dead
 trainer behind a live daemon leaves the sync policy instead of failing every step.
+
+And it keeps the trainer's step progress: the trainer's one-way ``TrainerEvent(kind="progress")``
+says where it is in its steps, and every heartbeat interval the relay forwards the latest one to
+the scheduler with how long the trainer has been silent since, so that the scheduler can find a
+trainer that holds the others up (:mod:`chaos.daemon.scheduler.stragglers`). When the installed
+view shows this node's trainer evicted as a straggler, the registration ends here too; the
+trainer registers again, as a joiner, when it resumes.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import psutil
 from chaos.daemon.transport import ReplyPath
 
 from chaos.protocol import (
+    ClusterView,
     Message,
     OpResult,
     Reason,
@@ -32,6 +40,7 @@ from chaos.protocol import (
     TrainerInfo,
     TrainerRegister,
 )
+from chaos.protocol.messages import MAX_ELAPSED_S
 from chaos.protocol.states import TrainerState
 
 
@@ -45,6 +54,11 @@ class RelayHost(Protocol):
 
     @property
     def active(self) -> bool: ...  # noqa: D102
+
+    @property
+    def view(self) -> ClusterView | None: ...  # noqa: D102
+
+    def to_scheduler(self, msg: Message) -> bool: ...  # noqa: D102
 
     def result(  # noqa: D102
         self, reply: ReplyPath | None, op_id: str, reason: Reason | None = None, detail: str = ""
@@ -86,6 +100,9 @@ class TrainerRelay:
         self._sent: dict[str, TrainerRegister | TrainerEvent] = {}
         self._watched: tuple[int, float] | None = None  # the trainer's pid and start time
         self._gone: str = ""  # why the last registration ended (for ``status``)
+        self._accepted_epoch = 0  # the scheduler's epoch when it accepted the registration
+        self._progress: TrainerEvent | None = None  # the trainer's latest progress report
+        self._progress_at = 0.0  # when it came (monotonic)
 
     def on_register(self, msg: TrainerRegister, reply: ReplyPath | None) -> None:
         """Forwards a registration to the scheduler as :class:`TrainerInfo`."""
@@ -109,7 +126,13 @@ class TrainerRelay:
         self.host.relay(reply, info, op_id)
 
     def on_event(self, msg: TrainerEvent, reply: ReplyPath | None) -> None:
-        """Forwards a trainer event to the scheduler, stamped with this node's id."""
+        """Forwards a trainer event to the scheduler, stamped with this node's id (a progress
+        report is kept instead, and forwarded at the next heartbeat; it is never answered)."""
+        if msg.kind == "progress":
+            if self.registration is not None:
+                self._progress = msg
+                self._progress_at = time.monotonic()
+            return
         if not self.host.active:
             self.host.result(reply, "", Reason.BAD_REQUEST, "this daemon is not a member (yet)")
             return
@@ -129,6 +152,9 @@ class TrainerRelay:
         if isinstance(sent, TrainerRegister):
             self.registration = sent
             self._gone = ""
+            self._accepted_epoch = msg.epoch
+            if not sent.has_state:  # a new trainer (or one that rejoins): no progress yet
+                self._progress = None
             self._watch(sent.pid)
             self.state = TrainerState.TRAINING if sent.has_state else TrainerState.SYNCING
             if sent.has_state and sent.tensor_sizes is not None:
@@ -153,6 +179,65 @@ class TrainerRelay:
         self.host.event("trainer_watched", pid=pid, watched=self._watched is not None)
 
     def check_trainer(self) -> bool:
+        """Runs every heartbeat: ends the registration of a trainer whose process exited, and
+        tells the scheduler; else ends the registration of a trainer the scheduler evicted as a
+        straggler, or forwards the trainer's latest progress report to the scheduler.
+
+        Returns:
+            Whether the trainer was found gone now.
+        """
+        if self._check_process():
+            return True
+        if not self._check_evicted():
+            self._report_progress(time.monotonic())
+        return False
+
+    def _check_evicted(self) -> bool:
+        """Ends the registration when the installed view (at least as new as the registration)
+        shows this node without a trainer: the scheduler evicted it as a straggler.
+
+        Returns:
+            Whether it ended now.
+        """
+        view = self.host.view
+        if self.registration is None or view is None or view.epoch < self._accepted_epoch:
+            return False
+        me = next((n for n in view.nodes if n.id == self.host.node_id), None)
+        if me is None or me.trainer != TrainerState.NONE:
+            return False
+        was = self.state
+        self._end_registration()
+        stamp = time.strftime("%H:%M:%S")
+        self._gone = (
+            f"trainer evicted as a straggler at {stamp} (epoch {view.epoch}); "
+            "it joins again when it resumes"
+        )
+        self.host.event("trainer_evicted", was=was.value, epoch=view.epoch)
+        return True
+
+    def _report_progress(self, now: float) -> None:
+        """Forwards the trainer's latest progress report to the scheduler (one-way), aged to
+        ``now``: ``silent_s`` since it came, and its phase that much longer."""
+        last = self._progress
+        if self.registration is None or last is None or not self.host.active:
+            return
+        me = self.host.node_id
+        silent = min(max(0.0, now - self._progress_at), MAX_ELAPSED_S)
+        self.host.to_scheduler(
+            TrainerEvent(
+                sender=me, epoch=self.host.epoch, kind="progress", node_id=me, step=last.step,
+                in_step=last.in_step, elapsed_s=last.elapsed_s + silent, silent_s=silent,
+            )
+        )  # fmt: skip
+
+    def _end_registration(self) -> None:
+        self._watched = None
+        self.registration = None
+        self.sizes = None
+        self.state = TrainerState.NONE
+        self._progress = None
+
+    def _check_process(self) -> bool:
         """Ends the registration of a trainer whose process exited, and tells the scheduler.
 
         Returns:
@@ -165,10 +250,7 @@ class TrainerRelay:
         if now_start is not None and (start == 0.0 or abs(now_start - start) < 1e-3):
             return False
         was = self.state
-        self._watched = None
-        self.registration = None
-        self.sizes = None
-        self.state = TrainerState.NONE
+        self._end_registration()
         stamp = time.strftime("%H:%M:%S")
         self._gone = f"trainer process {pid} exited at {stamp}; this node no longer trains"
         self.host.event("trainer_gone", pid=pid, was=was.value)

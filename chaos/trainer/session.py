@@ -5,8 +5,9 @@ trainer's data-plane endpoints, fetches the policy in force, waits for a policy 
 condition, and follows the notices the daemon publishes (:mod:`chaos.trainer.policy_watch`) so
 that the trainer asks for the policy only when a notice names a newer epoch (or the notices fall
 silent). It reports the trainer's events (``ready``, ``step_failed``) and the graceful leave to
-the daemon. It neither installs a policy nor touches the data plane: it hands the trainer a
-:class:`Policy`, and the trainer decides what to do with it.
+the daemon, and the trainer's step progress (:class:`StepBeacon`), from which the scheduler
+finds a trainer that holds the others up. It neither installs a policy nor touches the data
+plane: it hands the trainer a :class:`Policy`, and the trainer decides what to do with it.
 """
 
 from __future__ import annotations
@@ -17,15 +18,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
+import zmq
+
 from chaos.collectives import Topology
 from chaos.errors import ChaosError, ChaosTimeout, ProtocolError
-from chaos.protocol import PolicyReply, ReplicationWire, StatusReply
+from chaos.protocol import OpResult, PolicyReply, ReplicationWire, StatusReply, TrainerEvent, encode
+from chaos.protocol.messages import MAX_ELAPSED_S
 from chaos.trainer.policy_watch import PolicyWatch
 
 __all__ = [
     "DaemonLink",
     "DaemonSession",
     "Policy",
+    "StepBeacon",
     "TrainingStalled",
     "topology_epoch",
     "topology_of",
@@ -40,6 +45,9 @@ _RETRY_TOTAL_S = 15.0
 in all (or the caller's own timeout, if longer): a failover takes a few seconds."""
 _TRANSIENT = ("timeout", "paused", "not_scheduler")
 """Refusals that a scheduler change explains: the request is tried again."""
+BEACON_INTERVAL_S = 0.2
+"""The step progress goes to the daemon at most this often (and at least this often while the
+trainer waits inside ``update()``); the daemon forwards the latest once per heartbeat."""
 
 
 class TrainingStalled(ChaosTimeout):
@@ -121,6 +129,79 @@ class Policy:
     raw: PolicyReply | None = field(repr=False, default=None)
 
 
+class StepBeacon:
+    """The trainer's step progress, told to its local daemon one way (never answered).
+
+    The trainer notes when it enters and leaves ``update()`` and, while it waits inside, that it
+    is still alive. Each note goes out only when :data:`BEACON_INTERVAL_S` has passed since the
+    last one sent, so a fast loop costs the daemon a few messages a second; a note that the
+    trainer left ``update()`` goes out at once when the daemon was last told it was inside
+    (else the daemon would take a computing trainer for a waiting one). A trainer that computes
+    for long, or whose process is stopped, is silent: that is what the scheduler looks for
+    (docs/daemon.md, stragglers).
+
+    Only an ``ipc://`` daemon endpoint (the local daemon) gets the notes; sends never block (a
+    full queue drops the note: the next one says the same, newer).
+
+    Args:
+        endpoint: The daemon's endpoint.
+
+    Raises:
+        zmq.ZMQError: the endpoint cannot be connected to.
+    """
+
+    def __init__(self, endpoint: str) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 16)
+        self._sock.connect(endpoint)
+        self._step = 0
+        self._in_step = False
+        self._since = time.monotonic()  # when the trainer entered its phase
+        self._sent_at = float("-inf")
+        self._sent_in_step = False
+        self.sent = 0
+
+    def note(self, step: int, in_step: bool) -> None:
+        """The trainer is at ``step`` and entered (``in_step``) or left ``update()`` now."""
+        now = time.monotonic()
+        self._step, self._in_step, self._since = step, in_step, now
+        if self._sent_in_step and not in_step:
+            self._send(now)  # the daemon thinks it waits: say at once that it computes
+        else:
+            self.alive()
+
+    def alive(self) -> None:
+        """The trainer is still in its phase (called while it waits inside ``update()``)."""
+        now = time.monotonic()
+        if now - self._sent_at >= BEACON_INTERVAL_S:
+            self._send(now)
+
+    def _send(self, now: float) -> None:
+        msg = TrainerEvent(
+            kind="progress",
+            step=self._step,
+            in_step=self._in_step,
+            elapsed_s=min(now - self._since, MAX_ELAPSED_S),
+        )
+        try:
+            while self._sock.poll(0, zmq.POLLIN):  # a refusal from the daemon: nothing to do
+                self._sock.recv_multipart(zmq.NOBLOCK)
+            self._sock.send(encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # a full queue (the daemon is busy) or a closed socket
+            log.debug("step progress not sent: %s", exc)
+            return
+        self._sent_at = now
+        self._sent_in_step = self._in_step
+        self.sent += 1
+
+    def close(self) -> None:
+        """Closes the socket."""
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
 def topology_epoch(reply: PolicyReply) -> int:
     """The epoch the allreduce frames of this policy carry (see ``topology_epoch``)."""
     sync = reply.sync
@@ -164,6 +245,8 @@ class DaemonSession:
         policy_notices: Follow the daemon's policy notices (``False``: ask at every boundary).
         contact_since: ``time.monotonic()`` from which the daemon's silence is counted, until
             :meth:`poll` first hears from it.
+        beacon: Where the trainer's step progress goes (``None``: nowhere; the scheduler then
+            never takes this trainer for a straggler). Closed by :meth:`close`.
     """
 
     def __init__(
@@ -175,8 +258,10 @@ class DaemonSession:
         policy_timeout_s: float,
         policy_notices: bool,
         contact_since: float,
+        beacon: StepBeacon | None = None,
     ) -> None:
         self.node_id = node_id
+        self._beacon = beacon
         self._poll_interval_s = poll_interval_s
         self._policy_timeout_s = policy_timeout_s
         self._policy_notices = policy_notices
@@ -264,18 +349,51 @@ class DaemonSession:
                 raise error
             log.info("%s not answered (%s); trying again", what, error)
 
-    def report_step_failed(self, peer: str, epoch: int) -> None:
+    def report_step_failed(self, peer: str, epoch: int, waited_s: float = 0.0) -> str:
         """Tells the scheduler this node's step failed, so that a restart epoch comes even when
-        nobody failed (e.g. a round that timed out); best effort."""
+        nobody failed (e.g. a round that timed out); best effort.
+
+        Args:
+            peer: The peer the round named (the neighbour that stopped sending).
+            epoch: The epoch the step ran under.
+            waited_s: How long the round waited before it failed.
+
+        Returns:
+            The peer the scheduler blames: the member that stopped, when it knows one (the
+            neighbour may only have stopped forwarding), else ``peer``; ``peer`` also when the
+            report was not taken.
+        """
         try:
-            self._client.trainer_event(
+            result = self._client.trainer_event(
                 "step_failed",
                 detail=peer,
                 epoch=epoch,
                 timeout_s=min(2.0, self._policy_timeout_s),
+                elapsed_s=min(max(0.0, waited_s), MAX_ELAPSED_S),
             )
         except ChaosError as exc:
             log.debug("step_failed report not taken: %s", exc)
+            return peer
+        blamed = result.detail if isinstance(result, OpResult) else ""
+        return blamed or peer
+
+    # ------------------------------------------------------------------ step progress
+
+    def step_started(self, step: int) -> None:
+        """Tells the daemon (one way) that the trainer entered ``update()`` at ``step``."""
+        if self._beacon is not None:
+            self._beacon.note(step, in_step=True)
+
+    def step_done(self, step: int) -> None:
+        """Tells the daemon (one way) that the trainer left ``update()``, now at ``step``."""
+        if self._beacon is not None:
+            self._beacon.note(step, in_step=False)
+
+    def still_waiting(self) -> None:
+        """Tells the daemon (one way, at most every :data:`BEACON_INTERVAL_S`) that the trainer
+        is alive, still waiting inside ``update()``."""
+        if self._beacon is not None:
+            self._beacon.alive()
 
     def neighbors(self) -> list[str]:
         """This node's overlay neighbours, as the daemon knows them."""
@@ -343,6 +461,8 @@ class DaemonSession:
         deadline = time.monotonic() + timeout_s
         last: Policy | None = None
         while time.monotonic() < deadline:
+            if stalled:
+                self.still_waiting()  # a step that waits is not a straggler
             try:
                 last = self.fetch()
             except ChaosTimeout:
@@ -365,7 +485,8 @@ class DaemonSession:
             installed_epoch: The epoch of the policy the trainer runs.
 
         Returns:
-            A newer, unpaused policy that includes this node, or ``None``.
+            A newer, unpaused policy that includes this node, or one that leaves it out
+            (:meth:`excluded`: the scheduler evicted this trainer), or ``None``.
 
         Raises:
             TrainingStalled: no answer from the daemon for ``policy_timeout_s``.
@@ -390,9 +511,16 @@ class DaemonSession:
             log.warning("daemon slow (%s); keeping the policy of epoch %d", exc, installed_epoch)
             return None
         self._last_contact = time.monotonic()
-        if p.epoch > installed_epoch and p.topology is not None and not p.paused:
-            return p
+        if p.epoch > installed_epoch and (p.topology is not None or self.excluded(p)):
+            return p if not p.paused else None
         return None
+
+    def excluded(self, p: Policy) -> bool:
+        """Whether an unpaused policy leaves this trainer out while its daemon is a member: the
+        scheduler evicted it (a straggler), and it must join again, pulling the state."""
+        raw = p.raw
+        in_view = raw is None or self.node_id in raw.members
+        return not p.paused and in_view and self.node_id not in p.members and bool(p.members)
 
     def restart_epoch(self, installed_epoch: int) -> int:
         """The structure epoch of a policy a notice announced as restarting the allreduce
@@ -405,7 +533,7 @@ class DaemonSession:
 
     def close(self) -> None:
         """Closes the daemon connection and the notice subscription (best effort)."""
-        for part in (self._client, self._watch):
+        for part in (self._client, self._watch, self._beacon):
             if part is None:
                 continue
             try:

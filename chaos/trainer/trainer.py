@@ -28,7 +28,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,10 +45,16 @@ from chaos.trainer.exit_signals import (  # capture_exit_event and request_exit 
 )
 from chaos.trainer.exit_signals import install_exit_handlers
 from chaos.trainer.exit_signals import request_exit as request_exit
-from chaos.trainer.session import DaemonSession, Policy
+from chaos.trainer.session import DaemonSession, Policy, StepBeacon
 from chaos.trainer.session import TrainingStalled as TrainingStalled  # part of this API
 
 log = logging.getLogger("chaos.trainer")
+
+
+class _Rejoined(Exception):
+    """The scheduler had evicted this trainer (a straggler); it joined again inside
+    ``update()``, pulling the current state, so the step's gradients are stale: the step is
+    skipped (the next one computes them on the pulled state)."""
 
 
 @dataclass(frozen=True)
@@ -258,6 +264,8 @@ class Trainer:
         from chaos.daemon.client import DaemonClient
 
         cfg = self.config
+        # the step progress goes to a local daemon only (a stopped trainer is found from it)
+        beacon = StepBeacon(address) if address.startswith("ipc://") else None
         return DaemonSession(
             DaemonClient(address, timeout_s=5.0),
             self.node_id,
@@ -265,6 +273,7 @@ class Trainer:
             policy_timeout_s=cfg.policy_timeout_s,
             policy_notices=cfg.policy_notices,
             contact_since=t0,
+            beacon=beacon,
         )
 
     def _open_data_plane(self) -> DataPlane:
@@ -322,8 +331,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ joining
 
-    def _register_and_sync(self, joining: bool, t0: float) -> None:
-        restored = self.config.restored
+    def _register_and_sync(self, joining: bool, t0: float, rejoin: bool = False) -> None:
+        restored = self.config.restored and not rejoin
         if restored:
             joining = False
         session, plane = self._session, self._plane
@@ -375,6 +384,7 @@ class Trainer:
         already have completed this round (a member that aborts then gets that result, see
         :attr:`~chaos.collectives.frames.Op.RESULT`).
         """
+        self._session.still_waiting()  # a trainer that waits is not the straggler
         plane = self._plane
         mine = plane.topology_epoch
         seen = plane.newer_round_seen()
@@ -398,15 +408,41 @@ class Trainer:
             self._event("membership", epoch=policy.epoch, members=list(policy.members))
         self._donor.serve(policy.replication, policy.epoch, self._step)
 
-    def _refresh(self) -> None:
-        """Installs a newer policy at this step boundary, if the daemon has one.
+    def _refresh(self) -> bool:
+        """Installs a newer policy at this step boundary, if the daemon has one; joins again
+        if the newer policy leaves this trainer out (the scheduler evicted it as a straggler).
+
+        Returns:
+            Whether this trainer joined again (its state is now the pulled one).
 
         Raises:
             TrainingStalled: no answer from the daemon for ``policy_timeout_s``.
         """
         policy = self._session.poll(self._epoch)
-        if policy is not None:
-            self._install(policy)
+        if policy is None:
+            return False
+        if policy.topology is None:  # left out: evicted
+            self._rejoin(policy)
+            return True
+        self._install(policy)
+        return False
+
+    def _rejoin(self, policy: Policy) -> None:
+        """Joins again, as a joiner pulling the current state, after the scheduler evicted this
+        trainer as a straggler (it was stopped, or blocked, while the others waited).
+
+        Raises:
+            ChaosTimeout: the join or the state pull did not finish in time.
+            ReplicationError: the state could not be pulled from any neighbour.
+        """
+        self._event("evicted", epoch=policy.epoch, step=self._step)
+        log.warning(
+            "%s: left out of the sync policy of epoch %d (evicted as a straggler); joining again",
+            self.node_id,
+            policy.epoch,
+        )
+        self._donor.retire()
+        self._register_and_sync(True, time.monotonic(), rejoin=True)
 
     def _install_newer(self, p: Policy) -> None:
         """Installs the policy a wait after a failed round returned (the rerun needs exactly
@@ -433,8 +469,14 @@ class Trainer:
                 within ``policy_timeout_s``, or the daemon did not answer for that long. It is
                 a :class:`~chaos.errors.ChaosTimeout`.
         """
+        session = self._session
+        session.step_started(self._step)  # the step progress the scheduler finds stragglers by
         flat = self._flat_grads()
-        reduced = self._allreduce(flat)
+        try:
+            reduced = self._allreduce(flat)
+        except _Rejoined:  # this trainer was evicted and joined again: its gradients are stale
+            session.step_done(self._step)
+            return
         if reduced is not None:
             grads = [p.grad for p in self._params]
             for p, g in zip(self._params, grads, strict=True):
@@ -444,14 +486,17 @@ class Trainer:
         self._donor.retire()  # the state is about to change
         self.optimizer.step()
         self._step += 1
+        session.step_done(self._step)
         self._maybe_reregister()
 
     def _allreduce(self, flat: torch.Tensor) -> torch.Tensor | None:
-        session, plane = self._session, self._plane
+        plane = self._plane
         while True:
-            self._refresh()
+            if self._refresh():
+                raise _Rejoined
             if self.world_size == 1:
                 return None
+            started = time.monotonic()
             try:
                 out, caught_up = plane.allreduce(flat, self._step)
                 if caught_up:
@@ -464,30 +509,57 @@ class Trainer:
                 def reached(p: Policy, target: int = target) -> bool:
                     return p.topo_epoch >= target and p.topology is not None
 
-                self._install_newer(
-                    session.wait(
-                        reached,
-                        self.config.policy_timeout_s,
-                        f"the policy of epoch {target}",
-                        stalled=True,
-                    )
-                )
+                self._await_rerun(reached, f"the policy of epoch {target}")
             except PeerFailure as exc:
-                self._event("allreduce_failed", epoch=self._epoch, step=self._step, peer=exc.peer)
-                session.report_step_failed(exc.peer, self._epoch)
+                self._on_failed_round(exc, time.monotonic() - started)
                 failed = plane.topology_epoch  # the rerun needs a new structure epoch
 
                 def renewed(p: Policy, failed: int = failed) -> bool:
                     return p.topo_epoch > failed and p.topology is not None
 
-                self._install_newer(
-                    session.wait(
-                        renewed,
-                        self.config.policy_timeout_s,
-                        f"a new policy after {exc}",
-                        stalled=True,
-                    )
-                )
+                self._await_rerun(renewed, f"a new policy after {exc}")
+
+    def _on_failed_round(self, exc: PeerFailure, waited_s: float) -> None:
+        """Records a failed round (event ``allreduce_failed``) and reports it to the scheduler.
+
+        The peer named is the member that stopped: the scheduler's answer names it when it
+        knows one (the round's own peer, ``neighbour``, may only have stopped forwarding), and
+        this node itself when the scheduler evicted it meanwhile (then it joins again).
+
+        Raises:
+            _Rejoined: this trainer had been evicted, and joined again.
+        """
+        session = self._session
+        try:
+            latest: Policy | None = session.fetch(timeout_s=min(2.0, self.config.policy_timeout_s))
+        except ChaosError:
+            latest = None
+        fields = {"epoch": self._epoch, "step": self._step, "neighbour": exc.peer}
+        if latest is not None and session.excluded(latest):
+            self._event("allreduce_failed", peer=self.node_id, evicted=True, **fields)
+            self._rejoin(latest)
+            raise _Rejoined
+        peer = session.report_step_failed(exc.peer, self._epoch, waited_s)
+        self._event("allreduce_failed", peer=peer, **fields)
+
+    def _await_rerun(self, ok: Callable[[Policy], bool], what: str) -> None:
+        """Waits for the policy a step's rerun needs (``ok``) and installs it; joins again if a
+        policy leaves this trainer out instead (evicted as a straggler meanwhile).
+
+        Raises:
+            TrainingStalled: no such policy within ``policy_timeout_s``.
+            _Rejoined: this trainer had been evicted, and joined again.
+        """
+        session = self._session
+
+        def wanted(p: Policy) -> bool:
+            return ok(p) or session.excluded(p)
+
+        p = session.wait(wanted, self.config.policy_timeout_s, what, stalled=True)
+        if p.topology is None:
+            self._rejoin(p)
+            raise _Rejoined
+        self._install_newer(p)
 
     def _maybe_reregister(self) -> None:
         """Adam creates its state on the first step: tell the scheduler the new layout."""

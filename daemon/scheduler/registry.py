@@ -270,7 +270,8 @@ class TrainerRegistry:
         restart's commit already logged.
         """
         self._restart_or_hold(msg.detail, msg.epoch, now)
-        self._answer(reply, msg.op_id)  # after the decision: an answer means it was taken
+        # after the decision: an answer means it was taken; it names the peer blamed
+        self._answer(reply, msg.op_id, detail=msg.detail)
 
     def _restart_or_hold(self, suspect: str, failed_epoch: int, now: float) -> None:
         if self._newer_structure(failed_epoch) or suspect in self.held:

@@ -11,12 +11,16 @@ the messages that only the scheduler handles to them:
 * :class:`~chaos.daemon.scheduler.links.LinkOps` and
   :class:`~chaos.daemon.scheduler.link_checks.LinkChecks`: connect-link, disconnect-link, and
   the bandwidth refinements;
-* :class:`~chaos.daemon.scheduler.registry.TrainerRegistry`: the trainers.
+* :class:`~chaos.daemon.scheduler.registry.TrainerRegistry`: the trainers;
+* :class:`~chaos.daemon.scheduler.stragglers.StragglerWatch`: the trainers' step progress, and
+  who holds the others up.
 
 It carries out itself what spans several of them: a scale-in, for a leave (``after_allreduce``)
-or a failure (``before_next_allreduce``, and the allreduce in flight restarts). Step-boundary
-rules (paper IV-B): planned changes apply after the current allreduce; failures apply before the
-next one and restart any allreduce in flight.
+or a failure (``before_next_allreduce``, and the allreduce in flight restarts), and the eviction
+of a straggler's trainer (like a trainer that exited: the node stays a member without a trainer,
+and the others rerun their step without it). Step-boundary rules (paper IV-B): planned changes
+apply after the current allreduce; failures apply before the next one and restart any
+allreduce in flight.
 
 Quorum: a member silent for ``failure_timeout_s`` is failed. If the members still heard are not
 a strict majority of the quorum base (the membership of the newest committed epoch, a leaver
@@ -29,6 +33,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+import msgspec
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.scheduler.failures import FailureDetector
 from chaos.daemon.scheduler.ledger import EpochLedger
@@ -38,6 +43,7 @@ from chaos.daemon.scheduler.monitor import ClusterMonitor
 from chaos.daemon.scheduler.rebuild import ViewRebuild
 from chaos.daemon.scheduler.registry import TrainerRegistry
 from chaos.daemon.scheduler.scale_out import ScaleOuts
+from chaos.daemon.scheduler.stragglers import Straggler, StragglerWatch
 from chaos.daemon.transport import ReplyPath
 
 from chaos.protocol import (
@@ -53,8 +59,9 @@ from chaos.protocol import (
     ReplicationWire,
     Resources,
     TimeoutNow,
+    TrainerEvent,
 )
-from chaos.protocol.states import NodeState
+from chaos.protocol.states import NodeState, TrainerState
 
 
 class SchedulerHost(Protocol):
@@ -128,6 +135,9 @@ class SchedulerRole:
         self.links = LinkOps(host, cfg, self.monitor, self.ledger)
         # bandwidth refinements, and the probes that confirm one that would re-wire the data plane
         self.checks = LinkChecks(host, self.monitor, self.ledger, self.links)
+        # the trainers' step progress: who holds the others up (a report counts for a few
+        # heartbeat intervals, the time it takes the next one to come)
+        self.stragglers = StragglerWatch(cfg.straggler_grace_s, 3 * cfg.heartbeat_interval_s)
 
     def _carried(self) -> ReplicationWire | None:
         return self.trainers.carried()
@@ -243,6 +253,7 @@ class SchedulerRole:
         self.monitor.remove_node(node)
         self.failures.forget(node)
         self.trainers.forget(node)
+        self.stragglers.forget(node)
         self.ledger.wait_for_none_from(node, now)
         self.scale_outs.forget(node)
 
@@ -254,3 +265,55 @@ class SchedulerRole:
         self.links.tick(now)
         self.scale_outs.tick(now)
         self.trainers.tick(now)
+        self.evict_stragglers(now)
+
+    # -- trainers' step progress and stragglers --------------------------------------------
+
+    def on_trainer_event(self, msg: TrainerEvent, reply: ReplyPath | None, now: float) -> None:
+        """A trainer event a member forwarded: its trainer's step progress is recorded; a
+        failed step is blamed on the member that stopped, when one is known (the neighbour the
+        trainer's round named only stopped forwarding); the others go to the registry."""
+        n = msg.sender
+        if msg.kind == "progress":
+            if self.monitor.trainer(n) == TrainerState.TRAINING:
+                self.failures.heard(n, now)
+                self.stragglers.report(n, msg.step, msg.in_step, msg.elapsed_s, msg.silent_s, now)
+            return  # one-way: never answered
+        if msg.kind == "step_failed" and self.monitor.trainer(n) != TrainerState.NONE:
+            neighbour = msg.detail
+            training = self.monitor.trainer_members((TrainerState.TRAINING,))
+            peer = self.stragglers.blame(n, neighbour, msg.elapsed_s, training, now)
+            self.host.event(
+                "allreduce_failed", peer=peer, reporter=n, neighbour=neighbour, epoch=msg.epoch,
+                waited_s=msg.elapsed_s,
+            )  # fmt: skip
+            if peer != neighbour:
+                msg = msgspec.structs.replace(msg, detail=peer)
+        elif msg.kind == "gone":
+            self.stragglers.forget(n)
+        self.trainers.on_event(msg, reply, now)
+
+    def evict_stragglers(self, now: float) -> None:
+        """Takes the trainers found holding the others up out of the sync policy: each node
+        stays a member without a trainer, and the others rerun their step without it (one
+        commit, before the next allreduce, restarting the one in flight). An evicted trainer
+        that resumes finds itself out of the policy and joins again, pulling the state."""
+        if self.ledger.last_update is None:
+            return  # still rebuilding after an election
+        training = self.monitor.trainer_members((TrainerState.TRAINING,))
+        found = [s for s in self.stragglers.find(training, now) if self.failures.fresh(s.node, now)]
+        for s in found:
+            self._evict(s)
+        if found:
+            self.ledger.commit(
+                "straggler_evicted", now, apply_at="before_next_allreduce", restart=True
+            )
+
+    def _evict(self, s: Straggler) -> None:
+        self.monitor.set_trainer(s.node, TrainerState.NONE, None, None)
+        self.trainers.forget(s.node)
+        self.stragglers.forget(s.node)
+        self.host.event(
+            "straggler_evicted", peer=s.node, step=s.step, silent_s=round(s.silent_s, 3),
+            at_step=s.at_step, waiting=list(s.waiting), waited_s=round(s.waited_s, 3),
+        )  # fmt: skip

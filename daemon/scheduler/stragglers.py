@@ -1,0 +1,190 @@
+"""Stragglers: a trainer that holds up every other trainer's step, found from step progress.
+
+Pure rules, no I/O: the scheduler role feeds :class:`StragglerWatch` the progress reports and
+acts on its answers (see :mod:`chaos.daemon.scheduler.role`).
+
+Every trainer tells its local daemon where it is in its steps (``TrainerEvent(kind="progress")``:
+its step, whether it is inside ``update()``, how long it has been in that phase), and keeps
+doing so while it waits inside an allreduce. Its daemon forwards the latest report to the
+scheduler once per heartbeat interval, with how long the trainer has been *silent* (not heard).
+A trainer that computes its gradients, or whose process is stopped, is silent; one that waits
+for the others is not. The daemon is a separate process, so a stopped trainer behind a live
+daemon is invisible to the failure detector; this is what finds it.
+
+**The rule.** A training member ``S`` is a straggler when another training member ``W`` has
+been waiting inside ``update()`` at step ``N`` for longer than the grace period, ``S`` has been
+silent for longer than the grace period, and ``S`` has not completed step ``N`` (its step is at
+most ``N``). A device that is merely slow is heard at every step it completes, so with a grace
+above its step time it is never silent that long: it sets the pace. Members that all wait (a
+link that drops its packets) are all heard: nobody is a straggler.
+
+**Blame.** When a trainer's allreduce fails after waiting ``waited_s`` (``step_timeout_s``),
+the peer it names is the neighbour that stopped sending, which in a tree or ring is often not
+the member that stopped. :meth:`StragglerWatch.blame` names instead the member silent the
+longest, provided it has been silent for at least half of ``min(grace, waited_s)``.
+
+A report counts only while it is fresh (``fresh_s``, a few heartbeat intervals): a daemon that
+stopped reporting (its trainer's registration ended, or the daemon itself is silent, which is
+the failure detector's business) says nothing about its trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+__all__ = ["Progress", "Straggler", "StragglerWatch"]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One member's latest progress report, as the scheduler received it.
+
+    Attributes:
+        step: The trainer's step (optimizer steps taken; the step it computes or reduces).
+        in_step: The trainer was inside ``update()`` (waiting for the allreduce).
+        phase_s: How long it had been in that phase when the report was sent.
+        silent_s: How long its daemon had not heard from it when the report was sent.
+        received: When the scheduler received the report (monotonic seconds).
+    """
+
+    step: int
+    in_step: bool
+    phase_s: float
+    silent_s: float
+    received: float
+
+    def silent_at(self, now: float) -> float:
+        """How long the trainer has been silent at ``now`` (the report aged)."""
+        return self.silent_s + max(0.0, now - self.received)
+
+    def phase_at(self, now: float) -> float:
+        """How long the trainer has been in its phase at ``now`` (the report aged)."""
+        return self.phase_s + max(0.0, now - self.received)
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A member found holding up the others.
+
+    Attributes:
+        node: The straggler.
+        step: Its last reported step.
+        silent_s: How long it has been silent.
+        at_step: The step the others wait at.
+        waiting: The members waiting for it, sorted.
+        waited_s: The longest of their waits.
+    """
+
+    node: str
+    step: int
+    silent_s: float
+    at_step: int
+    waiting: tuple[str, ...]
+    waited_s: float
+
+
+class StragglerWatch:
+    """The members' step progress, and who holds the others up.
+
+    Args:
+        grace_s: The grace period (``straggler_grace_s``); 0 turns the rule off (:meth:`find`
+            then finds nobody; :meth:`blame` still names a silent member).
+        fresh_s: How long a report counts after it was received.
+    """
+
+    def __init__(self, grace_s: float, fresh_s: float) -> None:
+        self.grace_s = grace_s
+        self.fresh_s = fresh_s
+        self.reports: dict[str, Progress] = {}
+
+    def report(
+        self, node: str, step: int, in_step: bool, phase_s: float, silent_s: float, now: float
+    ) -> None:
+        """Records ``node``'s progress report, received at ``now``."""
+        self.reports[node] = Progress(step, in_step, phase_s, silent_s, now)
+
+    def forget(self, node: str) -> None:
+        """Drops what is known of ``node``'s trainer (it was evicted, left or failed)."""
+        self.reports.pop(node, None)
+
+    def _fresh(self, training: Collection[str], now: float) -> dict[str, Progress]:
+        return {
+            n: p
+            for n, p in self.reports.items()
+            if n in training and now - p.received <= self.fresh_s
+        }
+
+    def find(self, training: Collection[str], now: float) -> list[Straggler]:
+        """The stragglers among ``training`` at ``now`` (see the module's rule).
+
+        Args:
+            training: The members whose trainer is training (a syncing joiner, still pulling
+                its state, is neither a straggler nor a waiter).
+            now: Monotonic time.
+
+        Returns:
+            The stragglers, sorted by id (empty when the grace is 0).
+        """
+        grace = self.grace_s
+        if grace <= 0:
+            return []
+        fresh = self._fresh(training, now)
+        alive_s = grace / 2  # a waiting trainer is heard far more often than this
+        waiters = {
+            n: p
+            for n, p in fresh.items()
+            if p.in_step and p.silent_at(now) < alive_s and p.phase_at(now) > grace
+        }
+        if not waiters:
+            return []
+        found = []
+        for n, p in sorted(fresh.items()):
+            if n in waiters or p.silent_at(now) <= grace:
+                continue
+            held = {w: q for w, q in waiters.items() if p.step <= q.step}
+            if not held:
+                continue
+            at_step = max(q.step for q in held.values())
+            found.append(
+                Straggler(
+                    node=n,
+                    step=p.step,
+                    silent_s=p.silent_at(now),
+                    at_step=at_step,
+                    waiting=tuple(sorted(held)),
+                    waited_s=max(q.phase_at(now) for q in held.values()),
+                )
+            )
+        return found
+
+    def blame(
+        self,
+        reporter: str,
+        neighbour: str,
+        waited_s: float,
+        training: Collection[str],
+        now: float,
+    ) -> str:
+        """The member to blame for ``reporter``'s failed allreduce.
+
+        Args:
+            reporter: The trainer whose round failed.
+            neighbour: The peer its round named (the neighbour that stopped sending).
+            waited_s: How long its round waited before it failed (0: not said).
+            training: The members whose trainer is training.
+            now: Monotonic time.
+
+        Returns:
+            The member silent the longest, if it has been silent for at least half of
+            ``min(grace, waited_s)`` (the grace alone when the wait is not known, or when the
+            rule is off), else ``neighbour``.
+        """
+        limits = [x for x in (self.grace_s, waited_s) if x > 0]
+        if not limits:
+            return neighbour
+        least = min(limits) / 2
+        fresh = self._fresh(training, now)
+        silent = [(p.silent_at(now), n) for n, p in fresh.items() if n != reporter]
+        silent = [(s, n) for s, n in silent if s >= least]
+        return max(silent)[1] if silent else neighbour

@@ -1,0 +1,231 @@
+"""The straggler rule (daemon/scheduler/stragglers.py) and its wiring in the scheduler role.
+
+Pure rules first (no sockets, no clock: times are given), then the scheduler role in process,
+with a host that records what it would send: progress reports in, ``straggler_evicted`` and the
+commit out, and a failed step blamed on the member that stopped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from chaos.daemon.scheduler.stragglers import StragglerWatch
+
+GRACE = 2.0
+FRESH = 0.6
+ABC = ("a", "b", "c")
+
+
+def _watch(grace: float = GRACE) -> StragglerWatch:
+    return StragglerWatch(grace, FRESH)
+
+
+def test_a_silent_member_behind_waiting_members_is_a_straggler() -> None:
+    w = _watch()
+    # a and b wait inside update() at step 7 for 2.5 s and are heard; c computes step 7 and
+    # has been silent for 2.5 s
+    w.report("a", 7, True, 2.5, 0.1, now=10.0)
+    w.report("b", 7, True, 2.4, 0.05, now=10.0)
+    w.report("c", 7, False, 2.5, 2.5, now=10.0)
+    [s] = w.find(ABC, now=10.1)
+    assert s.node == "c" and s.step == 7 and s.at_step == 7
+    assert s.waiting == ("a", "b") and s.waited_s == pytest.approx(2.6)
+    assert s.silent_s == pytest.approx(2.6)
+
+
+def test_a_member_stopped_inside_its_allreduce_is_a_straggler_too() -> None:
+    w = _watch()
+    w.report("a", 3, True, 3.0, 0.1, now=5.0)
+    w.report("b", 3, True, 3.0, 0.1, now=5.0)
+    w.report("c", 3, True, 3.0, 2.2, now=5.0)  # inside update(), but no longer heard
+    assert [s.node for s in w.find(ABC, now=5.0)] == ["c"]
+
+
+def test_a_slow_member_that_is_heard_every_step_is_never_a_straggler() -> None:
+    w = _watch()
+    for t in range(20):  # c takes 1.5 s per step, under the grace; a and b wait for it
+        now = float(t)
+        w.report("a", t, True, 1.4, 0.1, now)
+        w.report("b", t, True, 1.4, 0.1, now)
+        w.report("c", t, False, 1.4, 1.4, now)
+        assert w.find(ABC, now) == []
+
+
+def test_nobody_is_a_straggler_while_nobody_waits_past_the_grace() -> None:
+    w = _watch()
+    # everybody computes (an evaluation every device runs): silent, but nobody waits
+    for n in ABC:
+        w.report(n, 4, False, 30.0, 30.0, now=1.0)
+    assert w.find(ABC, now=1.0) == []
+    # a waits, but not yet longer than the grace: c still has time
+    w.report("a", 4, True, 1.5, 0.1, now=1.0)
+    assert w.find(ABC, now=1.0) == []
+
+
+def test_members_that_all_wait_and_are_heard_are_no_stragglers() -> None:
+    w = _watch()
+    for n in ABC:  # a link that drops its packets: everyone waits, everyone is heard
+        w.report(n, 9, True, 20.0, 0.1, now=3.0)
+    assert w.find(ABC, now=3.0) == []
+
+
+def test_a_member_past_the_waiters_step_is_not_holding_them_up() -> None:
+    w = _watch()
+    w.report("a", 5, True, 3.0, 0.1, now=1.0)
+    w.report("c", 6, False, 3.0, 3.0, now=1.0)  # c completed step 5
+    assert w.find(ABC, now=1.0) == []
+
+
+def test_stale_reports_and_members_that_do_not_train_count_for_nothing() -> None:
+    w = _watch()
+    w.report("a", 2, True, 3.0, 0.1, now=0.0)
+    w.report("c", 2, False, 3.0, 3.0, now=0.0)
+    assert [s.node for s in w.find(ABC, now=0.5)] == ["c"]
+    assert w.find(ABC, now=0.5 + FRESH) == []  # no fresh report: nothing is known
+    assert w.find(("a", "b"), now=0.5) == []  # c's trainer is not training (a joiner)
+    w.forget("c")
+    assert w.find(ABC, now=0.5) == []
+
+
+def test_a_grace_of_zero_turns_the_rule_off() -> None:
+    w = _watch(grace=0.0)
+    w.report("a", 2, True, 300.0, 0.1, now=0.0)
+    w.report("c", 2, False, 300.0, 300.0, now=0.0)
+    assert w.find(ABC, now=0.0) == []
+
+
+def test_blame_names_the_member_that_stopped_not_the_neighbour() -> None:
+    w = _watch(grace=10.0)
+    w.report("a", 2, True, 3.0, 0.1, now=0.0)
+    w.report("b", 2, True, 3.0, 0.1, now=0.0)
+    w.report("c", 2, False, 3.2, 3.2, now=0.0)
+    # a's round timed out after 3 s waiting for b; c is the one silent since before it
+    assert w.blame("a", "b", 3.0, ABC, now=0.0) == "c"
+    # a short silence (a device computing its step) is not blamed
+    w.report("c", 2, False, 0.4, 0.4, now=0.0)
+    assert w.blame("a", "b", 3.0, ABC, now=0.0) == "b"
+    # nothing known about the wait and no grace: the round's own peer
+    assert StragglerWatch(0.0, FRESH).blame("a", "b", 0.0, ABC, now=0.0) == "b"
+
+
+# ----------------------------------------------------------------- the scheduler role
+
+
+class _Host:
+    """The scheduler role's daemon, minus the sockets."""
+
+    node_id = "a"
+    address = "tcp://127.0.0.1:1"
+    public_key = ""
+    term = 1
+
+    def __init__(self) -> None:
+        self.answers: list[Any] = []
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self.updates: list[Any] = []
+
+    def send(self, peer: str, msg: Any) -> bool:
+        return True
+
+    def respond(self, reply: Any, msg: Any) -> None:
+        self.answers.append(msg)
+
+    def send_to_address(self, peer: str, address: str, msg: Any) -> None:
+        pass
+
+    def connect_peer(self, peer: str, address: str) -> bool:
+        return False
+
+    def broadcast(self, peers: dict[str, str], msg: Any) -> None:
+        self.updates.append(msg)
+
+    def event(self, name: str, **fields: object) -> None:
+        self.events.append((name, fields))
+
+    def observe_primitive(self, name: str, seconds: float) -> None:
+        pass
+
+    def lost_quorum(self) -> None:
+        pass
+
+    def named(self, name: str) -> list[dict[str, Any]]:
+        return [f for n, f in self.events if n == name]
+
+
+def _role() -> tuple[Any, _Host]:
+    """A scheduler ``a`` with three training members a, b, c (a triangle)."""
+    from chaos.daemon.config import DaemonConfig
+    from chaos.daemon.scheduler.role import SchedulerRole
+
+    from chaos.protocol import TrainerInfo
+    from chaos.protocol.states import NodeState
+
+    host = _Host()
+    cfg = DaemonConfig(
+        node_id="a", listen=host.address, heartbeat_interval_s=0.2, failure_timeout_s=1.0,
+        straggler_grace_s=GRACE,
+    )  # fmt: skip
+    role = SchedulerRole(host, cfg, None, 0.0)
+    for i, n in enumerate("bc"):
+        role.monitor.add_node(n, f"tcp://127.0.0.1:{10 + i}", NodeState.ACTIVE, 0.0)
+    for x, y in (("a", "b"), ("b", "c"), ("a", "c")):
+        role.monitor.set_link(x, y, latency_s=0.001, bandwidth_bps=1e9)
+    for i, n in enumerate(ABC):
+        info = TrainerInfo(
+            sender=n, node_id=n, data_address=f"tcp://127.0.0.1:{20 + i}",
+            shard_address=f"tcp://127.0.0.1:{30 + i}", has_state=n == "a", tensor_sizes=[64],
+        )  # fmt: skip
+        role.trainers.on_info(info, None, 0.0)
+    for n in "bc":  # b and c pulled the state: training
+        role.on_trainer_event(_event(n, "ready"), None, 0.0)
+    return role, host
+
+
+def _event(node: str, kind: Any, **fields: Any) -> Any:
+    from chaos.protocol import TrainerEvent
+
+    return TrainerEvent(sender=node, node_id=node, kind=kind, **fields)
+
+
+def _progress(role: Any, now: float, **reports: tuple[int, bool, float, float]) -> None:
+    for n, (step, in_step, phase_s, silent_s) in reports.items():
+        msg = _event(n, "progress", step=step, in_step=in_step, elapsed_s=phase_s,
+                     silent_s=silent_s)  # fmt: skip
+        role.on_trainer_event(msg, None, now)
+        role.failures.heard(n, now)
+
+
+def test_the_scheduler_evicts_the_straggler_and_the_others_go_on_without_it() -> None:
+    from chaos.protocol.states import TrainerState
+
+    role, host = _role()
+    assert role.monitor.trainer_members((TrainerState.TRAINING,)) == list(ABC)
+    epoch = role.epoch
+    _progress(role, 10.0, a=(7, True, 1.0, 0.1), b=(7, True, 1.0, 0.1), c=(7, False, 1.0, 1.0))
+    role.tick(10.0)
+    assert host.named("straggler_evicted") == [] and role.epoch == epoch
+    _progress(role, 11.5, a=(7, True, 2.5, 0.1), b=(7, True, 2.5, 0.1), c=(7, False, 2.5, 2.5))
+    role.tick(11.5)
+    [ev] = host.named("straggler_evicted")
+    assert ev["peer"] == "c" and ev["waiting"] == ["a", "b"] and ev["at_step"] == 7
+    assert role.monitor.trainer("c") == TrainerState.NONE and role.monitor.has("c")
+    upd = host.updates[-1]
+    assert upd.cause == "straggler_evicted" and upd.restart_allreduce
+    assert upd.apply_at == "before_next_allreduce" and sorted(upd.sync.nodes) == ["a", "b"]
+    # its daemon's next reports change nothing (it no longer trains); no second commit
+    _progress(role, 12.0, c=(7, False, 3.0, 3.0))
+    role.tick(12.0)
+    assert len(host.named("straggler_evicted")) == 1 and role.epoch == epoch + 1
+
+
+def test_a_failed_step_is_blamed_on_the_member_that_stopped() -> None:
+    role, host = _role()
+    _progress(role, 5.0, a=(3, True, 3.0, 0.1), b=(3, True, 3.0, 0.1), c=(3, False, 3.1, 3.1))
+    # a's round waited 3 s for its neighbour b, which waited for c
+    failed = _event("a", "step_failed", detail="b", epoch=role.epoch, elapsed_s=3.0, op_id="x")
+    role.on_trainer_event(failed, None, 5.0)
+    [ev] = host.named("allreduce_failed")
+    assert ev["peer"] == "c" and ev["neighbour"] == "b" and ev["reporter"] == "a"
+    answer = host.answers[-1]
+    assert answer.ok and answer.op_id == "x" and answer.detail == "c"
