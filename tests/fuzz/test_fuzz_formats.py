@@ -49,6 +49,9 @@ FUZZED: dict[str, list[Callable[..., Any]]] = {
         lanes.test_hello_mutations,
         lanes.test_hello_random_bytes,
         lanes.test_frame_mutations,
+        lanes.test_sealed_offer_random_bytes,
+        lanes.test_sealed_hello_mutations,
+        lanes.test_sealed_frame_mutations,
     ],
     "checkpoint store": [ckpt.test_random_bytes, ckpt.test_mutations, ckpt.test_header_fields],
 }

@@ -23,16 +23,22 @@ from hypothesis import strategies as st
 
 from chaos.collectives.frames import DATA_OPS, HEADER_BYTES, Header, Op, encode_header
 from chaos.collectives.lanes import (
+    _TO_RECEIVER,
+    LANE_KEY_BYTES,
     InLane,
+    LaneCipher,
     Lanes,
     decode_offer,
+    decode_sealed_offer,
     encode_hello,
     encode_offer,
+    encode_sealed_hello,
+    encode_sealed_offer,
     read_frame,
 )
 from chaos.collectives.links import Frame
 from chaos.errors import ProtocolError
-from chaos.wire import LANE_HELLO, LANE_MAGIC, LANE_OFFER, LANE_VERSION
+from chaos.wire import LANE_HELLO, LANE_MAGIC, LANE_OFFER, LANE_SEALED_OFFER, LANE_VERSION
 
 _PEER = "peer-1"
 _MAX_BYTES = 4096
@@ -223,3 +229,108 @@ def test_valid_frames() -> None:
 def test_oversized_frame_is_malformed() -> None:
     raw = encode_header(Op.TREE_UP, torch.float64, 0, *_KEY, 0, 2**32 - 1)
     assert _read(raw, False) == f"malformed: TREE_UP frame of {(2**32 - 1) * 8} bytes on a lane"
+
+
+# ----------------------------------------------------------------------------- sealed lanes
+
+
+@settings(max_examples=200)
+@given(raw=st.binary(max_size=2 * LANE_SEALED_OFFER.size))
+def test_sealed_offer_random_bytes(raw: bytes) -> None:
+    try:
+        port, _token, key = decode_sealed_offer(raw)
+    except ProtocolError:
+        return
+    assert len(raw) == LANE_SEALED_OFFER.size and 0 < port and len(key) == LANE_KEY_BYTES
+
+
+@settings(max_examples=100)
+@given(data=st.data(), port=st.integers(1, 65535), token=st.integers(0, 2**64 - 1))
+def test_sealed_offer_mutations(data: st.DataObject, port: int, token: int) -> None:
+    key = bytes(range(32))
+    assert decode_sealed_offer(encode_sealed_offer(port, token, key)) == (port, token, key)
+    try:
+        decode_sealed_offer(data.draw(byte_mutations(encode_sealed_offer(port, token, key))))
+    except ProtocolError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def sealed_lanes() -> Iterator[Lanes]:
+    lanes = Lanes("me", "127.0.0.1", connect_timeout_s=2.0, slice_s=0.05, sealed=True)
+    try:
+        yield lanes
+    finally:
+        lanes.close()
+
+
+def _sealed_hello(lanes: Lanes, attempt: int) -> bytes:
+    _port, token, key = decode_sealed_offer(lanes.offer(_PEER))
+    return encode_sealed_hello(_PEER, token, LaneCipher(key, attempt, _TO_RECEIVER), attempt)
+
+
+def test_the_valid_sealed_hello_is_accepted(sealed_lanes: Lanes) -> None:
+    assert _greet(sealed_lanes, _sealed_hello(sealed_lanes, 0), 3)
+
+
+@settings(max_examples=150)
+@given(data=st.data(), split=st.integers(0, 64), attempt=st.integers(0, 2**24 - 1))
+def test_sealed_hello_mutations(
+    sealed_lanes: Lanes, data: st.DataObject, split: int, attempt: int
+) -> None:
+    hello = _sealed_hello(sealed_lanes, attempt)
+    raw = data.draw(byte_mutations(hello))
+    assert _greet(sealed_lanes, raw, split) == raw.startswith(hello)
+
+
+@settings(max_examples=100)
+@given(raw=st.binary(max_size=300), split=st.integers(0, 300))
+def test_sealed_hello_random_bytes(sealed_lanes: Lanes, raw: bytes, split: int) -> None:
+    decode_sealed_offer(sealed_lanes.offer(_PEER))
+    assert not _greet(sealed_lanes, raw, split)
+
+
+def test_a_plain_hello_is_refused_by_a_sealed_listener(sealed_lanes: Lanes) -> None:
+    _port, token, _key = decode_sealed_offer(sealed_lanes.offer(_PEER))
+    assert not _greet(sealed_lanes, encode_hello(_PEER, token), 3)
+
+
+_LANE_KEY = bytes(range(32))
+
+
+def _sealed_stream(frame: bytes, attempt: int = 0) -> bytes:
+    """A plain lane frame (header, payload) as a sealed lane carries it."""
+    cipher = LaneCipher(_LANE_KEY, attempt, _TO_RECEIVER)
+    return cipher.seal(frame[:HEADER_BYTES]) + cipher.seal(frame[HEADER_BYTES:])
+
+
+def _read_sealed(raw: bytes) -> Frame | str:
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(raw)
+        a.shutdown(socket.SHUT_WR)
+        lane = InLane(_PEER, b, LaneCipher(_LANE_KEY, 0, _TO_RECEIVER))
+        got = read_frame(lane, _KEY, time.monotonic() + 2.0, 0.05, None, _MAX_BYTES, lambda: None)
+    if not isinstance(got, Frame):
+        assert got in ("closed", "timeout") or got.startswith("malformed: "), got
+    return got
+
+
+def test_a_valid_sealed_frame_is_read() -> None:
+    assert isinstance(_read_sealed(_sealed_stream(_VALID_FRAMES[0])), Frame)
+
+
+@settings(max_examples=200)
+@given(data=st.data(), i=st.integers(0, len(_VALID_FRAMES) - 1))
+def test_sealed_frame_mutations(data: st.DataObject, i: int) -> None:
+    valid = _sealed_stream(_VALID_FRAMES[i])
+    raw = data.draw(byte_mutations(valid))
+    got = _read_sealed(raw)
+    if isinstance(got, Frame):
+        assert raw.startswith(valid)
+
+
+@settings(max_examples=100)
+@given(raw=st.binary(max_size=200))
+def test_sealed_frame_random_bytes(raw: bytes) -> None:
+    assert not isinstance(_read_sealed(raw), Frame)
