@@ -16,6 +16,10 @@ is done (the payload is read from the live tensors). Every untrusted request goe
 the server answers and keeps serving. The messages live in :mod:`chaos.replication.wire`, the
 donor's server in :mod:`chaos.replication.server`.
 
+With a cluster key (the ``security`` argument, a :class:`~chaos.security.Security`) every
+DEALER is a CURVE client of the cluster: the donors' servers accept only key holders, and a
+donor with another key is dropped at once (its handshake fails) instead of timing out.
+
 :func:`pull_state` is the joiner's side; see ``docs/state.md`` for the failure handling.
 """
 
@@ -51,6 +55,7 @@ from chaos.replication.wire import (
     shard_checksum,
 )
 from chaos.scheduling import METHODS, Neighbor, Plan, plan_replication
+from chaos.security import Security
 
 log = logging.getLogger("chaos.replication.pull")
 
@@ -67,16 +72,23 @@ __all__ = [
 ]
 
 
+_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # fmt: skip
+_HANDSHAKE_FAILED = frozenset({zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+                               zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                               zmq.EVENT_HANDSHAKE_FAILED_AUTH})  # fmt: skip
+_NO_KEY = "CURVE handshake failed: it has no or a different cluster key"
+
 # ----------------------------------------------------------------------------- joiner
 
 
 def _await_reply(sock: zmq.Socket, mon: zmq.Socket, address: str, timeout_s: float) -> list[bytes]:
     """The donor's reply on ``sock``, unless its address refuses the connection first
-    (``mon`` reports a connect retry).
+    (``mon`` reports a connect retry, or a failed CURVE handshake).
 
     Raises:
         ChaosTimeout: no reply within ``timeout_s``.
-        DonorUnreachable: the donor's address refused the connection.
+        DonorUnreachable: the donor's address refused the connection, or its handshake.
     """
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
@@ -86,7 +98,10 @@ def _await_reply(sock: zmq.Socket, mon: zmq.Socket, address: str, timeout_s: flo
         ready = dict(poller.poll(max(1, int(left * 1000))))
         if sock in ready:
             return sock.recv_multipart()
-        if mon in ready and recv_monitor_message(mon)["event"] == zmq.EVENT_CONNECT_RETRIED:
+        event = recv_monitor_message(mon)["event"] if mon in ready else None
+        if event in _HANDSHAKE_FAILED:
+            raise DonorUnreachable(f"donor {address} refused the connection: {_NO_KEY}")
+        if event == zmq.EVENT_CONNECT_RETRIED:
             raise DonorUnreachable(f"donor {address} refuses connections: its shard server is gone")
     raise ChaosTimeout(f"donor {address} sent no manifest within {timeout_s} s")
 
@@ -105,12 +120,24 @@ def _check_timeout(timeout_s: float, name: str = "timeout_s") -> None:
 
 
 def latest_manifest(
-    address: str, min_epoch: int, timeout_s: float, *, context: zmq.Context | None = None
+    address: str,
+    min_epoch: int,
+    timeout_s: float,
+    *,
+    context: zmq.Context | None = None,
+    security: Security | None = None,
 ) -> tuple[bytes, int, int]:
     """Asks one donor for the manifest of whatever it published under ``min_epoch`` or later.
 
     A joiner uses this: the donors publish at their next step boundary, under the epoch they
     install there, which may be newer than the one that named them.
+
+    Args:
+        address: The donor's ``ShardServer.address``.
+        min_epoch: The oldest epoch whose snapshot will do.
+        timeout_s: How long to wait for the answer, in seconds.
+        context: ZeroMQ context (default: the process's shared instance).
+        security: The cluster key (default: none, a plain connection).
 
     Returns:
         ``(manifest, epoch, step)`` of the published snapshot; pull from this donor with them.
@@ -119,9 +146,10 @@ def latest_manifest(
         ChaosTimeout: no answer within ``timeout_s``.
         ReplicationError: the donor refused (nothing published, or an older epoch) or answered
             something malformed.
+        DonorUnreachable: the donor's address refuses connections, or the CURVE handshake.
     """
     req = ManifestRequest(req_id=1, epoch=min_epoch, step=None, newer_ok=True)
-    manifest, head = _manifest_exchange(address, req, timeout_s, context)
+    manifest, head = _manifest_exchange(address, req, timeout_s, context, security)
     return manifest, head.epoch, head.step
 
 
@@ -132,6 +160,7 @@ def fetch_manifest(
     timeout_s: float,
     *,
     context: zmq.Context | None = None,
+    security: Security | None = None,
 ) -> tuple[bytes, int]:
     """Asks one donor for the encoded manifest of its state at ``(epoch, step)``.
 
@@ -144,6 +173,7 @@ def fetch_manifest(
             ``epoch`` (a joiner does not know the donors' step in advance).
         timeout_s: How long to wait for the answer, in seconds.
         context: ZeroMQ context (default: the process's shared instance).
+        security: The cluster key (default: none, a plain connection).
 
     Returns:
         ``(manifest, step)``: the encoded manifest, checked against the digest in the reply
@@ -155,7 +185,7 @@ def fetch_manifest(
             something malformed.
     """
     req = ManifestRequest(req_id=1, epoch=epoch, step=step)
-    manifest, head = _manifest_exchange(address, req, timeout_s, context)
+    manifest, head = _manifest_exchange(address, req, timeout_s, context, security)
     return manifest, head.step
 
 
@@ -170,6 +200,7 @@ def gather_manifests(
     poll_interval_s: float,
     *,
     grace_s: float = MANIFEST_GRACE_S,
+    security: Security | None = None,
 ) -> tuple[bytes, dict[str, tuple[int, int]]]:
     """Asks every donor for the snapshot it published at its next step boundary.
 
@@ -184,6 +215,8 @@ def gather_manifests(
         timeout_s: Longest wait for the first donor's snapshot, in seconds.
         poll_interval_s: Pause between rounds of asking the donors that have not published.
         grace_s: How long the others get once one donor answered.
+        security: The cluster key (default: none, plain connections). A donor that refuses
+            its handshake (another key) counts as gone.
 
     Returns:
         ``(manifest, {donor: (epoch, step)})`` for the donors that published that step.
@@ -207,7 +240,7 @@ def gather_manifests(
             if nid in keys or nid in gone:
                 continue
             try:
-                got, e, s = latest_manifest(address, epoch, timeout_s=2.0)
+                got, e, s = latest_manifest(address, epoch, timeout_s=2.0, security=security)
             except DonorUnreachable as exc:
                 gone[nid], last = "unreachable", exc
                 continue
@@ -271,13 +304,19 @@ def plan_for_snapshot(
 
 
 def _manifest_exchange(
-    address: str, req: ManifestRequest, timeout_s: float, context: zmq.Context | None
+    address: str,
+    req: ManifestRequest,
+    timeout_s: float,
+    context: zmq.Context | None,
+    security: Security | None = None,
 ) -> tuple[bytes, ManifestReply]:
     _check_timeout(timeout_s)
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    mon = sock.get_monitor_socket(zmq.EVENT_CONNECT_RETRIED)
+    if security is not None:
+        security.client(sock)
+    mon = sock.get_monitor_socket(zmq.EVENT_CONNECT_RETRIED | _HANDSHAKE_EVENTS)
     try:
         sock.connect(address)
         sock.send(WIRE_ENCODER.encode(req))
@@ -363,7 +402,8 @@ class PullStats:
         refetched_elsewhere: Of those, the re-fetches sent to another donor.
         replans: How many times a failed donor's shards were re-planned over the others.
         failed_donors: Donor id -> why it was dropped (a refusal reason code, ``"timeout"``,
-            ``"disconnected"``, ``"malformed_reply"``).
+            ``"disconnected"``, ``"malformed_reply"``, ``"handshake_failed"``: another
+            cluster key).
         elapsed_s: Wall time of the pull, in seconds.
     """
 
@@ -410,7 +450,9 @@ class _Puller:
         neighbors: Sequence[Neighbor],
         config: PullConfig,
         context: zmq.Context,
+        security: Security | None = None,
     ) -> None:
+        self.security = security if security is not None else Security()
         by_id = {n.id: n for n in neighbors}
         missing = sorted(set(donors) - set(by_id))
         if missing:
@@ -449,8 +491,12 @@ class _Puller:
     def _connect(self, d: _Donor) -> None:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        # a disconnect, or a refused connection (the donor was gone before the pull began)
-        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+        self.security.client(sock)
+        # a disconnect, a refused connection (the donor was gone before the pull began), or a
+        # refused handshake (another cluster key)
+        mon = sock.get_monitor_socket(
+            zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | _HANDSHAKE_EVENTS
+        )
         sock.connect(d.address)
         d.sock, d.monitor = sock, mon
         self.poller.register(sock, zmq.POLLIN)
@@ -548,7 +594,10 @@ class _Puller:
             if d.monitor is None:
                 return
             event = recv_monitor_message(d.monitor)["event"]
-            if event == zmq.EVENT_DISCONNECTED:
+            if event in _HANDSHAKE_FAILED:
+                log.warning("donor %s at %s: %s", d.id, d.address, _NO_KEY)
+                self._fail_donor(d, "handshake_failed")
+            elif event == zmq.EVENT_DISCONNECTED:
                 self._fail_donor(d, "disconnected")
             elif event == zmq.EVENT_CONNECT_RETRIED:
                 self._fail_donor(d, "unreachable")
@@ -691,6 +740,7 @@ def pull_state(
     neighbors: Sequence[Neighbor],
     config: PullConfig | None = None,
     context: zmq.Context | None = None,
+    security: Security | None = None,
 ) -> PullStats:
     """Pulls the state for ``(epoch, step)`` from the donors into ``joiner_state``.
 
@@ -713,6 +763,8 @@ def pull_state(
         neighbors: Link parameters of every donor (for re-plans).
         config: Window, timeouts and retry limits.
         context: ZeroMQ context (default: the process's shared instance).
+        security: The cluster key (default: none, plain connections); a donor that refuses
+            the handshake (another key) is dropped like a dead one.
 
     Returns:
         What the pull did (bytes per donor, checksum failures, re-plans, elapsed time).
@@ -735,5 +787,6 @@ def pull_state(
         neighbors,
         config or PullConfig(),
         context or zmq.Context.instance(),
+        security,
     )
     return puller.run(timeout_s)

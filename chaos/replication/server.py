@@ -5,6 +5,11 @@ manifest and for shards of one published snapshot (see :mod:`chaos.replication.p
 and the joiner's side, :mod:`chaos.replication.wire` for the messages). Every untrusted request
 goes through :func:`~chaos.replication.wire.validate_request`; a bad one is answered with a
 :class:`~chaos.replication.wire.Refusal` and the server keeps serving.
+
+With a cluster key (:class:`~chaos.security.Security`) the ROUTER is a CURVE server of the
+cluster: a joiner must hold the key to complete the handshake, so a stranger cannot fetch a
+manifest or a shard, and every reply is encrypted. Refused handshakes are logged and counted
+(:attr:`ServerStats.handshake_failures`).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from chaos.errors import ChaosTimeout, ConfigError
 from chaos.protocol.messages import Reason, Refusal
@@ -32,6 +38,7 @@ from chaos.replication.wire import (
     shard_checksum,
     validate_request,
 )
+from chaos.security import Security
 
 # The server logs under the replication logger, as it did when it lived in chaos.replication.
 log = logging.getLogger("chaos.replication.server")
@@ -43,6 +50,14 @@ __all__ = [
     "ShardServer",
     "ShardServerConfig",
 ]
+
+_HANDSHAKE_FAILED: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication",
+}
+_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # fmt: skip
 
 DIE_EXIT_CODE = 70
 """Exit status of a donor process killed by :attr:`ServerFaults.die_after_shards`."""
@@ -116,6 +131,8 @@ class ServerStats:
     manifests_sent: int = 0
     corrupted: int = 0
     refusals: dict[str, int] = field(default_factory=dict)
+    handshake_failures: int = 0
+    """Connections refused in the CURVE handshake (no or a different cluster key)."""
 
 
 @dataclass(frozen=True)
@@ -134,7 +151,10 @@ class ShardServer:
     Args:
         config: Bind address and limits.
         faults: Named faults to inject (tests only).
-        context: ZeroMQ context to use (default: the process's shared instance).
+        context: ZeroMQ context to use (default: the process's shared instance, or with a
+            cluster key a context of the server's own, terminated by :meth:`close`).
+        security: The cluster key and this process's keypair (default: none, a plain socket
+            anyone who reaches it can read the state from).
 
     Raises:
         ConfigError: the listen address cannot be bound.
@@ -146,10 +166,15 @@ class ShardServer:
         *,
         faults: ServerFaults | None = None,
         context: zmq.Context | None = None,
+        security: Security | None = None,
     ) -> None:
         self.config = config or ShardServerConfig()
         self.faults = faults or ServerFaults()
-        self._ctx = context or zmq.Context.instance()
+        self.security = security if security is not None else Security()
+        # with a key, a context of its own: its ZAP handler is the server's alone
+        self._own_ctx = context is None and self.security.enabled
+        self._ctx = context or (zmq.Context() if self._own_ctx else zmq.Context.instance())
+        self.security.authenticate(self._ctx)
         self._lock = threading.Lock()
         self._snapshot: _Snapshot | None = None
         self._stats = ServerStats()
@@ -158,13 +183,18 @@ class ShardServer:
         self._stop = threading.Event()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        self.security.server(sock)
+        self._handshakes: zmq.Socket | None = None
+        if self.security.enabled:
+            self._handshakes = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
         bind = self.config.listen
         if bind.endswith(":0"):
             bind = bind[:-2] + ":*"
         try:
             sock.bind(bind)
         except zmq.ZMQError as exc:
-            sock.close(linger=0)
+            self._sock = sock
+            self._close_sockets()
             raise ConfigError(f"cannot bind shard server to {self.config.listen}: {exc}") from exc
         self.address: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
@@ -216,10 +246,17 @@ class ShardServer:
     def _serve(self) -> None:
         """The serving thread: answers requests until :meth:`close`, then closes the socket."""
         poll_ms = max(1, int(self.config.poll_interval_s * 1000))
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        if self._handshakes is not None:
+            poller.register(self._handshakes, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 try:
-                    if not self._sock.poll(poll_ms):
+                    ready = dict(poller.poll(poll_ms))
+                    if self._handshakes is not None and self._handshakes in ready:
+                        self._drain_handshakes()
+                    if self._sock not in ready:
                         continue
                     frames = self._sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
@@ -229,7 +266,32 @@ class ShardServer:
                 except Exception:  # the server never dies of one request
                     log.exception("shard server: request handling failed")
         finally:
-            self._sock.close(linger=0)
+            self._close_sockets()
+
+    def _drain_handshakes(self) -> None:
+        """Counts (and logs, the first ones) the connections refused in the CURVE handshake."""
+        sock = self._handshakes
+        while sock is not None and sock.poll(0):
+            event = recv_monitor_message(sock)["event"]
+            with self._lock:
+                self._stats.handshake_failures += 1
+                first = self._stats.handshake_failures <= 3
+            if first:
+                log.warning(
+                    "shard server %s refused a connection: CURVE handshake failed (%s): the "
+                    "joiner has no or a different cluster key", self.address,
+                    _HANDSHAKE_FAILED.get(event, "error"),
+                )  # fmt: skip
+
+    def _close_sockets(self) -> None:
+        """Closes the socket (and its monitor), then the server's own context."""
+        if self._handshakes is not None:
+            self._sock.disable_monitor()
+            self._handshakes.close(linger=0)
+        self._sock.close(linger=0)
+        self.security.release(self._ctx)
+        if self._own_ctx:
+            self._ctx.term()
 
     def _send(self, ident: bytes, header: Reply, payload: Any = None) -> None:
         """Sends a reply header (and its payload frame, if any, zero-copy) to ``ident``."""
