@@ -4,7 +4,9 @@ A :class:`DataPlane` opens both endpoints on one host, on ephemeral ports or on 
 ports of a configured range (the trainer registers them with its daemon), installs a policy's
 allreduce topology at a step boundary, runs the step's allreduce, and publishes the snapshot a
 donor serves. It knows nothing of the daemon: the interrupt check it runs while blocked in an
-allreduce is handed to it.
+allreduce is handed to it. With a cluster key (``security``) both endpoints are CURVE servers
+of the cluster and the payload lanes are sealed (see :mod:`chaos.collectives.communicator` and
+:mod:`chaos.replication.server`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from chaos.collectives import Communicator, CommunicatorConfig, Topology
 from chaos.errors import ConfigError
 from chaos.replication.server import ShardServer, ShardServerConfig
 from chaos.replication.state import TrainingState
+from chaos.security import Security
 
 __all__ = ["DataPlane"]
 
@@ -43,6 +46,7 @@ class DataPlane:
             (:class:`~chaos.errors.RoundInterrupted`), ``None`` goes on waiting.
         ports: ``(first, last)``, inclusive: both endpoints bind the first free ports of this
             range (ports in use by other sockets are skipped); ``None``: ephemeral ports.
+        security: The cluster key and this process's keypair (default: none, plain sockets).
 
     Raises:
         ConfigError: an endpoint could not be bound (every port of ``ports`` in use, or a bad
@@ -61,8 +65,10 @@ class DataPlane:
         poll_interval_s: float,
         interrupt: Callable[[], str | None],
         ports: tuple[int, int] | None = None,
+        security: Security | None = None,
     ) -> None:
         self._host, self._ports = host, ports
+        self.security = security if security is not None else Security()
         self._busy: list[int] = []
 
         def open_comm(listen: str) -> Communicator:
@@ -75,7 +81,8 @@ class DataPlane:
                     wire_dtype=wire_dtype,
                     lanes=lanes,
                     poll_slice_s=min(0.1, poll_interval_s),
-                )
+                ),
+                security=self.security,
             )
 
         comm = self._bind("allreduce endpoint", open_comm, self._candidates(skip=None))
@@ -83,7 +90,8 @@ class DataPlane:
         try:
             server = self._bind(
                 "shard server",
-                lambda listen: ShardServer(ShardServerConfig(listen=listen)),
+                lambda listen: ShardServer(ShardServerConfig(listen=listen),
+                                           security=self.security),  # fmt: skip
                 self._candidates(skip=comm.address),
             )
         except BaseException:
@@ -132,6 +140,12 @@ class DataPlane:
     def address(self) -> str:
         """The allreduce endpoint."""
         return self._comm.address
+
+    @property
+    def public_key(self) -> str:
+        """This trainer's CURVE public key (Z85 text): what its peers see as its connections'
+        key, and its entry in a keyed topology."""
+        return self.security.public_key
 
     @property
     def shard_address(self) -> str:

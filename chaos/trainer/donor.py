@@ -24,6 +24,7 @@ from chaos.replication.pull import PullConfig, gather_manifests, plan_for_snapsh
 from chaos.replication.state import TrainingState
 from chaos.scheduling import Neighbor
 from chaos.scheduling.bounds import lower_bound
+from chaos.security import Security
 
 __all__ = ["Donor", "EventSink", "SnapshotServer"]
 
@@ -65,6 +66,7 @@ class Donor:
         poll_interval_s: Pause between two manifest requests.
         replication_timeout_s: Limit on pulling the whole state.
         pull_window: Outstanding shard requests per donor.
+        security: The cluster key the joiner's pulls connect with (default: none, plain).
     """
 
     def __init__(
@@ -79,8 +81,10 @@ class Donor:
         poll_interval_s: float,
         replication_timeout_s: float,
         pull_window: int,
+        security: Security | None = None,
     ) -> None:
         self.model = model
+        self._security = security
         self.optimizer = optimizer
         self.node_id = node_id
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -209,7 +213,11 @@ class Donor:
             )
         t0 = time.monotonic()
         manifest, keys = gather_manifests(
-            dict(rep.donor_addresses), epoch, self._join_timeout_s, self._poll_interval_s
+            dict(rep.donor_addresses),
+            epoch,
+            self._join_timeout_s,
+            self._poll_interval_s,
+            security=self._security,
         )
         t_manifest = time.monotonic()
         step = next(iter(keys.values()))[1]
@@ -226,6 +234,7 @@ class Donor:
             self._replication_timeout_s,
             neighbors=neighbors,
             config=PullConfig(window=self._pull_window),
+            security=self._security,
         )
         t_pulled = time.monotonic()
         runtime = state.apply()

@@ -33,6 +33,8 @@ class EmbeddedDaemon:
         join: A member's endpoint to join through, or ``None`` to start a new cluster.
         extra_args: More ``chaos-daemon start`` arguments (e.g. ``--heartbeat-interval 0.2``).
         run_dir: Run directory (IPC socket, event log); a fresh temporary one by default.
+        cluster_key: The cluster key file the daemon starts with (``--cluster-key``); ``None``:
+            none (the daemon then listens on loopback only).
     """
 
     def __init__(
@@ -42,6 +44,7 @@ class EmbeddedDaemon:
         join: str | None,
         extra_args: Sequence[str] = (),
         run_dir: str | None = None,
+        cluster_key: str | None = None,
     ) -> None:
         self.node_id = node_id
         self.listen = listen
@@ -50,6 +53,8 @@ class EmbeddedDaemon:
         self.endpoint = ipc_endpoint_for(self.run_dir)
         self.log_path = Path(self.run_dir) / "daemon.log"
         # it ignores SIGINT/SIGTERM and leaves on its parent's death (chaos.launch)
+        if cluster_key is not None:
+            extra_args = [*extra_args, "--cluster-key", os.fspath(cluster_key)]
         self.proc = spawn_daemon(
             daemon_command(node_id, listen, join=join, extra_args=extra_args),
             self.run_dir,

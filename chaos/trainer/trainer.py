@@ -37,6 +37,7 @@ import torch
 from chaos import ops
 from chaos.errors import ChaosError, ConfigError, DaemonGone, PeerFailure, RoundInterrupted
 from chaos.launch import free_tcp_address
+from chaos.security import ClusterKey, Security
 from chaos.trainer.dataplane import DataPlane
 from chaos.trainer.donor import Donor
 from chaos.trainer.embedded import EmbeddedDaemon
@@ -94,9 +95,14 @@ class TrainerConfig:
             pulling one; the scheduler admits it only if its state digest equals the first
             trainer's. Such members should not step until all of them are in (see
             :meth:`Trainer.wait_world`).
+        cluster_key: The cluster key file (``chaos-daemon keygen FILE``, mode 0600): the data
+            plane (allreduce endpoint, payload lanes, shard server, pulls) and a TCP connection
+            to the daemon are then authenticated and encrypted, and the embedded daemon starts
+            with ``--cluster-key``. ``None``: no key (plain sockets; see ``docs/security.md``).
 
     Raises:
-        ConfigError: a non-positive timeout or interval, or a bad ``data_ports`` range.
+        ConfigError: a non-positive timeout or interval, a bad ``data_ports`` range, or a
+            cluster key file that is missing, readable by others or not a key.
     """
 
     host: str = "127.0.0.1"
@@ -114,6 +120,7 @@ class TrainerConfig:
     pull_window: int = 8
     policy_notices: bool = True
     restored: bool = False
+    cluster_key: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -129,6 +136,10 @@ class TrainerConfig:
         if not isinstance(self.daemon_args, tuple):
             raise ConfigError("daemon_args must be a tuple of strings")
         _check_data_ports(self.data_ports)
+        if self.cluster_key is not None:
+            if not isinstance(self.cluster_key, (str, os.PathLike)):
+                raise ConfigError(f"cluster_key must be a file path, got {self.cluster_key!r}")
+            ClusterKey.load(self.cluster_key)  # a ConfigError that says what is wrong with it
 
 
 def _check_data_ports(ports: object) -> None:
@@ -217,6 +228,7 @@ class Trainer:
         except TypeError as exc:
             raise ConfigError(f"unknown Trainer option: {exc}") from exc
         _check_endpoints(join, daemon, node_id, listen)
+        self._security = Security.from_key_file(self.config.cluster_key)
         install_exit_handlers()
         # Build or load the native ops now: a first JIT build takes 30-60 s, which must not
         # happen inside a donor's serving thread or an allreduce with a timeout.
@@ -250,6 +262,7 @@ class Trainer:
             join,
             self.config.daemon_args,
             self.config.daemon_dir,
+            cluster_key=self.config.cluster_key,
         )
         try:
             embedded.wait_ready(self.config.join_timeout_s)
@@ -267,7 +280,7 @@ class Trainer:
         # the step progress goes to a local daemon only (a stopped trainer is found from it)
         beacon = StepBeacon(address) if address.startswith("ipc://") else None
         return DaemonSession(
-            DaemonClient(address, timeout_s=5.0),
+            DaemonClient(address, timeout_s=5.0, security=self._security),
             self.node_id,
             poll_interval_s=cfg.poll_interval_s,
             policy_timeout_s=cfg.policy_timeout_s,
@@ -290,6 +303,7 @@ class Trainer:
             poll_interval_s=cfg.poll_interval_s,
             interrupt=self._newer_policy,
             ports=cfg.data_ports,
+            security=self._security,
         )
 
     def _make_donor(self, plane: DataPlane) -> Donor:
@@ -305,6 +319,7 @@ class Trainer:
             poll_interval_s=cfg.poll_interval_s,
             replication_timeout_s=cfg.replication_timeout_s,
             pull_window=cfg.pull_window,
+            security=self._security,
         )
 
     # ------------------------------------------------------------------ properties
