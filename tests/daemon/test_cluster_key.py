@@ -15,11 +15,21 @@ from chaos.daemon.client import DaemonClient
 
 from chaos.errors import ProtocolError
 from chaos.protocol import (
+    ClusterUpdate,
+    ClusterView,
+    ConnectCommand,
+    FaultCommand,
     JoinRequest,
+    LeaveCommand,
     LeaveRequest,
+    LinkCommand,
     MemberHeartbeat,
     Refusal,
+    RequestVote,
+    SchedulerHeartbeat,
     StatusRequest,
+    SyncPolicyWire,
+    TrainerRegister,
     decode,
     encode,
 )
@@ -60,21 +70,30 @@ def start_keyed(cluster: Cluster, key: Path, n: int) -> list[Node]:
     return nodes
 
 
-def raw_request(node: Node, frame: bytes, sec: Security, timeout_s: float = 1.5) -> bytes | None:
-    """Sends one raw frame over a DEALER with ``sec``; the answer, or ``None`` if none came."""
+def raw_answers(node: Node, frames: list[bytes], sec: Security, wait_s: float) -> list[bytes]:
+    """Sends raw frames over one DEALER with ``sec``; every answer that came within ``wait_s``
+    after the last one (a status request last: a daemon that reads anything answers it)."""
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sec.client(sock)
     sock.connect(node.address)
+    answers: list[bytes] = []
     try:
-        sock.send(frame)
-        if sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            return sock.recv_multipart()[-1]
-        return None
+        for frame in frames:
+            sock.send(frame)
+        while sock.poll(int(wait_s * 1000), zmq.POLLIN):
+            answers.append(sock.recv_multipart()[-1])
+        return answers
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+def raw_request(node: Node, frame: bytes, sec: Security, timeout_s: float = 5.0) -> bytes | None:
+    """Sends one raw frame over a DEALER with ``sec``; the answer, or ``None`` if none came."""
+    answers = raw_answers(node, [frame], sec, timeout_s)
+    return answers[0] if answers else None
 
 
 def test_a_keyed_cluster_forms_and_refuses_strangers_and_other_keys(
@@ -92,17 +111,36 @@ def test_a_keyed_cluster_forms_and_refuses_strangers_and_other_keys(
             keyed_status(n2, sec_key, timeout_s=5.0)
     # a stranger's forged messages never reach the daemon: no answer, and nothing changes
     stranger = Security()
+    e, t = view.epoch, view.term
+    evil_view = ClusterView(epoch=e + 5, term=t + 5, scheduler="n3", nodes=[], links=[])
     forged = [
         StatusRequest(sender=""),
-        LeaveRequest(sender="n2", epoch=view.epoch, node_id="n2"),
-        MemberHeartbeat(sender="n3", epoch=view.epoch, term=view.term),
+        LeaveCommand(),
+        LinkCommand(peer="n3", op="disconnect"),
+        FaultCommand(name="partition", peers=["n1"]),
+        LeaveRequest(sender="n2", epoch=e, node_id="n2"),
+        MemberHeartbeat(sender="n3", epoch=e, term=t),
+        SchedulerHeartbeat(sender="evil", epoch=e, term=t + 50),
+        RequestVote(sender="n3", epoch=e + 1, term=t + 50, transfer=True),
+        ClusterUpdate(sender="n3", epoch=e + 5, term=t + 5, view=evil_view,
+                      sync=SyncPolicyWire(kind="single", nodes=[])),
+        ConnectCommand(sender="n1", epoch=e, term=t, peer="n3", address="tcp://127.0.0.1:9"),
         JoinRequest(sender="evil", node_id="evil", address="tcp://127.0.0.1:9"),
-    ]
-    for msg in forged:
-        assert raw_request(n1, encode(msg), stranger) is None
-        assert raw_request(n1, encode(msg), Security.from_key_file(other)) is None
-    assert {m.id for m in keyed_status(n1, key).nodes} == {"n1", "n2", "n3"}
+        TrainerRegister(data_address="tcp://127.0.0.1:9", shard_address="tcp://127.0.0.1:8",
+                        has_state=True),
+    ]  # fmt: skip
+    frames = [encode(m) for m in forged] + [encode(StatusRequest(sender=""))]
+    holder = Security.from_key_file(key)  # the status probe works for a key holder
+    assert len(raw_answers(n1, frames[-1:], holder, 2.0)) == 1
+    for target in (n1, n2):
+        for sec in (stranger, Security.from_key_file(other)):
+            assert raw_answers(target, frames, sec, 2.0) == []
+    after = keyed_status(n1, key)
+    assert {m.id for m in after.nodes} == {"n1", "n2", "n3"}
+    assert after.term == t and after.scheduler == view.scheduler
     assert all(n.alive() for n in (n1, n2, n3))
+    log = (n1.run_dir / "stderr.log").read_text()
+    assert "CURVE handshake failed" in log  # each refusal is logged
 
 
 def test_a_key_holder_cannot_speak_for_another_member(keyed: tuple[Cluster, Path]) -> None:
