@@ -546,8 +546,11 @@ class _Sender:
     def count(self, raw: bytes) -> None:
         try:
             msg = self.decode(raw)
-        except (ProtocolError, msgspec.DecodeError):
+        except (ProtocolError, msgspec.DecodeError) as exc:
             self.t.replies["undecodable"] += 1
+            samples = self.t.extra.setdefault("undecodable_replies", [])
+            if len(samples) < 3:  # a reply the target's own client could not read
+                samples.append({"hex": raw[:512].hex(), "error": str(exc)[:200]})
             return
         if isinstance(msg, m.Refusal):
             self.t.refusals[msg.reason.value] += 1

@@ -169,7 +169,8 @@ def validate_request(frames: Sequence[bytes]) -> Request | Refusal:
     if not isinstance(raw, dict):
         return refusal(0, Reason.MALFORMED, "request is not a map")
     req_id = raw.get("req_id", 0)
-    req_id = req_id if isinstance(req_id, int) and 0 <= req_id < 1 << 63 else 0
+    ok_id = isinstance(req_id, int) and not isinstance(req_id, bool) and 0 <= req_id < 1 << 63
+    req_id = req_id if ok_id else 0  # a bool would be encoded as a bool: unreadable to the joiner
     if raw.get("v") != REPLICATION_VERSION:
         return refusal(
             req_id, Reason.BAD_VERSION, f"version {raw.get('v')!r}, want {REPLICATION_VERSION}"
