@@ -48,7 +48,7 @@ import click
 import psutil
 
 from chaos.daemon.client import DaemonClient
-from chaos.daemon.config import DaemonConfig
+from chaos.daemon.config import DaemonConfig, ipc_endpoint_for
 from chaos.daemon.events import read_events
 from chaos.errors import ChaosError
 from chaos.launch import (
@@ -112,6 +112,11 @@ class _Bench:
     def status(self, nid: str) -> StatusReply:
         with DaemonClient(self.addr[nid], timeout_s=2.0) as c:
             return c.status()
+
+    def ipc(self, nid: str) -> str:
+        """``nid``'s local endpoint: operator commands (link, leave) are accepted only there
+        (or from a cluster key holder)."""
+        return ipc_endpoint_for(str(self.root / nid))
 
     def alive(self) -> list[str]:
         return sorted(n for n, p in self.procs.items() if p.poll() is None)
@@ -273,7 +278,7 @@ def _links(b: _Bench, ids: list[str], reps: int, rec: _Samples, cpu: _CpuMeter) 
     linked = {frozenset((x.a, x.b)) for x in b.status(ids[0]).links}
     pairs = [(a, c) for a in ids for c in ids if a < c and frozenset((a, c)) not in linked]
     if not pairs:  # a full mesh (3 nodes): free one link first, untimed
-        with DaemonClient(b.addr[ids[0]], timeout_s=15.0) as cl:
+        with DaemonClient(b.ipc(ids[0]), timeout_s=15.0) as cl:
             res = cl.link(ids[-1], add=False)
         if not res.ok:
             raise ChaosError(f"link remove {ids[0]}-{ids[-1]} failed: {res.reason} {res.detail}")
@@ -282,7 +287,7 @@ def _links(b: _Bench, ids: list[str], reps: int, rec: _Samples, cpu: _CpuMeter) 
     for r in range(reps):
         a, c = pairs[r % len(pairs)]
         sched = b.status(a).scheduler or ""
-        with DaemonClient(b.addr[a], timeout_s=15.0) as cl:
+        with DaemonClient(b.ipc(a), timeout_s=15.0) as cl:
             cl.status()  # the connection is up before the clock starts (no TCP handshake in it)
             cpu.start()
             _timed(b, sched, "connect_link", functools.partial(cl.link, c, add=True), rec)
@@ -314,7 +319,7 @@ def _scale_in(b: _Bench, ids: list[str], reps: int, rec: _Samples) -> None:
         sched = b.status(ids[0]).scheduler or ""
         cands = [n for n in ids[1:] if n != sched]
         victim = cands[r % len(cands)]
-        with DaemonClient(b.addr[victim], timeout_s=15.0) as cl:
+        with DaemonClient(b.ipc(victim), timeout_s=15.0) as cl:
             cl.status()  # the connection is up before the clock starts
             _timed(b, sched, "scale_in_leave", cl.leave, rec)
         b.procs[victim].wait(timeout=15)

@@ -139,6 +139,14 @@ class _Member:
     proc: subprocess.Popen[bytes]
     log: _Log
     logfile: Path
+    run_dir: Path
+
+    @property
+    def ipc(self) -> str:
+        """The embedded daemon's local endpoint (operator commands go there)."""
+        from chaos.daemon.config import ipc_endpoint_for
+
+        return ipc_endpoint_for(str(self.run_dir))
 
     def last(self) -> dict[str, Any]:
         self.log.poll()
@@ -158,11 +166,13 @@ class _Cluster:
         out = self.root / f"{nid}.jsonl"
         logfile = self.root / f"{nid}.log"
         argv = [sys.executable, "-m", "chaos.bench.primitives_worker", "--id", nid]
-        argv += ["--listen", address, "--out", str(out), *self.worker_args]
+        run_dir = self.root / f"{nid}.daemon"
+        argv += ["--listen", address, "--out", str(out), "--daemon-dir", str(run_dir)]
+        argv += self.worker_args
         argv += ["--join", join] if join else []
         env = {"TMPDIR": str(self.root), LOG_LEVEL_ENV: "WARNING"}
         proc = spawn_worker(argv, log_path=logfile, env=env, append=False)
-        member = _Member(nid, address, proc, _Log(out), logfile)
+        member = _Member(nid, address, proc, _Log(out), logfile, run_dir)
         self.members[nid] = member
         return member
 
@@ -238,7 +248,7 @@ def _link(cl: _Cluster, a: str, b: str, add: bool, settle_steps: int) -> Primiti
 
     ids = cl.live()
     before = cl.epoch()
-    with DaemonClient(cl.members[a].address, timeout_s=cl.timeout_s) as client:
+    with DaemonClient(cl.members[a].ipc, timeout_s=cl.timeout_s) as client:
         t_req = time.time()
         res = client.link(b, add=add)
         control_s = time.time() - t_req

@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         step_timeout_s=args.step_timeout_s,
         policy_timeout_s=args.policy_timeout_s,
         policy_notices=not args.no_policy_notices,
+        daemon_dir=args.daemon_dir,
     )
     with args.out.open("a") as out:
         ready = {"ready": True, "step": trainer.step, "epoch": trainer.epoch, "t": time.time()}
@@ -89,6 +90,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--step-timeout-s", type=float, default=30.0)
     ap.add_argument("--policy-timeout-s", type=float, default=10.0)
     ap.add_argument("--no-policy-notices", action="store_true", help="ask at every boundary")
+    ap.add_argument("--daemon-dir", default=None,
+                    help="the embedded daemon's run directory (its IPC socket)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.compute_s < 0 or args.width < 1:
         ap.error("--compute-s must be >= 0 and --width >= 1")
