@@ -129,13 +129,14 @@ class Membership:
     def on_refusal(self, msg: Refusal) -> bool:
         """Takes the refusal of this node's join; ``False`` when it refuses something else.
 
-        A join refused for want of a scheduler (``not_scheduler``, ``paused``) is resent; any
-        other reason ends the daemon (exit code 3).
+        A join refused for want of a scheduler (``not_scheduler``, ``paused``) or because the
+        scheduler's join budget is spent for now (``overloaded``) is resent at the next join
+        interval, until ``join_timeout_s``; any other reason ends the daemon (exit code 3).
         """
         h = self.host
         if h.state != DaemonState.JOINING or msg.ref_type != "join_request":
             return False
-        if msg.reason not in ("not_scheduler", "paused"):
+        if msg.reason not in ("not_scheduler", "paused", "overloaded"):
             log.error("join refused by %s: %s %s", msg.sender or "?", msg.reason, msg.detail)
             h.event("join_failed", reason=msg.reason, detail=msg.detail)
             h.finish(3)

@@ -35,7 +35,8 @@ _ZERO_COPY_MIN_BYTES = 64 * 1024
 _PEER_HWM = 1000
 _NOTIFY_HWM = 64
 NOTIFY_SUFFIX = ".notify"
-_HANDSHAKE_ERRORS = {
+_HANDSHAKE_IVL_MS = 5_000
+_HANDSHAKE_ERRORS: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication",
@@ -255,9 +256,10 @@ class Transport:
             self.handshake_failures += 1
             endpoint = event.get("endpoint", b"")
             where = endpoint.decode(errors="replace") if isinstance(endpoint, bytes) else endpoint
+            detail = _HANDSHAKE_ERRORS.get(int(event["event"]), "error")
             log.warning(
                 "refused a connection on %s: CURVE handshake failed (%s): the peer has no or "
-                "a different cluster key", where, _HANDSHAKE_ERRORS.get(event["event"], "error"),
+                "a different cluster key", where, detail,
             )  # fmt: skip
 
     def _router(self, endpoint: str, secure: bool = False) -> zmq.Socket[bytes]:
@@ -265,6 +267,9 @@ class Transport:
         sock.setsockopt(zmq.LINGER, 0)
         if secure:
             self.security.server(sock)
+            # a connection that has not completed its handshake within this is dropped, so
+            # idle strangers do not hold file descriptors for libzmq's default 30 s
+            sock.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_IVL_MS)
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_frame_bytes)
         sock.setsockopt(zmq.SNDHWM, 10_000)
         try:
