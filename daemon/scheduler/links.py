@@ -6,6 +6,11 @@
 * **disconnect-link**: requested (``after_allreduce``; refused if it would disconnect the
   overlay) or a failed probe (``before_next_allreduce`` with restart; the link stays, marked
   down).
+* **flap damping**: a link that a probe reports down again soon after it came back up
+  (within ``FLAP_WINDOW`` link failure timeouts) is a flapping link: its next recovery is
+  accepted only after a hold of ``link_failure_timeout_s`` doubled for each flap in a row (at
+  most 32 times); until then the member's ``probe_recovered`` is refused (``link_damped``) and
+  re-sent by the member later. One flap costs two commits, not a commit per probe.
 * **healing**: when a failure, a leave or a link loss has split the overlay of active members,
   the scheduler itself orders a connect-link across the cut, best candidate pair first
   (:mod:`chaos.daemon.scheduler.healing`); a pair that cannot reach each other is skipped for
@@ -41,6 +46,20 @@ class LinkHost(Protocol):
     def event(self, name: str, **fields: object) -> None: ...  # noqa: D102
 
 
+FLAP_WINDOW = 10.0
+"""A link that goes down again within this many link failure timeouts of coming back up
+flaps."""
+
+
+@dataclass
+class _Flaps:
+    """A link's recent failures: the flaps in a row and when its recovery may be accepted."""
+
+    count: int
+    hold_until: float
+    up_at: float | None = None
+
+
 @dataclass
 class LinkOp:
     """A connect-link waiting for its link report."""
@@ -72,6 +91,7 @@ class LinkOps:
         self._healing: str | None = None  # the op id of the heal in progress
         self._tried: set[frozenset[str]] = set()  # pairs found unreachable during this split
         self._next_heal_check = 0.0
+        self._flaps: dict[frozenset[str], _Flaps] = {}
 
     def on_request(self, msg: LinkRequest, reply: ReplyPath | None, now: float) -> None:
         """Connect-link or disconnect-link."""
@@ -92,6 +112,15 @@ class LinkOps:
             self.ledger.refuse(reply, msg.op_id, Reason.BAD_REQUEST, "link already up")
             return
         if msg.reason == "probe_recovered" and link is not None:
+            flaps = self._flaps.get(frozenset((msg.a, msg.b)))
+            if flaps is not None and now < flaps.hold_until:
+                self.host.event("link_damped", a=msg.a, b=msg.b, flaps=flaps.count,
+                                hold_s=flaps.hold_until - now)  # fmt: skip
+                self.ledger.refuse(reply, msg.op_id, Reason.BAD_REQUEST,
+                                   "link_damped: the link flaps; its recovery is held")  # fmt: skip
+                return
+            if flaps is not None:
+                flaps.up_at = now
             self.monitor.set_link(msg.a, msg.b, up=True)
             self.ledger.commit("connect_link", now, reply=reply, req_op_id=msg.op_id)
             return
@@ -112,6 +141,7 @@ class LinkOps:
             ledger.refuse(reply, msg.op_id, Reason.BAD_REQUEST, "no such link up")
             return
         if msg.reason == "probe_failed":
+            self._count_flap(frozenset((msg.a, msg.b)), now)
             self.monitor.set_link(msg.a, msg.b, up=False)
             self.host.event("link_down", a=msg.a, b=msg.b)
             ledger.commit(
@@ -179,6 +209,17 @@ class LinkOps:
             ),
         )
 
+    def _count_flap(self, key: frozenset[str], now: float) -> None:
+        """Records a link going down; sets the hold of its next recovery."""
+        window = FLAP_WINDOW * self.cfg.link_failure_timeout_s
+        f = self._flaps.get(key)
+        if f is None or f.up_at is None or now - f.up_at > window:
+            self._flaps[key] = _Flaps(count=0, hold_until=0.0)  # a first failure: no hold
+            return
+        f.count += 1
+        f.hold_until = now + self.cfg.link_failure_timeout_s * 2.0 ** min(f.count - 1, 5)
+        f.up_at = None
+
     def heal(self, now: float) -> None:
         """Orders a connect-link across the cut when the overlay of active members is split
         (one at a time, checked every heartbeat interval)."""
@@ -186,8 +227,9 @@ class LinkOps:
             return
         self._next_heal_check = now + self.cfg.heartbeat_interval_s
         members = self.monitor.members()
+        damped = {k for k, f in self._flaps.items() if now < f.hold_until}
         pairs = candidate_pairs(self.monitor.g, members, self.cfg.default_bandwidth_bps,
-                                self._tried)  # fmt: skip
+                                self._tried | damped)  # fmt: skip
         if not pairs:
             if len(components(self.monitor.g, members)) < 2:
                 self._tried.clear()  # whole again: a later split starts afresh
