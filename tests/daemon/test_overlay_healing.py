@@ -81,3 +81,24 @@ def test_candidate_pairs_join_the_largest_part_best_link_first() -> None:
     assert candidate_pairs(g, members, 1e8, [frozenset(p) for p in pairs]) == []
     g.add_edge("b", "c", up=True)
     assert candidate_pairs(g, members, 1e8) == []  # connected: nothing to heal
+
+
+def test_killing_the_scheduler_when_it_is_the_cut_vertex_is_healed(cluster: Cluster) -> None:
+    n1 = cluster.spawn("n1")  # the founder: the scheduler
+    n2 = cluster.spawn("n2", join=n1, neighbors=("n1",))
+    n3 = cluster.spawn("n3", join=n1, neighbors=("n1",))
+    n4 = cluster.spawn("n4", join=n3, neighbors=("n3",))  # overlay: n2-n1-n3-n4
+    nodes = [n1, n2, n3, n4]
+    ids = {x.id for x in nodes}
+    wait_until(lambda: all(cluster.members(x) == ids for x in nodes), "everyone sees everyone")
+    assert scheduler_of(n2) == "n1"
+    cluster.kill9(n1)
+    survivors = [n2, n3, n4]
+    left = {n.id for n in survivors}
+
+    def healed() -> bool:
+        g = overlay(survivors[0])
+        return set(g.nodes) == left and nx.is_connected(g) and scheduler_of(n2) in left
+
+    wait_until(healed, "a new scheduler and a connected overlay", timeout_s=60.0)
+    assert all(n.alive() for n in survivors)
