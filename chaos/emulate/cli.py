@@ -4,6 +4,8 @@
   bandwidth and latency against its setting, prints a table and writes JSON.
 - ``chaos-emulate relay-bench``: measures the latency relay's delay accuracy and its ceiling.
 - ``chaos-emulate cleanup``: removes namespaces left behind by crashed runs.
+- ``chaos-emulate demo``, ``run``, ``compare`` and ``chaos`` (the fault campaign): real
+  clusters, see :mod:`chaos.emulate.commands`.
 
 Progress goes to stderr, tables to stdout. Without root each command says so and exits with 2.
 """
@@ -321,9 +323,9 @@ def cleanup_command(prefix: str, force: bool) -> None:
 
 
 def _register_run_commands() -> None:
-    from chaos.emulate.commands import compare_command, demo_command, run_command
+    from chaos.emulate.commands import chaos_command, compare_command, demo_command, run_command
 
-    for cmd in (demo_command, run_command, compare_command):
+    for cmd in (demo_command, run_command, compare_command, chaos_command):
         main.add_command(cmd)
 
 

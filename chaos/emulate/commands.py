@@ -19,7 +19,7 @@ from typing import Any
 
 import click
 
-from chaos.emulate.metrics import consistency, summarize
+from chaos.emulate.metrics import consistency, continuity, summarize
 from chaos.emulate.runner import EmulationError, Runner, RunResult
 from chaos.emulate.scenario import Event, Scenario, demo_scenario, load_scenario
 from chaos.errors import ChaosError, ConfigError
@@ -81,11 +81,27 @@ def result_doc(result: RunResult, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "note": "devices replicate a state of the model's size; only a small head trains",
         "metrics": rows,
         "consistency": consistency(result),
+        "continuity": continuity(result),
         "harness_events": result.harness_events,
         "daemon_events": result.daemon_events,
         "devices": result.devices,
         "link_rates_bps": result.link_rates,
     }
+
+
+def print_continuity(result: RunResult) -> None:
+    """Whether training went on after the last fault, each device that stopped or paused (and
+    for how long), and the members' bitwise agreement."""
+    cont = continuity(result)
+    click.echo(f"training continued after the last fault: "
+               f"{'yes' if cont['training_continued'] else 'NO'}")  # fmt: skip
+    for node, gaps in sorted(cont["outages"].items()):
+        spans = ", ".join(f"{g['kind']} {g['s']:.1f} s at +{g['from'] - result.started:.0f} s"
+                          for g in gaps)  # fmt: skip
+        click.echo(f"  {node}: {spans}")
+    if not cont["outages"]:
+        click.echo("  no device stopped or paused")
+    click.echo(f"members bitwise equal: {consistency(result)}  network: {result.network}")
 
 
 def _write(path: Path, doc: dict[str, Any]) -> None:
@@ -113,17 +129,16 @@ def _run_scenario(sc: Scenario, out: Path, shaped: bool) -> tuple[RunResult, lis
               help="Shrinks bandwidths and the state together.")  # fmt: skip
 @click.option("--loopback", is_flag=True, help="Unshaped loopback mode (no root needed).")
 def demo_command(nodes: int, out_dir: Path, model: str, scale: float, loopback: bool) -> None:
-    """A small cluster through a join, a leave, a kill -9, a link add and a link cut."""
+    """A small cluster through a join, a leave, a kill -9, a link add, a link cut, a partition
+    and a heal (victims drawn among every device and link, cut vertices and bridges included)."""
     shaped = _shaped(loopback)
     try:
         sc = demo_scenario(nodes, scale, model)
-        if not shaped:
-            sc = replace(sc, events=tuple(e for e in sc.events if e.kind != "link_cut"))
     except ConfigError as exc:
         raise click.BadParameter(str(exc)) from exc
     result, rows = _run_scenario(sc, out_dir, shaped)
     print_event_table(rows)
-    click.echo(f"members bitwise equal: {consistency(result)}  network: {result.network}")
+    print_continuity(result)
     _write(out_dir / "demo.json", result_doc(result, rows))
     from chaos.emulate.plots import plot_timeline
 
@@ -145,6 +160,7 @@ def run_command(scenario_file: Path, json_path: Path, loopback: bool) -> None:
     shaped = _shaped(loopback)
     result, rows = _run_scenario(sc, json_path.parent / f"{json_path.stem}-run", shaped)
     print_event_table(rows)
+    print_continuity(result)
     _write(json_path, result_doc(result, rows))
 
 
@@ -323,3 +339,84 @@ def print_compare_table(summary: dict[str, Any]) -> None:
         click.echo(f"{'lower bound':<16}" + "".join(
             f"{_fmt(table['chaos'].get(k, {}).get('lower_bound_s'), ''):>10}" for k in keys))
     click.echo(json.dumps(summary["ratios"], indent=1))
+
+
+def _parse_weights(text: str | None) -> dict[str, float]:
+    from chaos.emulate.campaign import DEFAULT_WEIGHTS
+
+    if not text:
+        return dict(DEFAULT_WEIGHTS)
+    out = dict.fromkeys(DEFAULT_WEIGHTS, 0.0)
+    for part in text.split(","):
+        kind, _, w = part.partition("=")
+        if kind.strip() not in out:
+            raise click.BadParameter(f"{kind!r}: kinds are {', '.join(DEFAULT_WEIGHTS)}")
+        try:
+            out[kind.strip()] = float(w)
+        except ValueError as exc:
+            raise click.BadParameter(f"{part!r}: expected KIND=WEIGHT") from exc
+    return out
+
+
+@click.command("chaos")
+@click.option("--nodes", type=click.IntRange(2, 32), default=6, show_default=True,
+              help="Devices at the start; joiners refill the cluster to this size.")  # fmt: skip
+@click.option("--duration", type=click.FloatRange(1.0, 7 * 86400.0), default=600.0,
+              show_default=True, help="Seconds of fault injection.")  # fmt: skip
+@click.option("--rate", type=click.FloatRange(0.01, 600.0), default=6.0, show_default=True,
+              help="Faults per minute (Poisson); replacement joins come on top.")  # fmt: skip
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              required=True)  # fmt: skip
+@click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--loopback", is_flag=True, help="Unshaped loopback mode (no root needed).")
+@click.option("--min-live", type=click.IntRange(2, 32), default=None,
+              help="Never fewer running devices (default: max(2, nodes // 2)).")  # fmt: skip
+@click.option("--max-live", type=click.IntRange(0, 64), default=0,
+              help="Never more running devices (0: twice --nodes).")  # fmt: skip
+@click.option("--weights", default=None,
+              help="KIND=W,... relative frequency of leave, kill, link_cut, partition, heal.")
+@click.option("--cut-vertex-bias", type=click.FloatRange(0.0, 1.0), default=0.5,
+              show_default=True,
+              help="Probability that a kill aims at a cut vertex of the overlay, if any.")
+@click.option("--model", default="synthetic:8", show_default=True)
+@click.option("--scale", type=float, default=0.05, show_default=True)
+@click.option("--sample", "sample_s", type=click.FloatRange(0.5, 600.0), default=5.0,
+              show_default=True, help="Seconds between RSS / open-file samples.")  # fmt: skip
+@click.option("--warmup", "warmup_s", type=click.FloatRange(0.0, 3600.0), default=20.0,
+              show_default=True, help="A device's samples this soon after ready are not the "
+              "baseline.")  # fmt: skip
+def chaos_command(nodes: int, duration: float, rate: float, seed: int, json_path: Path,
+                  plot_dir: Path | None, loopback: bool, min_live: int | None, max_live: int,
+                  weights: str | None, cut_vertex_bias: float, model: str, scale: float,
+                  sample_s: float, warmup_s: float) -> None:  # fmt: skip
+    """A fault campaign and soak: Poisson-timed joins, leaves, kill -9s, link cuts,
+    partitions and heals on a training cluster; reports per fault kind whether and how fast
+    training resumed, lost or divergent steps, crashes, ETTR, and RSS/open files over time."""
+    from chaos.emulate.campaign import Campaign, CampaignConfig, format_table
+
+    try:
+        cfg = CampaignConfig(nodes=nodes, duration_s=duration, rate_per_min=rate, seed=seed,
+                             min_live=min_live if min_live is not None else max(2, nodes // 2),
+                             max_live=max_live, weights=_parse_weights(weights),
+                             cut_vertex_bias=cut_vertex_bias, model=model, scale=scale,
+                             sample_s=sample_s, warmup_s=warmup_s)  # fmt: skip
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    shaped = _shaped(loopback)
+    camp = Campaign(cfg, json_path.parent / f"{json_path.stem}-run", shaped,
+                    progress=_progress_printer())  # fmt: skip
+    n_faults = sum(1 for e in camp.plan if e.kind != "join")
+    click.echo(f"plan: {len(camp.plan)} events ({n_faults} faults) over {duration:.0f} s",
+               err=True)  # fmt: skip
+    try:
+        doc = camp.run()
+    except (EmulationError, ChaosError, OSError) as exc:
+        raise click.ClickException(f"the campaign failed: {exc}") from exc
+    click.echo(format_table(doc))
+    _write(json_path, doc)
+    if plot_dir is not None:
+        from chaos.emulate.plots import plot_campaign
+
+        path = plot_campaign(doc, plot_dir / "chaos_timeline.png")
+        click.echo(f"wrote {path}", err=True)

@@ -13,10 +13,12 @@ So the harness's figures measure scale-out, replication and the control plane, n
 throughput; that is stated wherever they are reported.
 
 The device appends JSON lines to ``--out``: ``ready`` (with the trainer's join and replication
-events), one ``step`` record per step (its duration and the time spent in ``update``), and
-``left``. The harness steers it through files beside ``--out``: ``<out>.leave`` asks for a
-graceful leave at the next step boundary; ``<out>.checkpoint`` asks it to save its state to that
-path's ``.pt`` sibling and exit (the stop-resume baseline).
+events), one ``step`` record per step (its duration and the time spent in ``update``),
+``stalled`` when ``update`` raised ``TrainingStalled`` (its daemon paused, or it is cut off: it
+keeps its gradients and tries again) and ``left``. The harness steers it through files beside
+``--out``: ``<out>.leave`` asks for a graceful leave at the next step boundary;
+``<out>.checkpoint`` asks it to save its state to that path's ``.pt`` sibling and exit (the
+stop-resume baseline).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any, TextIO
 import torch
 
 from chaos.models import model_summary
-from chaos.trainer import capture_exit_event
+from chaos.trainer import TrainingStalled, capture_exit_event
 from chaos.trainer.worker import (
     EventTail,
     add_member_arguments,
@@ -225,7 +227,14 @@ def _train(
         loss.backward()
         time.sleep(args.step_time)  # stands in for the forward/backward pass of the real model
         t1 = time.time()
-        trainer.update()
+        try:
+            trainer.update()
+        except TrainingStalled as exc:  # paused or cut off: wait on (the gradients are intact)
+            write_record(out, {"kind": "stalled", "t": time.time(), "step": trainer.step,
+                               "error": str(exc)[-300:]})  # fmt: skip
+            if leave_flag.exists() or exit_event():
+                break
+            continue
         serving = trainer.check_state_replication()
         t2 = time.time()
         write_record(out, {"kind": "step", "t": t2, "step": trainer.step, "epoch": trainer.epoch,
@@ -248,6 +257,9 @@ def _train(
             trainer.request_node_exit()
             write_record(out, {"kind": "left", "t": time.time(), "step": trainer.step})
             return 0
+    trainer.request_node_exit()  # asked to leave while stalled
+    write_record(out, {"kind": "left", "t": time.time(), "step": trainer.step})
+    return 0
 
 
 if __name__ == "__main__":

@@ -11,9 +11,11 @@
 * **cluster idle time**: the sum over the other devices of the time each was blocked because of
   the scale-out: for every step that overlaps the scale-out, its duration beyond that device's
   median step duration outside any event.
-* **primitive delay** (leave, link add/remove/cut): the stall added to the training step (the
-  largest excess step duration on any device in the event's window) plus the control-path time
-  (the CLI's round trip, for link add/remove).
+* **primitive delay** (leave, link add/remove/cut, partition, heal): the stall added to the
+  training step (the largest excess step duration on any device in the event's window) plus the
+  control-path time (the CLI's round trip, for link add/remove).
+* **continuity**: whether training went on after the last fault, and each device's outages (the
+  gaps in its steps: paused, stalled or stopped).
 * **failure detection time**: from ``kill -9`` to the first step every survivor ran under a
   policy without the dead node.
 """
@@ -27,6 +29,8 @@ from chaos.emulate.runner import RunResult
 
 WINDOW_S = 3.0
 """Steps this long before/after an event's interval are attributed to it (for stalls)."""
+_TIMELINE_KINDS = ("join", "leave", "kill", "link_add", "link_remove", "link_cut", "partition",
+                   "heal")  # fmt: skip
 
 
 def _steps(result: RunResult, node: str) -> list[dict[str, Any]]:
@@ -46,7 +50,7 @@ def _baseline(result: RunResult, node: str, busy: list[tuple[float, float]]) -> 
 def _busy_intervals(result: RunResult) -> list[tuple[float, float]]:
     out = []
     for ev in result.harness_events:
-        if ev["kind"] in ("join", "leave", "kill", "link_add", "link_remove", "link_cut"):
+        if ev["kind"] in _TIMELINE_KINDS:
             end = max(ev.get("ready_t", ev["t"]), ev.get("done_t", ev["t"]))
             out.append((ev["t"] - 0.5, end + WINDOW_S))
     return out
@@ -147,7 +151,7 @@ def summarize(result: RunResult) -> list[dict[str, Any]]:
     rows = []
     for ev in result.harness_events:
         kind = ev["kind"]
-        if kind not in ("join", "leave", "kill", "link_add", "link_remove", "link_cut"):
+        if kind not in _TIMELINE_KINDS:
             continue
         row: dict[str, Any] = {"event": ev.get("label", kind), "kind": kind, "t": ev["t"]}
         if kind == "join":
@@ -182,3 +186,96 @@ def consistency(result: RunResult) -> dict[str, int]:
     shared = [s for s, n in counts.items() if n >= 2]
     return {"steps_compared": len(shared),
             "mismatches": sum(1 for s in shared if len(by_step.get(s, ())) > 1)}
+
+
+GAP_FACTOR = 5.0
+"""A pause between two steps of a device longer than this many times its median step interval
+(and :data:`MIN_GAP_S`) is an outage."""
+MIN_GAP_S = 1.0
+
+
+def _gap_threshold(times: list[float]) -> float:
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    return max(MIN_GAP_S, GAP_FACTOR * statistics.median(gaps)) if gaps else MIN_GAP_S
+
+
+def device_outages(
+    devices: dict[str, list[dict[str, Any]]],
+    daemon_events: list[dict[str, Any]],
+    end_t: float,
+    gone: dict[str, str] | None = None,
+) -> dict[str, list[dict[str, Any]]]:
+    """Each device's outages: the gaps in its step timeline.
+
+    A gap is a pause between two consecutive steps (or from its last step to ``end_t``) longer
+    than :data:`GAP_FACTOR` times its median step interval, and at least :data:`MIN_GAP_S`. It
+    is ``paused`` when the device's daemon logged ``paused`` (its side lost the majority) during
+    it, ``stopped`` when the device never stepped again although it ran to the end, and
+    ``stalled`` otherwise. A device that was killed, left or was asked to go (``gone``) has no
+    gap after its last step.
+
+    Args:
+        devices: Each device's records (``step`` records carry ``t``).
+        daemon_events: The daemons' event logs (with ``node``, ``ts``, ``event``).
+        end_t: When the run ended.
+        gone: Why a device stopped early (``kill``, ``leave``, ``crash``, ...), by name.
+
+    Returns:
+        The outages by device (devices without one are left out), each
+        ``{"from", "to", "s", "kind"}``.
+    """
+    gone = gone or {}
+    pauses: dict[str, list[float]] = {}
+    for e in daemon_events:
+        if e.get("event") == "paused":
+            pauses.setdefault(str(e.get("node")), []).append(float(e["ts"]))
+    out: dict[str, list[dict[str, Any]]] = {}
+    for node, recs in devices.items():
+        times = [float(r["t"]) for r in recs if r.get("kind") == "step"]
+        if not times:
+            continue
+        limit = _gap_threshold(times)
+        left = any(r.get("kind") in ("left", "checkpointed") for r in recs)
+        spans = [(a, b, False) for a, b in zip(times, times[1:], strict=False)]
+        if not left and node.split(".")[0] not in gone:
+            spans.append((times[-1], end_t, True))
+        found = []
+        for a, b, last in spans:
+            if b - a <= limit:
+                continue
+            paused = any(a <= t <= b for t in pauses.get(node.split(".")[0], ()))
+            kind = "paused" if paused else "stopped" if last else "stalled"
+            found.append({"from": a, "to": b, "s": b - a, "kind": kind})
+        if found:
+            out[node] = found
+    return out
+
+
+def training_continued(devices: dict[str, list[dict[str, Any]]], after_t: float) -> bool:
+    """Whether any device recorded a step after ``after_t`` (the last fault)."""
+    return any(
+        r.get("kind") == "step" and r["t"] > after_t for recs in devices.values() for r in recs
+    )
+
+
+def continuity(result: RunResult) -> dict[str, Any]:
+    """Whether training went on after the last fault of the run, and each device's outages.
+
+    Returns:
+        ``{"training_continued", "last_fault_t", "outages": {device: [gap, ...]}}``; see
+        :func:`device_outages`.
+    """
+    from chaos.emulate.scenario import FAULT_KINDS
+
+    faults = [e["t"] for e in result.harness_events if e["kind"] in FAULT_KINDS]
+    ends = [e["t"] for e in result.harness_events if e["kind"] == "end"]
+    end_t = ends[-1] if ends else max(
+        (r["t"] for recs in result.devices.values() for r in recs if "t" in r), default=0.0)
+    gone = {str(e["node"]): e["kind"] for e in result.harness_events
+            if e["kind"] in ("kill", "leave") and e.get("node")}  # fmt: skip
+    last = max(faults, default=result.started)
+    return {
+        "training_continued": training_continued(result.devices, last),
+        "last_fault_t": last,
+        "outages": device_outages(result.devices, result.daemon_events, end_t, gone),
+    }

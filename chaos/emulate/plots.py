@@ -118,3 +118,72 @@ def plot_compare(
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
     return paths
+
+
+_EVENT_COLORS = {"join": "tab:green", "leave": "tab:olive", "kill": "tab:red",
+                 "link_cut": "tab:orange", "partition": "tab:purple", "heal": "tab:blue",
+                 "crash": "black", "leave_timeout": "black"}  # fmt: skip
+
+
+def plot_campaign(doc: dict[str, Any], path: Path, bin_s: float = 5.0) -> Path:
+    """A fault campaign's timeline: steps per second of the cluster's history and the number
+    of running and training devices, with every event as a coloured vertical mark.
+
+    Args:
+        doc: The campaign's JSON document (:func:`chaos.emulate.campaign.report`).
+        path: The PNG to write.
+        bin_s: Width of the steps-per-second bins.
+
+    Returns:
+        ``path``.
+    """
+    t0 = doc["started"]
+    end = doc["ended"] - t0
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 6), sharex=True)
+    nbins = max(1, int(end // bin_s) + 1)
+    counts = [0] * nbins
+    for t, _step in doc["timeline"]["lineage"]:
+        i = int((t - t0) // bin_s)
+        if 0 <= i < nbins:
+            counts[i] += 1
+    ax1.step([i * bin_s for i in range(nbins)], [c / bin_s for c in counts], where="post",
+             lw=0.9, color="tab:blue")  # fmt: skip
+    ax1.set_ylabel("steps / s (history)")
+    members = [(t - t0, w) for t, w in doc["timeline"]["members"] if t >= t0]
+    if members:
+        ax2.plot([m[0] for m in members], [m[1] for m in members], ".", ms=1.5,
+                 color="tab:gray", label="world of each step")  # fmt: skip
+    live: list[tuple[float, int]] = []
+    n = doc["config"]["nodes"]
+    for ev in doc["harness_events"]:
+        if ev["t"] < t0:
+            continue
+        if ev["kind"] == "join":
+            n += 1
+        elif ev["kind"] in ("kill", "leave", "crash"):
+            n -= 1
+        live.append((ev["t"] - t0, n))
+    if live:
+        ax2.step([0.0] + [x[0] for x in live], [doc["config"]["nodes"]] + [x[1] for x in live],
+                 where="post", color="tab:green", lw=1.0, label="running devices")  # fmt: skip
+    ax2.set_ylabel("devices")
+    ax2.set_xlabel("time since the cluster was up (s)")
+    seen: set[str] = set()
+    for ev in doc["harness_events"]:
+        color = _EVENT_COLORS.get(ev["kind"])
+        if color is None or ev["t"] < t0:
+            continue
+        for ax in (ax1, ax2):
+            ax.axvline(ev["t"] - t0, color=color, lw=0.5, alpha=0.6,
+                       label=ev["kind"] if ax is ax1 and ev["kind"] not in seen else None)
+        seen.add(ev["kind"])
+    ax1.legend(fontsize=6, ncol=8, loc="upper right")
+    ax2.legend(fontsize=6, loc="lower right")
+    e = doc["ettr"]["ettr"]
+    ax1.set_title(f"fault campaign ({doc['network']}): {doc['injected_faults']} faults, "
+                  f"ETTR {e:.3f}" if e is not None else "fault campaign")  # fmt: skip
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import random
 import shutil
 import signal
@@ -33,7 +34,7 @@ from chaos.emulate.network import LinkSpec, Network, NetworkConfig
 from chaos.emulate.scenario import Event, Scenario
 from chaos.emulate.schedule import BandwidthSchedule, ScheduleConfig, random_overlay
 from chaos.errors import ChaosTimeout
-from chaos.launch import daemon_cli, signal_group, spawn_worker
+from chaos.launch import daemon_cli, free_port, signal_group, spawn_worker
 
 log = logging.getLogger("chaos.emulate.runner")
 
@@ -43,7 +44,11 @@ READY_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
 PROBE_FULL_BYTES = 4 << 20  # the daemon's default bandwidth probe
 PROBE_MIN_BYTES = 256 << 10
-DAEMON_ARGS = ("--heartbeat-interval", "0.5", "--failure-timeout", "1.5")
+DAEMON_ARGS = ("--heartbeat-interval", "0.5", "--failure-timeout", "1.5",
+               "--enable-fault-injection")  # fmt: skip
+"""Every daemon accepts the named faults: loopback cuts and partitions are injected that way."""
+FAULT_TIMEOUT_S = 30.0
+"""How long one ``chaos-daemon fault`` call may take."""
 
 
 class EmulationError(RuntimeError):
@@ -97,7 +102,7 @@ class _Loopback:
     """The unshaped stand-in for :class:`Network` (no root): every device on 127.0.0.1."""
 
     def __init__(self, devices: tuple[str, ...]) -> None:
-        self._ports = {d: DAEMON_PORT + i for i, d in enumerate(devices)}
+        self._ports = {d: free_port() for d in devices}  # parallel runs never collide
         self._links: dict[tuple[str, str], LinkSpec] = {}
 
     def address(self, node: str) -> str:
@@ -116,7 +121,7 @@ class _Loopback:
         self._links.pop(tuple(sorted((a, b))), None)  # type: ignore[arg-type]
 
     def cut_link(self, a: str, b: str) -> None:
-        raise EmulationError("link cut needs the shaped network (root); loopback cannot drop")
+        raise EmulationError("loopback cannot drop packets: cut links with the daemons' faults")
 
     def popen(self, node: str, argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
         return subprocess.Popen(argv, **kwargs)
@@ -159,6 +164,8 @@ class Runner:
         self._net: Any = None
         self._schedule: BandwidthSchedule | None = None
         self._t0 = 0.0
+        self.cut: set[tuple[str, str]] = set()  # links cut by a link_cut or a partition
+        self.partitions: list[tuple[str, ...]] = []  # sides cut off, until the next heal
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -351,6 +358,8 @@ class Runner:
             "link_add": self._link_add,
             "link_remove": self._link_remove,
             "link_cut": self._link_cut,
+            "partition": self._partition,
+            "heal": self._heal,
         }[ev.kind]
         rec = self._mark(ev.kind, label=ev.label())
         handler(ev, rec)
@@ -367,18 +376,23 @@ class Runner:
         ready = self._wait_ready(name)
         rec["ready_t"] = ready["t"]
 
+    def overlay(self) -> nx.Graph:
+        """The running devices and the links between them (cut links included)."""
+        live = sorted(self.running())
+        g = nx.Graph()
+        g.add_nodes_from(live)
+        g.add_edges_from((a, b) for a, b in self._net.links() if a in g and b in g)
+        return g
+
     def _pick_node(self, ev: Event) -> str:
-        """The event's node, or a running device whose loss keeps the overlay connected."""
+        """The event's node, or any running device: a cut vertex of the overlay, or the
+        scheduler, is as likely as any other (the scheduler heals a split overlay)."""
         if ev.node is not None:
             return ev.node
         live = sorted(self.running())
-        g = nx.Graph(list(self._net.links()))
-        g.add_nodes_from(live)
-        g = g.subgraph(live).copy()
-        cands = [n for n in live[1:] if nx.is_connected(g.subgraph(set(live) - {n}))]
-        if not cands:
-            raise EmulationError(f"no device can go without splitting the overlay: {live}")
-        return str(self.pick_rng.choice(cands))
+        if len(live) < 2:
+            raise EmulationError(f"no device can go: only {live} run")
+        return str(self.pick_rng.choice(live))
 
     def _leave(self, ev: Event, rec: dict[str, Any]) -> None:
         d = self.devices[self._pick_node(ev)]
@@ -391,11 +405,13 @@ class Runner:
         except subprocess.TimeoutExpired as exc:
             raise EmulationError(f"{d.name} did not leave within {STOP_TIMEOUT_S} s") from exc
         rec["done_t"] = time.time()
-        self._drop_links(d.name)
+        # its links stay: its namespace keeps forwarding, as a killed device's does, so the
+        # others stay reachable through it and the scheduler can heal a split overlay
 
     def _kill(self, ev: Event, rec: dict[str, Any]) -> None:
         d = self.devices[self._pick_node(ev)]
         rec["label"] = f"kill {d.name}"
+        rec["cut_vertex"] = d.name in set(nx.articulation_points(self.overlay()))
         d.gone = "kill"
         rec["node"] = d.name
         rec["t"] = time.time()
@@ -538,21 +554,13 @@ class Runner:
             self.watch(0.2)
         raise ChaosTimeout(f"{members} did not all step together within {READY_TIMEOUT_S} s")
 
-    def _drop_links(self, node: str) -> None:
-        for a, b in list(self._net.links()):
-            if node in (a, b):
-                self._net.remove_link(a, b)
-
     def _pick_link(self, ev: Event, existing: bool) -> tuple[str, str]:
         if ev.a is not None and ev.b is not None:
             return ev.a, ev.b
         live = sorted(self.running())
-        g = nx.Graph(list(self._net.links()))
-        g.add_nodes_from(live)
-        g = g.subgraph(live).copy()
-        if existing:
-            bridges = {tuple(sorted(e)) for e in nx.bridges(g)}
-            cands = [e for e in sorted(g.edges) if tuple(sorted(e)) not in bridges]
+        g = self.overlay()
+        if existing:  # any link, a bridge included, but not one that is cut already
+            cands = [(a, b) for a, b in sorted(g.edges) if (min(a, b), max(a, b)) not in self.cut]
         else:
             cands = [(a, b) for i, a in enumerate(live) for b in live[i + 1 :]
                      if not g.has_edge(a, b)]  # fmt: skip
@@ -562,10 +570,41 @@ class Runner:
         return str(a), str(b)
 
     def _daemon_cli(self, node: str, *args: str) -> tuple[int, float, str]:
-        argv = daemon_cli(*args, "--connect", self._endpoint(node))
+        """Runs a ``chaos-daemon`` client command against ``node``'s daemon, through its local
+        IPC socket (a path: reachable from outside the namespace; ``link``, ``leave`` and
+        ``fault`` are refused over unauthenticated TCP)."""
         t0 = time.monotonic()
-        res = self._net.exec(node, argv, timeout_s=60.0, check=False)
+        res = subprocess.run(daemon_cli(*args), capture_output=True, text=True, timeout=60.0,
+                             check=False, env=self._ipc_env(node))  # fmt: skip
         return res.returncode, time.monotonic() - t0, (res.stderr or "")[-300:]
+
+    def _ipc_env(self, node: str) -> dict[str, str]:
+        return {**os.environ, "CHAOS_DAEMON_DIR": str(self.devices[node].daemon_dir)}
+
+    def _faults(self, orders: dict[str, list[str]]) -> dict[str, str]:
+        """Sends ``chaos-daemon fault ARGS`` to each named device's daemon, all at once.
+
+        Args:
+            orders: The fault command's arguments (name, then peers) by device.
+
+        Returns:
+            The error text of each device whose daemon refused or did not answer.
+        """
+        procs = {n: subprocess.Popen(daemon_cli("fault", *args), stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True, env=self._ipc_env(n))
+                 for n, args in orders.items() if n in self.devices}  # fmt: skip
+        errors = {}
+        deadline = time.monotonic() + FAULT_TIMEOUT_S
+        for n, p in procs.items():
+            try:
+                _, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                _, err = p.communicate(timeout=10)
+                err = f"no answer within {FAULT_TIMEOUT_S} s"
+            if p.returncode != 0:
+                errors[n] = (err or "").strip()[-200:]
+        return errors
 
     def _link_add(self, ev: Event, rec: dict[str, Any]) -> None:
         a, b = self._pick_link(ev, existing=False)
@@ -580,13 +619,79 @@ class Runner:
         code, took, err = self._daemon_cli(a, "link", "remove", b)
         rec.update(a=a, b=b, label=f"link_remove {a}-{b}", rc=code, cli_s=took)
         self._net.remove_link(a, b)
+        self.cut.discard((min(a, b), max(a, b)))
         if code != 0:
             rec["note"] = f"refused: {err.strip()}"
 
     def _link_cut(self, ev: Event, rec: dict[str, Any]) -> None:
         a, b = self._pick_link(ev, existing=True)
-        rec.update(a=a, b=b, label=f"link_cut {a}-{b}", t=time.time())
-        self._net.cut_link(a, b)
+        bridges = {tuple(sorted(e)) for e in nx.bridges(self.overlay())}
+        rec.update(a=a, b=b, label=f"link_cut {a}-{b}", t=time.time(),
+                   bridge=tuple(sorted((a, b))) in bridges)  # fmt: skip
+        self._cut_links([(a, b)], rec)
+
+    def _cut_links(self, links: list[tuple[str, str]], rec: dict[str, Any]) -> None:
+        """Cuts links: tc blackhole in the namespaces, the daemons' ``cut_link`` on loopback
+        (where the control plane loses the link's frames; the data plane follows the policy)."""
+        links = [(a, b) for a, b in links if (min(a, b), max(a, b)) not in self.cut]
+        if self.shaped:
+            for a, b in links:
+                self._net.cut_link(a, b)
+        else:
+            orders: dict[str, list[str]] = {}
+            for a, b in links:
+                orders.setdefault(a, ["cut_link"]).append(b)
+                orders.setdefault(b, ["cut_link"]).append(a)
+            refused = self._faults(orders)
+            if refused:
+                rec["note"] = f"fault refused: {refused}"
+        self.cut.update((min(a, b), max(a, b)) for a, b in links)
+
+    def _partition(self, ev: Event, rec: dict[str, Any]) -> None:
+        """Cuts a set of devices off from every other device: in the namespaces, every link
+        crossing the cut is blackholed (links to killed devices included, whose namespaces
+        still forward); on loopback, the side's daemons get the named fault ``partition`` (keep
+        the side) and every other daemon ``cut_link`` to the side's members."""
+        live = sorted(self.running())
+        side = tuple(sorted(ev.nodes)) if ev.nodes else self._draw_minority(live)
+        rest = [n for n in live if n not in side]
+        if not rest:
+            raise EmulationError(f"a partition of {side} leaves no device on the other side")
+        rec.update(nodes=list(side), label=f"partition {','.join(side)}", t=time.time(),
+                   majority=2 * len(side) > len(live))  # fmt: skip
+        self.partitions.append(side)
+        if self.shaped:
+            crossing = [(a, b) for a, b in sorted(self._net.links()) if (a in side) != (b in side)]
+            self._cut_links(crossing, rec)
+            rec["links_cut"] = len(crossing)
+            return
+        orders = {n: ["partition", *side] for n in side}
+        orders.update({n: ["cut_link", *side] for n in rest})
+        refused = self._faults(orders)
+        if refused:
+            rec["note"] = f"fault refused: {refused}"
+
+    def _draw_minority(self, live: list[str]) -> tuple[str, ...]:
+        if len(live) < 2:
+            raise EmulationError(f"no partition of {live}")
+        k = self.pick_rng.randint(1, max(1, (len(live) - 1) // 2))
+        return tuple(sorted(self.pick_rng.sample(live, k)))
+
+    def _heal(self, ev: Event, rec: dict[str, Any]) -> None:
+        """Restores every link cut and every partition (loopback: ``fault clear`` on every
+        running daemon)."""
+        rec.update(t=time.time(), links=sorted(f"{a}-{b}" for a, b in self.cut),
+                   partitions=[list(p) for p in self.partitions])  # fmt: skip
+        if self.shaped:
+            for a, b in sorted(self.cut):
+                if (a, b) in self._net.links() and self._net.is_cut(a, b):
+                    self._net.restore_link(a, b)
+        else:
+            refused = self._faults({n: ["clear"] for n in self.running()})
+            if refused:
+                rec["note"] = f"fault refused: {refused}"
+        self.cut.clear()
+        self.partitions.clear()
 
     def _rate(self, a: str, b: str) -> float:
         sched = self._schedule

@@ -18,6 +18,7 @@ A scenario file (see ``examples/scenarios/``)::
     [[events]]
     at_s = 5                      # seconds after the cluster is up
     kind = "join"                 # join | leave | kill | link_add | link_remove | link_cut
+                                  # | partition | heal
     [[events]]
     at_s = 15
     kind = "kill"
@@ -27,13 +28,23 @@ A scenario file (see ``examples/scenarios/``)::
     kind = "link_cut"
     a = "n0"
     b = "n1"
+    [[events]]
+    at_s = 35
+    kind = "partition"            # cut these devices off from the rest
+    nodes = ["n0", "n1"]
+    [[events]]
+    at_s = 50
+    kind = "heal"                 # restore every partition and cut link
 
     [poisson]                      # optional: joins as a Poisson process
     rate_per_s = 0.05
     until_s = 120
 
-A ``join`` without ``node`` gets the next free name. Everything is validated on load; a bad
-file raises :class:`~chaos.errors.ConfigError` naming the field.
+A ``join`` without ``node`` gets the next free name. A ``leave``, ``kill`` or ``link_cut``
+without a device or link hits any running device or link the runner draws, a cut vertex or a
+bridge of the overlay included; a ``partition`` without ``nodes`` cuts off a random minority.
+Everything is validated on load; a bad file raises :class:`~chaos.errors.ConfigError` naming
+the field.
 """
 
 from __future__ import annotations
@@ -47,10 +58,16 @@ from typing import Any, Literal, cast
 
 from chaos.errors import ConfigError
 
-EventKind = Literal["join", "leave", "kill", "link_add", "link_remove", "link_cut"]
-EVENT_KINDS: tuple[str, ...] = ("join", "leave", "kill", "link_add", "link_remove", "link_cut")
+EventKind = Literal[
+    "join", "leave", "kill", "link_add", "link_remove", "link_cut", "partition", "heal"
+]
+EVENT_KINDS: tuple[str, ...] = (
+    "join", "leave", "kill", "link_add", "link_remove", "link_cut", "partition", "heal"
+)  # fmt: skip
+FAULT_KINDS: tuple[str, ...] = ("leave", "kill", "link_cut", "partition", "heal")
+"""The events the summary reports training continuity for (a fault or its repair)."""
 STRATEGIES: tuple[str, ...] = ("chaos", "even", "single-source", "multi-source")
-MAX_DEVICES = 32
+MAX_DEVICES = 256
 
 
 @dataclass(frozen=True)
@@ -61,10 +78,13 @@ class Event:
         at_s: When, in seconds after the initial cluster is up.
         kind: What happens.
         node: The device (join: its name; leave, kill: the device to stop). ``None``: a join
-            takes the next free name; a leave or kill hits a device the runner picks, one whose
-            loss keeps the overlay connected.
-        a: One end of a link event (``None`` with ``b``: the runner picks the link).
+            takes the next free name; a leave or kill hits any running device the runner
+            draws, a cut vertex of the overlay (even the scheduler) included.
+        a: One end of a link event (``None`` with ``b``: the runner picks the link; a cut may
+            hit a bridge).
         b: The other end.
+        nodes: A partition's side: these devices are cut off from every other device
+            (``None``: the runner draws a random minority).
     """
 
     at_s: float
@@ -72,6 +92,7 @@ class Event:
     node: str | None = None
     a: str | None = None
     b: str | None = None
+    nodes: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in EVENT_KINDS:
@@ -82,14 +103,22 @@ class Event:
                                               (self.a and self.a == self.b)):  # fmt: skip
             raise ConfigError(
                 f"a {self.kind} event needs two distinct ends a and b, or neither (then the "
-                "runner picks: a missing link to add, or a link whose loss keeps the overlay "
-                "connected)"
+                "runner picks: a missing link to add, or any existing link)"
             )
+        if self.nodes is not None:
+            if self.kind != "partition":
+                raise ConfigError(f"only a partition event takes nodes, not {self.kind}")
+            if (not isinstance(self.nodes, tuple) or not self.nodes
+                    or not all(isinstance(n, str) and n for n in self.nodes)
+                    or len(set(self.nodes)) != len(self.nodes)):  # fmt: skip
+                raise ConfigError(f"partition nodes must be distinct device names: {self.nodes!r}")
 
     def label(self) -> str:
         """Short text for tables: ``kill n3``, ``link_cut n0-n1``."""
         if self.kind.startswith("link_"):
             return f"{self.kind} {self.a}-{self.b}" if self.a else self.kind
+        if self.kind == "partition":
+            return f"partition {','.join(self.nodes)}" if self.nodes else self.kind
         return f"{self.kind} {self.node or ''}".strip()
 
 
@@ -151,10 +180,15 @@ class Scenario:
                 every.add(cast(str, ev.node))
             elif ev.kind in ("leave", "kill"):
                 if ev.node is None:
-                    continue  # the runner picks one whose loss keeps the overlay connected
+                    continue  # the runner draws one of the running devices
                 if ev.node not in alive:
                     raise ConfigError(f"{ev.kind} at {ev.at_s}s: {ev.node} is not running then")
                 alive.discard(cast(str, ev.node))
+            elif ev.kind == "partition" and ev.nodes is not None:
+                if not set(ev.nodes) <= alive:
+                    raise ConfigError(f"{ev.label()} at {ev.at_s}s names a device not running")
+                if set(ev.nodes) == alive:
+                    raise ConfigError(f"{ev.label()} at {ev.at_s}s leaves no device outside it")
             elif ev.a is not None and (ev.a not in every or ev.b not in every):
                 raise ConfigError(f"{ev.label()} at {ev.at_s}s names an unknown device")
         if len(every) > MAX_DEVICES:
@@ -223,9 +257,13 @@ def scenario_from_dict(doc: dict[str, Any]) -> Scenario:
     for raw in doc.get("events", []):
         if not isinstance(raw, dict):
             raise ConfigError("each [[events]] entry must be a table")
-        bad = set(raw) - {"at_s", "kind", "node", "a", "b"}
+        bad = set(raw) - {"at_s", "kind", "node", "a", "b", "nodes"}
         if bad:
             raise ConfigError(f"unknown event keys: {', '.join(sorted(bad))}")
+        if "nodes" in raw:
+            if not isinstance(raw["nodes"], list):
+                raise ConfigError(f"event nodes must be a list of device names: {raw['nodes']!r}")
+            raw = {**raw, "nodes": tuple(raw["nodes"])}
         try:
             events.append(Event(**raw))
         except TypeError as exc:
@@ -255,7 +293,9 @@ def load_scenario(path: str | Path) -> Scenario:
 
 
 def demo_scenario(nodes: int = 6, scale: float = 0.05, model: str = "synthetic:64") -> Scenario:
-    """The demo: a join, a graceful leave, a ``kill -9``, a link add and a link cut.
+    """The demo: a join, a graceful leave, a ``kill -9``, a link add, a link cut, a partition
+    of a random minority and the heal; the runner draws the victims among every running device
+    and link.
 
     Raises:
         ConfigError: fewer than 4 nodes.
@@ -269,6 +309,8 @@ def demo_scenario(nodes: int = 6, scale: float = 0.05, model: str = "synthetic:6
         Event(at_s=20.0, kind="kill"),
         Event(at_s=30.0, kind="link_add"),
         Event(at_s=38.0, kind="link_cut"),
+        Event(at_s=46.0, kind="partition"),
+        Event(at_s=58.0, kind="heal"),
     )
     return Scenario(name="demo", nodes=nodes, degree=2, model=model, scale=scale,
                     step_time_s=0.05, settle_s=8.0, events=events)  # fmt: skip

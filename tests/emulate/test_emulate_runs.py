@@ -79,7 +79,7 @@ def test_poisson_joins_get_fresh_names_in_time_order() -> None:
 
 def test_demo_scenario_has_every_primitive() -> None:
     kinds = {e.kind for e in demo_scenario(5).events}
-    assert kinds == {"join", "leave", "kill", "link_add", "link_cut"}
+    assert kinds == {"join", "leave", "kill", "link_add", "link_cut", "partition", "heal"}
     with pytest.raises(ConfigError):
         demo_scenario(3)
 
@@ -171,7 +171,10 @@ def test_demo_runs_end_to_end_and_cleans_up(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     doc = json.loads((tmp_path / "demo.json").read_text())
     kinds = {m["kind"] for m in doc["metrics"]}
-    assert kinds == {"join", "leave", "kill", "link_add", "link_cut"}
+    assert kinds == {"join", "leave", "kill", "link_add", "link_cut", "partition", "heal"}
+    part = next(e for e in doc["harness_events"] if e["kind"] == "partition")
+    assert part["nodes"] and part["links_cut"] >= 1
+    assert doc["continuity"]["training_continued"] is True
     join = next(m for m in doc["metrics"] if m["kind"] == "join")
     assert join["scale_out_s"] > 0 and join["replication_s"] > 0 and join["lower_bound_s"] > 0
     kill = next(m for m in doc["metrics"] if m["kind"] == "kill")

@@ -1,0 +1,315 @@
+"""The fault campaign (``chaos-emulate chaos``) and the partition/heal events of ``run``.
+
+The pure parts (the seeded plan, the cut-vertex and bridge classification, the integrity, ETTR,
+resume and resource computations) are tested on synthetic records. One short loopback campaign
+runs real devices as processes (no root needed) and checks the JSON and that every process is
+reaped; as root, a ``run`` with a partition and a heal runs in network namespaces. No timing is
+asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from chaos.emulate.campaign import (
+    CampaignConfig,
+    bridges,
+    cut_vertices,
+    draw_plan,
+    ettr,
+    lineage,
+    lineage_times,
+    per_kind,
+    resource_summary,
+    resume_times,
+    step_integrity,
+)
+from chaos.emulate.metrics import device_outages
+from chaos.emulate.netns import list_namespaces
+from chaos.emulate.scenario import scenario_from_dict
+from chaos.errors import ConfigError
+
+# ------------------------------------------------------------------------------- the plan
+
+
+def test_the_same_seed_draws_the_same_plan_and_another_seed_another() -> None:
+    cfg = CampaignConfig(nodes=6, duration_s=600, rate_per_min=20, seed=3, min_live=3)
+    a, b = draw_plan(cfg), draw_plan(cfg)
+    assert a == b and len(a) > 100
+    assert draw_plan(CampaignConfig(nodes=6, duration_s=600, rate_per_min=20, seed=4,
+                                    min_live=3)) != a  # fmt: skip
+
+
+def test_the_plan_keeps_the_cluster_within_its_bounds_and_heals_what_it_cuts() -> None:
+    cfg = CampaignConfig(nodes=5, duration_s=3600, rate_per_min=30, seed=7, min_live=3,
+                         max_live=8)  # fmt: skip
+    plan = draw_plan(cfg)
+    kinds = {e.kind for e in plan}
+    assert kinds == {"join", "leave", "kill", "link_cut", "partition", "heal"}
+    live, partitioned, names = 5, False, set()
+    for e in plan:
+        assert 0 <= e.at_s < cfg.duration_s
+        if e.kind == "join":
+            assert e.node not in names and e.node is not None
+            names.add(e.node)
+            live += 1
+        elif e.kind in ("kill", "leave"):
+            live -= 1
+        elif e.kind == "partition":
+            assert not partitioned, "a second partition before a heal"
+            assert e.side in ("minority", "majority")
+            partitioned = True
+        elif e.kind == "heal":
+            partitioned = False
+        assert cfg.min_live <= live <= cfg.live_bound
+    assert [e.at_s for e in plan] == sorted(e.at_s for e in plan)
+
+
+def test_bad_campaign_settings_are_refused() -> None:
+    with pytest.raises(ConfigError, match="nodes"):
+        CampaignConfig(nodes=1)
+    with pytest.raises(ConfigError, match="min_live"):
+        CampaignConfig(nodes=4, min_live=5)
+    with pytest.raises(ConfigError, match="weights"):
+        CampaignConfig(weights={"explode": 1.0})
+
+
+# ------------------------------------------------------------------------------- the overlay
+
+
+def test_cut_vertices_and_bridges_of_the_live_overlay() -> None:
+    # a - b - c - d, plus the triangle c - d - e; f is dead (its links do not count)
+    live = ["a", "b", "c", "d", "e"]
+    edges = [("a", "b"), ("b", "c"), ("c", "d"), ("d", "e"), ("c", "e"), ("a", "f"), ("f", "e")]
+    assert cut_vertices(live, edges) == {"b", "c"}
+    assert bridges(live, edges) == {("a", "b"), ("b", "c")}
+    # with f alive the ring a-b-c-e-f closes: no cut vertex, no bridge but none on the triangle
+    assert cut_vertices([*live, "f"], edges) == set()
+    assert bridges([*live, "f"], edges) == set()
+
+
+# ------------------------------------------------------------------------------- records
+
+
+def _steps(t0: float, first: int, n: int, digest: str = "d", world: int = 3, epoch: int = 1,
+           dt: float = 0.1) -> list[dict]:  # fmt: skip
+    return [{"kind": "step", "t": t0 + i * dt, "step": first + i, "world": world,
+             "epoch": epoch, "digest": f"{digest}{first + i}", "dur_s": dt}
+            for i in range(n)]  # fmt: skip
+
+
+def test_a_clean_history_has_nothing_lost_or_divergent() -> None:
+    devs = {n: _steps(0.0, 1, 50) for n in ("a", "b", "c")}
+    got = step_integrity(devs, ["a", "b", "c"])
+    assert got["lost"] == 0 and got["divergent"] == 0 and got["redone"] == 0
+    assert got["committed"] == 50 and got["steps"] == 50
+
+
+def test_a_divergence_between_members_is_reported() -> None:
+    devs = {n: _steps(0.0, 1, 20) for n in ("a", "b", "c")}
+    devs["c"][9]["digest"] = "other"  # step 10: c disagrees with a and b in the same epoch
+    got = step_integrity(devs, ["a", "b", "c"])
+    assert got["divergent"] == 1 and got["divergent_steps"] == [10]
+
+
+def test_a_committed_step_the_cluster_went_back_on_is_lost() -> None:
+    # every member of a world-3 round committed steps 1..10 ('d'); then the survivors a, b
+    # start over from step 8 under a new epoch with other digests ('r'): 8, 9, 10 are lost
+    devs = {n: _steps(0.0, 1, 10, world=3) for n in ("a", "b", "x")}
+    for n in ("a", "b"):
+        devs[n] += _steps(5.0, 8, 10, digest="r", world=2, epoch=2)
+    got = step_integrity(devs, ["a", "b"])
+    assert got["lost"] == 3 and got["lost_steps"] == [8, 9, 10]
+    assert got["divergent"] == 0
+
+
+def test_a_round_one_member_finished_and_the_others_reran_is_redone_not_lost() -> None:
+    devs = {n: _steps(0.0, 1, 10) for n in ("a", "b", "x")}
+    devs["x"].append({"kind": "step", "t": 1.05, "step": 11, "world": 3, "epoch": 1,
+                      "digest": "only-x"})  # fmt: skip
+    for n in ("a", "b"):
+        devs[n] += _steps(3.0, 11, 5, digest="r", world=2, epoch=2)
+    got = step_integrity(devs, ["a", "b"])
+    assert got == {**got, "lost": 0, "divergent": 0, "redone": 1}
+    assert lineage(devs, ["a", "b"])[11] == "r11"
+
+
+def test_ettr_counts_useful_steps_at_the_normal_step_time() -> None:
+    # 100 steps at 0.1 s, a 10 s stall, 100 more: 200 useful steps of 0.1 s in 30 s of wall
+    devs = {"a": _steps(0.0, 1, 100) + _steps(19.9, 101, 100)}
+    hist = lineage(devs, ["a"])
+    got = ettr(lineage_times(devs, hist), 0.0, 30.0)
+    assert got["useful_steps"] == 200
+    assert got["tau_s"] == pytest.approx(0.1)
+    assert got["ettr"] == pytest.approx(200 * 0.1 / 30.0)
+    assert got["lost_s"] == pytest.approx(10.0)
+    # redone work adds no useful step: a step done twice counts once
+    devs["b"] = [{**r, "digest": "old"} for r in devs["a"][150:160]]
+    got2 = ettr(lineage_times(devs, lineage(devs, ["a"])), 0.0, 30.0)
+    assert got2["useful_steps"] == 200
+
+
+def test_resume_waits_for_every_running_device_that_is_not_paused() -> None:
+    devs = {"a": _steps(0.0, 1, 10) + _steps(3.0, 11, 5),
+            "b": _steps(0.0, 1, 10) + _steps(4.0, 11, 5),
+            "c": _steps(0.0, 1, 10),   # paused after the fault
+            "d": _steps(0.0, 1, 10)}  # fmt: skip
+    daemon = [{"node": "c", "event": "paused", "ts": 2.0}]
+    life = {"a": (0.0, float("inf")), "b": (0.0, float("inf")), "c": (0.0, float("inf")),
+            "d": (0.0, 1.5)}  # d is the victim's neighbour, killed later at 1.5 s
+    inj = [{"t": 1.2, "kind": "partition", "label": "partition c"},
+           {"t": 5.0, "kind": "kill", "node": "b", "label": "kill b"}]  # fmt: skip
+    rows = resume_times(inj, devs, daemon, life)
+    assert rows[0]["resumed"] and rows[0]["resume_s"] == pytest.approx(4.0 - 1.2)
+    assert rows[0]["paused"] == ["c"] and rows[0]["waited"] == ["a", "b"]
+    # at 5.0 a steps until 3.4 and never again, b is the victim, c is still paused: not resumed
+    assert not rows[1]["resumed"] and rows[1]["not_resumed"] == ["a"]
+    table = per_kind(rows, inj)
+    assert table["partition"]["resumed"] == 1 and table["kill"]["not_resumed"] == 1
+
+
+def test_outages_name_the_paused_stalled_and_stopped_devices() -> None:
+    devs = {"a": _steps(0.0, 1, 30) + _steps(10.0, 31, 30),
+            "b": _steps(0.0, 1, 30) + _steps(12.0, 31, 30),
+            "c": _steps(0.0, 1, 30),
+            "k": _steps(0.0, 1, 10)}  # fmt: skip
+    daemon = [{"node": "b", "event": "paused", "ts": 5.0}]
+    got = device_outages(devs, daemon, end_t=13.5, gone={"k": "kill"})
+    assert [g["kind"] for g in got["a"]] == ["stalled"]
+    assert got["a"][0]["s"] == pytest.approx(10.0 - 2.9)
+    assert [g["kind"] for g in got["b"]] == ["paused"]
+    assert [g["kind"] for g in got["c"]] == ["stopped"]
+    assert "k" not in got
+
+
+def test_resources_report_first_last_and_max_ratio_after_warm_up() -> None:
+    samples = [{"t": t, "node": "a", "proc": "trainer", "rss": rss, "fds": 20}
+               for t, rss in ((1.0, 50), (12.0, 100), (17.0, 120), (22.0, 105))]  # fmt: skip
+    got = resource_summary(samples, {"a": 0.0}, warmup_s=10.0)
+    a = got["per_process"]["a/trainer"]
+    assert (a["rss_first"], a["rss_last"], a["samples"]) == (100, 105, 3)
+    assert a["rss_max_ratio"] == pytest.approx(1.2) and a["fds_max_ratio"] == 1.0
+    assert got["flat_within_10pct"] is False
+
+
+# ------------------------------------------------------------------------------- scenarios
+
+
+def test_partition_and_heal_events_load_and_are_checked() -> None:
+    sc = scenario_from_dict({"nodes": 4, "events": [
+        {"at_s": 5, "kind": "partition", "nodes": ["n0", "n1"]},
+        {"at_s": 9, "kind": "heal"},
+        {"at_s": 12, "kind": "partition"}]})  # fmt: skip
+    assert [e.label() for e in sc.events] == ["partition n0,n1", "heal", "partition"]
+    for bad, match in (({"at_s": 1, "kind": "partition", "nodes": ["n7"]}, "not running"),
+                       ({"at_s": 1, "kind": "partition", "nodes": "n1"}, "list"),
+                       ({"at_s": 1, "kind": "kill", "nodes": ["n1"]}, "only a partition"),
+                       ({"at_s": 1, "kind": "partition", "nodes": ["n0", "n1", "n2", "n3"]},
+                        "outside")):  # fmt: skip
+        with pytest.raises(ConfigError, match=match):
+            scenario_from_dict({"nodes": 4, "events": [bad]})
+
+
+# ------------------------------------------------------------------------------- real processes
+
+CLI = [sys.executable, "-m", "chaos.emulate.cli"]
+
+
+def _descendants_alive(pid: int) -> list[int]:
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if f"-{pid}-" in cmd or (str(pid) in cmd and "chaos" in cmd and p.info["pid"] != pid):
+            out.append(p.info["pid"])
+    return out
+
+
+def test_a_short_loopback_campaign_reports_every_field_and_reaps_its_processes(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "c.json"
+    proc = subprocess.Popen([*CLI, "chaos", "--nodes", "3", "--duration", "45", "--rate", "8",
+                             "--seed", "2", "--loopback", "--sample", "2", "--warmup", "5",
+                             "--json", str(out), "--plot", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=420)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        stdout, stderr = proc.communicate(timeout=30)
+        pytest.fail(f"the campaign ran past 420 s:\n{stderr[-3000:]}")
+    assert proc.returncode == 0, stderr[-3000:]
+    doc = json.loads(out.read_text())
+    for key in ("config", "network", "injected_faults", "per_kind", "all_resumed",
+                "committed_steps_lost", "divergent_states", "integrity", "crashed_processes",
+                "crashes", "ettr", "resources", "survivors", "outages", "injections",
+                "harness_events", "timeline", "samples", "devices"):  # fmt: skip
+        assert key in doc, key
+    assert doc["network"] == "loopback (unshaped)"
+    assert set(doc["per_kind"]) == {"join", "leave", "kill", "link_cut", "partition", "heal"}
+    for entry in doc["per_kind"].values():
+        assert {"injected", "resumed", "not_resumed", "resume_p50_s", "resume_p99_s"} <= set(entry)
+    assert doc["injected_faults"] >= 1
+    for row in doc["injections"]:
+        assert isinstance(row["resumed"], bool)
+    assert {"ettr", "useful_steps", "tau_s", "wall_s", "lost_s"} <= set(doc["ettr"])
+    assert doc["ettr"]["useful_steps"] > 0
+    assert doc["samples"], "no RSS / fd sample"
+    assert "committed steps lost" in stdout and "ETTR" in stdout
+    assert (tmp_path / "chaos_timeline.png").stat().st_size > 0
+    # every device process (trainers and their daemons) is gone
+    pids = [d for d in _descendants_alive(proc.pid)]
+    assert not pids, f"processes left behind: {pids}"
+    run_dir = str(tmp_path / "c-run")
+    left = [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline"])
+            if run_dir in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+    assert not left, f"device processes left behind: {left}"
+
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+    reason="partitions cut tc-shaped veth links in network namespaces: needs root and iproute2",
+)
+
+
+@needs_root
+def test_run_partitions_a_cut_vertex_side_and_heals_in_namespaces(tmp_path: Path) -> None:
+    scenario = tmp_path / "p.toml"
+    scenario.write_text(
+        'name = "partition"\nnodes = 4\nmodel = "synthetic:8"\nscale = 0.05\nsettle_s = 12\n'
+        '[[events]]\nat_s = 4\nkind = "partition"\nnodes = ["n3"]\n'
+        '[[events]]\nat_s = 14\nkind = "heal"\n'
+        '[[events]]\nat_s = 16\nkind = "kill"\n'
+    )
+    out = tmp_path / "p.json"
+    proc = subprocess.Popen([*CLI, "run", str(scenario), "--json", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=500)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # the harness tears its namespaces down on SIGTERM
+        stdout, stderr = proc.communicate(timeout=60)
+        pytest.fail(f"the run took more than 500 s:\n{stderr[-3000:]}")
+    finally:
+        left = [ns for ns in list_namespaces() if ns.startswith(f"chaos-{proc.pid}-")]
+        for ns in left:
+            subprocess.run(["ip", "netns", "del", ns], check=False, timeout=10)
+    assert not left, f"namespaces left behind: {left}"
+    assert proc.returncode == 0, stderr[-3000:]
+    doc = json.loads(out.read_text())
+    part = next(e for e in doc["harness_events"] if e["kind"] == "partition")
+    assert part["nodes"] == ["n3"] and part["links_cut"] >= 1
+    heal = next(e for e in doc["harness_events"] if e["kind"] == "heal")
+    assert heal["partitions"] == [["n3"]]
+    assert doc["continuity"]["training_continued"] is True
+    assert doc["consistency"]["mismatches"] == 0
+    assert "training continued" in stdout
