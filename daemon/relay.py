@@ -161,6 +161,7 @@ class TrainerRelay:
                 self.sizes = list(sent.tensor_sizes)
         elif sent.kind == "ready":
             self.state = TrainerState.TRAINING
+            self._progress = None  # what it said while it pulled the state does not count
 
     def on_refusal(self, msg: Refusal) -> str | None:
         """The op id of the forwarded message a scheduler refused (the oldest of its type)."""

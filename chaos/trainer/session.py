@@ -13,6 +13,7 @@ plane: it hands the trainer a :class:`Policy`, and the trainer decides what to d
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -132,13 +133,14 @@ class Policy:
 class StepBeacon:
     """The trainer's step progress, told to its local daemon one way (never answered).
 
-    The trainer notes when it enters and leaves ``update()`` and, while it waits inside, that it
-    is still alive. Each note goes out only when :data:`BEACON_INTERVAL_S` has passed since the
-    last one sent, so a fast loop costs the daemon a few messages a second; a note that the
-    trainer left ``update()`` goes out at once when the daemon was last told it was inside
-    (else the daemon would take a computing trainer for a waiting one). A trainer that computes
-    for long, or whose process is stopped, is silent: that is what the scheduler looks for
-    (docs/daemon.md, stragglers).
+    The trainer notes when it enters and leaves ``update()``; while it is inside (waiting for
+    the others, or reducing a large round), a background thread tells the daemon every
+    :data:`BEACON_INTERVAL_S` that it is still alive. Each note goes out only when that interval
+    has passed since the last one sent, so a fast loop costs the daemon a few messages a
+    second; a note that the trainer left ``update()`` goes out at once when the daemon was last
+    told it was inside (else the daemon would take a computing trainer for a waiting one). A
+    trainer that computes for long, blocks in its script's own code, or whose process is
+    stopped, is silent: that is what the scheduler looks for (docs/daemon.md, stragglers).
 
     Only an ``ipc://`` daemon endpoint (the local daemon) gets the notes; sends never block (a
     full queue drops the note: the next one says the same, newer).
@@ -156,29 +158,48 @@ class StepBeacon:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 16)
         self._sock.connect(endpoint)
+        self._lock = threading.Lock()  # the socket and the state: the trainer and the thread
         self._step = 0
         self._in_step = False
         self._since = time.monotonic()  # when the trainer entered its phase
         self._sent_at = float("-inf")
         self._sent_in_step = False
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
         self.sent = 0
 
     def note(self, step: int, in_step: bool) -> None:
         """The trainer is at ``step`` and entered (``in_step``) or left ``update()`` now."""
         now = time.monotonic()
-        self._step, self._in_step, self._since = step, in_step, now
-        if self._sent_in_step and not in_step:
-            self._send(now)  # the daemon thinks it waits: say at once that it computes
-        else:
-            self.alive()
+        with self._lock:
+            self._step, self._in_step, self._since = step, in_step, now
+            if self._sent_in_step and not in_step:
+                self._send(now)  # the daemon thinks it waits: say at once that it computes
+            elif now - self._sent_at >= BEACON_INTERVAL_S:
+                self._send(now)
+        if in_step and self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="chaos-step-beacon", daemon=True
+            )  # fmt: skip
+            self._thread.start()
 
     def alive(self) -> None:
-        """The trainer is still in its phase (called while it waits inside ``update()``)."""
+        """The trainer is still in its phase (it waits inside ``update()``)."""
         now = time.monotonic()
-        if now - self._sent_at >= BEACON_INTERVAL_S:
-            self._send(now)
+        with self._lock:
+            if now - self._sent_at >= BEACON_INTERVAL_S:
+                self._send(now)
+
+    def _run(self) -> None:
+        """While the trainer is inside ``update()``, says it is alive every interval."""
+        while not self._closed.wait(BEACON_INTERVAL_S / 2):
+            if self._in_step:
+                self.alive()
 
     def _send(self, now: float) -> None:
+        """Sends the state (the lock held)."""
+        if self._closed.is_set():
+            return
         msg = TrainerEvent(
             kind="progress",
             step=self._step,
@@ -196,9 +217,13 @@ class StepBeacon:
         self._sent_in_step = self._in_step
         self.sent += 1
 
-    def close(self) -> None:
-        """Closes the socket."""
-        self._sock.close(linger=0)
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Stops the thread (waiting at most ``timeout_s``) and closes the socket."""
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        with self._lock:
+            self._sock.close(linger=0)
         self._ctx.term()
 
 

@@ -215,6 +215,45 @@ def test_a_failed_round_blames_the_trainer_that_stopped(cluster: Cluster) -> Non
     assert {e["peer"] for e in cluster.scheduler_events("allreduce_failed")} == {"c"}
 
 
+def test_the_step_beacon_says_when_a_step_ends_and_keeps_saying_it_is_alive_inside(
+    tmp_path: Path,
+) -> None:
+    import zmq
+
+    from chaos.protocol import TrainerEvent, decode
+    from chaos.trainer.session import StepBeacon
+
+    endpoint = f"ipc://{tmp_path}/d.ipc"
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    daemon = ctx.socket(zmq.ROUTER)
+    daemon.bind(endpoint)
+    beacon = StepBeacon(endpoint)
+    got: list[TrainerEvent] = []
+
+    def received(n: int) -> bool:
+        while daemon.poll(10, zmq.POLLIN):
+            msg = decode(daemon.recv_multipart()[-1])
+            assert isinstance(msg, TrainerEvent) and msg.kind == "progress"
+            got.append(msg)
+        return len(got) >= n
+
+    try:
+        beacon.note(4, in_step=True)
+        wait_until(lambda: received(1), 10.0, "the step's start")
+        beacon.note(5, in_step=False)  # at once: the daemon was told it was inside
+        wait_until(lambda: received(2), 10.0, "the step's end")
+        assert [(m.step, m.in_step) for m in got] == [(4, True), (5, False)]
+        beacon.note(5, in_step=True)
+        # while inside update(), the thread keeps saying it is alive, at step 5
+        wait_until(lambda: received(4), 10.0, "beats inside the step")
+        assert all((m.step, m.in_step) == (5, True) for m in got[2:])
+        assert got[-1].elapsed_s > got[2].elapsed_s
+    finally:
+        beacon.close()
+        daemon.close(linger=0)
+        ctx.term()
+
+
 # ----------------------------------------------------------------- the worker
 
 
