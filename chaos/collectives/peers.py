@@ -76,7 +76,10 @@ class PeerSockets:
         self._handshakes: zmq.Socket | None = None
         try:
             self._router.setsockopt(zmq.LINGER, 0)
-            self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer takes its id
+            # Plain: a restarted peer takes its id over. With a key, a connection never takes an
+            # id in use: otherwise a key holder claiming a member's id would cut that member's
+            # connection off (its frames are dropped anyway when the topology names the keys).
+            self._router.setsockopt(zmq.ROUTER_HANDOVER, 0 if self.security.enabled else 1)
             self._router.setsockopt(zmq.RCVHWM, config.sndhwm)
             if config.sock_buf_bytes:
                 self._router.setsockopt(zmq.RCVBUF, config.sock_buf_bytes)

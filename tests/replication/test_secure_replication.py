@@ -62,8 +62,7 @@ def donor(key: ClusterKey) -> Iterator[tuple[ShardServer, TrainingState]]:
 def _stranger_request(address: str, frames: list[bytes], security: Security | None) -> int:
     """Sends a request as a client with ``security`` (``None``: a plain socket) and returns the
     first monitor event its connection ends with: a reply, or a failed handshake."""
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     if security is not None:
         security.client(sock)
