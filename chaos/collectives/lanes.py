@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import _thread
 import logging
+import os
+import queue
 import secrets
 import socket
 import struct
@@ -64,10 +66,10 @@ from chaos.wire import LANE_HELLO_BODY as _HELLO_BODY
 from chaos.wire import LANE_MAGIC as _MAGIC
 from chaos.wire import LANE_NONCE as _NONCE
 from chaos.wire import LANE_OFFER as _OFFER
+from chaos.wire import LANE_RECORD_BYTES, LANE_VERSION
 from chaos.wire import LANE_SEALED_HELLO as _SEALED_HELLO
 from chaos.wire import LANE_SEALED_MAGIC as _SEALED_MAGIC
 from chaos.wire import LANE_SEALED_OFFER as _SEALED_OFFER
-from chaos.wire import LANE_VERSION
 
 __all__ = [
     "LANE_KEY_BYTES", "LANE_VERSION", "InLane", "LaneCipher", "Lanes", "OutLane", "Place",
@@ -129,19 +131,24 @@ class LaneCipher:
         self._counter = 0
         self._into = hasattr(self._aead, "encrypt_into")
 
-    def _nonce(self) -> bytes:
+    def next_nonce(self) -> bytes:
+        """The next record's nonce (records must be sealed or opened in this order of their
+        nonces; :meth:`seal_at` and :meth:`open_at` then run in any thread)."""
         nonce = _NONCE.pack(self._prefix, self._counter)
         self._counter += 1
         return nonce
 
     def seal(self, data: bytes | memoryview, aad: bytes | None = None) -> bytes:
         """The next record: ``data`` encrypted, with its tag (``len(data) + 16`` bytes)."""
-        return self._aead.encrypt(self._nonce(), data, aad)
+        return self._aead.encrypt(self.next_nonce(), data, aad)
 
     def seal_into(self, data: memoryview, out: memoryview) -> None:
         """Seals the next record into ``out`` (exactly ``len(data) + 16`` bytes): one pass
         over the payload, no copy of its own."""
-        nonce = self._nonce()
+        self.seal_at(self.next_nonce(), data, out)
+
+    def seal_at(self, nonce: bytes, data: memoryview, out: memoryview) -> None:
+        """Seals ``data`` under ``nonce`` (from :meth:`next_nonce`) into ``out``."""
         if self._into:
             self._aead.encrypt_into(nonce, data, None, out)
         else:  # cryptography < 45: one copy more
@@ -154,7 +161,7 @@ class LaneCipher:
         from cryptography.exceptions import InvalidTag
 
         try:
-            return self._aead.decrypt(self._nonce(), record, aad)
+            return self._aead.decrypt(self.next_nonce(), record, aad)
         except InvalidTag:
             return None
 
@@ -165,9 +172,12 @@ class LaneCipher:
             ``False`` when it fails authentication (``out`` then holds garbage: the caller
             must not use it).
         """
+        return self.open_at(self.next_nonce(), record, out)
+
+    def open_at(self, nonce: bytes, record: memoryview, out: memoryview) -> bool:
+        """Opens ``record`` sealed under ``nonce`` into ``out``; ``False``: not authentic."""
         from cryptography.exceptions import InvalidTag
 
-        nonce = self._nonce()
         try:
             if self._into:
                 self._aead.decrypt_into(nonce, record, None, out)
@@ -176,6 +186,92 @@ class LaneCipher:
         except InvalidTag:
             return False
         return True
+
+
+class _Job:
+    """One sealing or opening job run by :class:`_Workers`; :meth:`wait` returns its result."""
+
+    __slots__ = ("_args", "_done", "_error", "_fn", "_result")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self._fn, self._args = fn, args
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._done = _thread.allocate_lock()
+        self._done.acquire()
+
+    def run(self) -> None:
+        try:
+            self._result = self._fn(*self._args)
+        except BaseException as exc:  # handed to the waiter
+            self._error = exc
+        finally:
+            self._done.release()
+
+    def wait(self) -> Any:
+        """The job's result (blocks until it ran; it takes microseconds).
+
+        Raises:
+            BaseException: what the job raised.
+        """
+        self._done.acquire()
+        self._done.release()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class _Workers:
+    """A few threads that seal and open lane records beside the threads that write and read
+    them (AES-GCM releases the GIL), so that a chunk's crypto overlaps its transfer."""
+
+    def __init__(self, count: int) -> None:
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        for _ in range(count):
+            _thread.start_new_thread(self._run, ())
+
+    def _run(self) -> None:
+        while True:
+            self._jobs.get().run()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> _Job:
+        job = _Job(fn, args)
+        self._jobs.put(job)
+        return job
+
+
+_workers: _Workers | None = None
+_workers_lock = threading.Lock()
+
+
+def _crypto_workers() -> _Workers:
+    """The process's record workers (started at the first sealed lane): a quarter of the
+    cores, one to four."""
+    global _workers
+    with _workers_lock:
+        if _workers is None:
+            _workers = _Workers(max(1, min(4, (os.cpu_count() or 1) // 4)))
+        return _workers
+
+
+def _spans(nbytes: int) -> list[tuple[int, int]]:
+    """The plaintext ``(start, end)`` of each record of a sealed payload of ``nbytes``."""
+    return [(lo, min(nbytes, lo + LANE_RECORD_BYTES))
+            for lo in range(0, nbytes, LANE_RECORD_BYTES)] or [(0, 0)]  # fmt: skip
+
+
+def _wait_all(jobs: list[_Job]) -> list[Any]:
+    """The results of ``jobs``, once all ran (the first error is raised after all ran)."""
+    out: list[Any] = []
+    error: BaseException | None = None
+    for job in jobs:
+        try:
+            out.append(job.wait())
+        except BaseException as exc:  # noqa: BLE001 - re-raised once every job is done
+            error = error or exc
+    if error is not None:
+        raise error
+    return out
 
 
 def encode_offer(port: int, token: int) -> bytes:
@@ -410,7 +506,10 @@ class OutLane:
                     self._inflight = item = self._queue.popleft()
                 if _closed_by_peer(sock):
                     raise OSError("the receiver closed the lane")
-                self._write(sock, self._records(item[0], item[1]))
+                if self._seal is None:
+                    self._write(sock, [memoryview(item[0]), item[1]])
+                else:
+                    self._write_sealed(sock, self._seal, item[0], item[1])
                 with self._cv:
                     self._inflight = None
                     self._done += 1
@@ -428,19 +527,38 @@ class OutLane:
             if sock is not None:
                 sock.close()
 
-    def _records(self, header: bytes, payload: memoryview) -> list[memoryview]:
-        """What goes on the wire for one frame: header and payload as they are (a plain lane),
-        or sealed as two records, the payload encrypted in one call into a reused buffer."""
-        if self._seal is None:
-            return [memoryview(header), payload]
+    def _write_sealed(
+        self, sock: socket.socket, seal: LaneCipher, header: bytes, payload: memoryview
+    ) -> None:
+        """Writes one frame sealed: the header record, then the payload's records
+        (:data:`~chaos.wire.LANE_RECORD_BYTES` each), encrypted straight from the caller's
+        buffer into a reused one. The first record is sealed here; the others are sealed by
+        the record workers meanwhile and written as each is ready.
+
+        Raises:
+            OSError, _Closed: as :meth:`_write`.
+        """
         data = _flat(payload)
-        need = len(data) + _TAG
+        spans = _spans(len(data))
+        need = len(data) + _TAG * len(spans)
         if len(self._scratch) < need:
             self._scratch = bytearray(need)
-        out = memoryview(self._scratch)[:need]
-        sealed_header = self._seal.seal(header)
-        self._seal.seal_into(data, out)
-        return [memoryview(sealed_header), out]
+        out = memoryview(self._scratch)
+        sealed_header = seal.seal(header)
+        nonces = [seal.next_nonce() for _ in spans]
+        records = [out[lo + _TAG * j : hi + _TAG * (j + 1)] for j, (lo, hi) in enumerate(spans)]
+        workers = _crypto_workers() if len(spans) > 1 else None
+        jobs = [workers.submit(seal.seal_at, nonces[j], data[lo:hi], records[j])
+                for j, (lo, hi) in enumerate(spans) if j and workers is not None]  # fmt: skip
+        try:
+            lo, hi = spans[0]
+            seal.seal_at(nonces[0], data[lo:hi], records[0])
+            self._write(sock, [memoryview(sealed_header), records[0]])
+            for job, record in zip(jobs, records[1:], strict=True):
+                job.wait()
+                self._write(sock, [record])
+        finally:
+            _wait_all(jobs)  # none still writes into the buffer once this returns
 
     def _await_ack(self, sock: socket.socket) -> None:
         """Waits (up to the connect timeout) for the receiver to accept the hello.
@@ -665,15 +783,48 @@ def read_frame(
         if status is not None:
             return status
     else:
-        record = lane.scratch(nbytes + _TAG)
-        status = lane.read_into(record, deadline, between)
+        status = _read_sealed_payload(lane, sealed, _flat(buf), deadline, between)
         if status is not None:
             return status
-        # On failure the region holds garbage; the frame is lost with the lane, so the round
-        # cannot complete with it (it fails and is rerun) and the region is never used.
-        if not sealed.open_into(record, _flat(buf)):
-            return f"malformed: {_FORGED} (a payload)"
     return Frame(lane.peer, header, bytes(raw), LanePayload(buf), placed=dest is not None)
+
+
+def _read_sealed_payload(
+    lane: InLane,
+    sealed: LaneCipher,
+    dest: memoryview,
+    deadline: float,
+    between: Callable[[], None],
+) -> str | None:
+    """Reads a sealed payload's records and opens them into ``dest``: each record is handed to
+    the record workers as soon as it is read, while the next one is read; the last is opened
+    here.
+
+    Returns:
+        ``None`` when every record was authentic and opened, else why not (see
+        :func:`read_frame`). On a failure ``dest`` holds garbage: the frame is lost with the
+        lane, so the round cannot complete with it (it fails and is rerun) and never uses it.
+    """
+    spans = _spans(len(dest))
+    record = lane.scratch(len(dest) + _TAG * len(spans))
+    workers = _crypto_workers() if len(spans) > 1 else None
+    jobs: list[_Job] = []
+    try:
+        for j, (lo, hi) in enumerate(spans):
+            part = record[lo + _TAG * j : hi + _TAG * (j + 1)]
+            status = lane.read_into(part, deadline, between)
+            if status is not None:
+                return status
+            nonce = sealed.next_nonce()
+            if workers is not None and j < len(spans) - 1:
+                jobs.append(workers.submit(sealed.open_at, nonce, part, dest[lo:hi]))
+            elif not sealed.open_at(nonce, part, dest[lo:hi]):
+                return f"malformed: {_FORGED} (a payload)"
+    finally:
+        opened = _wait_all(jobs)  # none still writes into dest once this returns
+    if not all(opened):
+        return f"malformed: {_FORGED} (a payload)"
+    return None
 
 
 _FORGED = "a record failed authentication: tampered, injected or not sealed with the lane key"

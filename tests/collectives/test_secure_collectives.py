@@ -30,6 +30,7 @@ from chaos.collectives.lanes import (
 )
 from chaos.errors import PeerFailure, ProtocolError
 from chaos.security import ClusterKey, Security
+from chaos.wire import LANE_RECORD_BYTES
 
 NUMEL = 50_000
 CHUNK = 1 << 14  # 16 KiB: a dozen chunks per member
@@ -150,6 +151,43 @@ def test_keyed_members_allreduce_over_sealed_lanes_bitwise_equal_to_plain(kind: 
         for c in secure:
             assert c.stats.handshake_failures == c.stats.dropped_unauthenticated == 0
             assert c.stats.dropped_malformed == 0
+
+
+def test_chunks_of_several_records_are_sealed_and_opened_in_parallel_bitwise() -> None:
+    """Chunks larger than a lane record are sealed and opened record by record, by the record
+    workers beside the threads that write and read them; a tampered middle record is caught."""
+    key = ClusterKey.generate()
+    big = [torch.randn(600_000, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    chunk = 3 * LANE_RECORD_BYTES + 1000  # three full records and a short one per chunk
+    with members(3, key, chunk_bytes=chunk) as secure, members(3, None, chunk_bytes=chunk) as plain:
+        install(secure, "ring", 1)
+        install(plain, "ring", 1, keyed=False)
+        for _ in range(3):
+            a = results(secure, big, op="sum")
+            b = results(plain, big, op="sum")
+            assert torch.equal(a[0].view(torch.int32), b[0].view(torch.int32))
+        assert all(c.stats.lane_frames_received > 0 for c in secure)
+        seal = lanes_of(secure[2]).outgoing["m0"]._seal
+        assert seal is not None
+        honest = seal.seal_at
+        calls: list[int] = []
+
+        def flip_third(nonce: bytes, data: memoryview, out: memoryview) -> None:
+            honest(nonce, data, out)
+            calls.append(1)
+            if len(calls) == 3:  # the third record of the next chunk, sealed by a worker
+                out[7] ^= 0x10
+
+        seal.seal_at = flip_third  # type: ignore[method-assign]
+        step = secure[0]._driver._last_key[1] + 1
+        first = run_all(secure, big, op="sum", step=step)
+        seal.seal_at = honest  # type: ignore[method-assign]
+        assert secure[0].stats.dropped_malformed >= 1
+        if not all(isinstance(r, torch.Tensor) for r in first):
+            install(secure, "ring", 2)
+            results(secure, big, op="sum", step=step)
+        out = results(secure, big, op="sum", step=step + 1)
+        torch.testing.assert_close(out[0], torch.stack(big).sum(0), atol=1e-3, rtol=1e-5)
 
 
 def test_a_topology_with_keys_needs_the_communicators_own_key() -> None:
@@ -383,14 +421,14 @@ def test_a_tampered_lane_frame_closes_the_lane_and_the_next_round_recovers(where
         else:
             seal = out_lane._seal
             assert seal is not None
-            honest = seal.seal_into
+            honest = seal.seal_at
 
-            def flip_once(data: memoryview, out: memoryview) -> None:
-                honest(data, out)
-                out[len(out) // 2] ^= 0x01
-                seal.seal_into = honest  # type: ignore[method-assign]
+            def flip_once(nonce: bytes, data: memoryview, out: memoryview) -> None:
+                honest(nonce, data, out)
+                out[len(out) // 2] ^= 0x01  # one bit of a sealed payload, on the wire
+                seal.seal_at = honest  # type: ignore[method-assign]
 
-            seal.seal_into = flip_once  # type: ignore[method-assign]
+            seal.seal_at = flip_once  # type: ignore[method-assign]
         receiver = comms[0]
         step = receiver._driver._last_key[1] + 1
         # the frames from the bad one on are lost with the lane: the round may fail
