@@ -370,10 +370,12 @@ def resume_times(
     fault's victim) and is not paused has completed a step that started after ``t`` (a step
     in flight at ``t`` may finish with the victim's contribution, so it does not count). A
     device is paused when its daemon logged ``paused`` (its side lost the majority) between its
-    last step before ``t`` and its first step after it; after a ``heal``, only a pause after
-    ``t`` counts, so a heal waits for the devices it should bring back. A device that stops
-    running before it steps (killed, left, crashed later) is not waited for. When every device
-    paused, training did not resume.
+    last step before ``t`` and its first step after it (after a ``heal``, only a pause after
+    ``t`` counts, so a heal waits for the devices it should bring back), or when it is out of
+    the cluster: not a member of the newest view any daemon installed between ``t`` and the
+    next injection (the scheduler evicted it, e.g. cut off from it, and it did not join again
+    in that time). A device that stops running before it steps (killed, left, crashed later)
+    is not waited for. When every device paused, training did not resume.
 
     Args:
         injections: The harness events (``t``, ``kind``, ``node``).
@@ -386,18 +388,29 @@ def resume_times(
         "paused", "not_resumed"}``.
     """
     pauses: dict[str, list[float]] = {}
+    views: list[tuple[float, int, frozenset[str]]] = []
     for e in daemon_events:
         if e.get("event") == "paused":
             pauses.setdefault(str(e.get("node")), []).append(float(e["ts"]))
+        elif e.get("event") == "view_installed" and e.get("members"):
+            views.append((float(e["ts"]), int(e.get("epoch", 0)), frozenset(e["members"])))
+    views.sort()
     steps = {n: sorted((float(r["t"]) - float(r.get("dur_s", 0.0)), float(r["t"]))
                        for r in recs if r.get("kind") == "step")
              for n, recs in devices.items()}  # fmt: skip
     rows = []
+    starts = sorted(float(e["t"]) for e in injections)
     for ev in injections:
         t = float(ev["t"])
+        until = next((x for x in starts if x > t), math.inf)
+        inside = [v for v in views if v[0] <= until]
+        member = max(inside, key=lambda v: (v[1], v[0]))[2] if inside else None
         waited, paused, missing, last = [], [], [], t
         for n, (ready, gone) in sorted(lifetimes.items()):
             if not ready <= t < gone or n == ev.get("node"):
+                continue
+            if member is not None and n not in member:
+                paused.append(n)  # out of the cluster: evicted, not joined again yet
                 continue
             mine = steps.get(n, [])
             nxt = next((end for start, end in mine if start > t), None)

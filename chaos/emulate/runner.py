@@ -645,6 +645,7 @@ class Runner:
             refused = self._faults(orders)
             if refused:
                 rec["note"] = f"fault refused: {refused}"
+            rec["requested_t"], rec["t"] = rec["t"], time.time()  # in force from now
         self.cut.update((min(a, b), max(a, b)) for a, b in links)
 
     def _partition(self, ev: Event, rec: dict[str, Any]) -> None:
@@ -670,6 +671,7 @@ class Runner:
         refused = self._faults(orders)
         if refused:
             rec["note"] = f"fault refused: {refused}"
+        rec["requested_t"], rec["t"] = rec["t"], time.time()  # in force from now
 
     def _draw_minority(self, live: list[str]) -> tuple[str, ...]:
         if len(live) < 2:
@@ -690,6 +692,7 @@ class Runner:
             refused = self._faults({n: ["clear"] for n in self.running()})
             if refused:
                 rec["note"] = f"fault refused: {refused}"
+            rec["requested_t"], rec["t"] = rec["t"], time.time()  # in force from now
         self.cut.clear()
         self.partitions.clear()
 

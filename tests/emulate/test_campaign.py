@@ -313,3 +313,18 @@ def test_run_partitions_a_cut_vertex_side_and_heals_in_namespaces(tmp_path: Path
     assert doc["continuity"]["training_continued"] is True
     assert doc["consistency"]["mismatches"] == 0
     assert "training continued" in stdout
+
+
+def test_a_device_the_cluster_evicted_is_not_waited_for() -> None:
+    devs = {"a": _steps(0.0, 1, 10) + _steps(3.0, 11, 5),
+            "b": _steps(0.0, 1, 10) + _steps(3.2, 11, 5),
+            "c": _steps(0.0, 1, 10)}  # cut off: evicted, runs elections, never steps again
+    daemon = [{"node": "a", "event": "view_installed", "ts": 2.5, "epoch": 7,
+               "members": ["a", "b"]},
+              {"node": "c", "event": "view_installed", "ts": 0.5, "epoch": 5,
+               "members": ["a", "b", "c"]}]  # fmt: skip
+    life = {n: (0.0, float("inf")) for n in devs}
+    rows = resume_times([{"t": 1.5, "kind": "link_cut", "label": "link_cut a-c"}], devs, daemon,
+                        life)  # fmt: skip
+    assert rows[0]["resumed"] and rows[0]["paused"] == ["c"]
+    assert rows[0]["resume_s"] == pytest.approx(3.2 - 1.5)  # b, the last member to step
