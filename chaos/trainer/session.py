@@ -13,6 +13,7 @@ plane: it hands the trainer a :class:`Policy`, and the trainer decides what to d
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -52,8 +53,9 @@ trainer waits inside ``update()``); the daemon forwards the latest once per hear
 
 
 class TrainingStalled(ChaosTimeout):
-    """A step could not be completed: no new policy came after a failure (or the daemon did
-    not answer) within ``policy_timeout_s``.
+    """A step could not be completed: no new policy came after a failure within the trainer's
+    ``stall_timeout_s`` (never, when that is ``None``), or the daemon did not answer within
+    ``policy_timeout_s``.
 
     It is a :class:`ChaosTimeout` (so a :class:`TimeoutError`): ``except ChaosTimeout`` catches
     it too.
@@ -414,6 +416,12 @@ class DaemonSession:
         if self._beacon is not None:
             self._beacon.note(step, in_step=False)
 
+    @property
+    def daemon_paused(self) -> bool:
+        """Whether the daemon's last word was that it is paused (no majority heard): a
+        partition, as far as this trainer can tell."""
+        return self._watch is not None and self._watch.paused
+
     def still_waiting(self) -> None:
         """Tells the daemon (one way, at most every :data:`BEACON_INTERVAL_S`) that the trainer
         is alive, still waiting inside ``update()``."""
@@ -465,37 +473,53 @@ class DaemonSession:
     def wait(
         self,
         ok: Callable[[Policy], bool],
-        timeout_s: float,
+        timeout_s: float | None,
         what: str,
         *,
         stalled: bool = False,
+        progress: Callable[[float, Policy | None], None] | None = None,
+        progress_interval_s: float = 10.0,
     ) -> Policy:
         """Asks the daemon until it has an unpaused policy that satisfies ``ok``.
 
         Args:
             ok: The condition.
-            timeout_s: Longest wait.
+            timeout_s: Longest wait (``None``: as long as it takes).
             what: What is waited for (for the error message).
             stalled: The wait is a step's (after a failed or interrupted allreduce): its
                 timeout is a :class:`TrainingStalled`.
+            progress: Called with the seconds waited so far and the last policy seen, every
+                ``progress_interval_s`` while the wait lasts (events and log lines).
+            progress_interval_s: How often ``progress`` is called.
 
         Raises:
             TrainingStalled: ``stalled`` and no such policy after ``timeout_s``.
             ChaosTimeout: no such policy after ``timeout_s`` (outside a step).
         """
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = math.inf if timeout_s is None else start + timeout_s
+        next_progress = start + progress_interval_s
         last: Policy | None = None
+        answered = start  # the daemon's silence is bounded even when the wait is not
+        error = TrainingStalled if stalled else ChaosTimeout
         while time.monotonic() < deadline:
+            now = time.monotonic()
+            if progress is not None and now >= next_progress:
+                next_progress = now + progress_interval_s
+                progress(now - start, last)
             if stalled:
                 self.still_waiting()  # a step that waits is not a straggler
             try:
                 last = self.fetch()
             except ChaosTimeout:
+                if time.monotonic() - answered > self._policy_timeout_s:
+                    raise error(f"the daemon did not answer for {self._policy_timeout_s} s "
+                                f"while waiting for {what}") from None  # fmt: skip
                 continue
+            answered = time.monotonic()
             if ok(last) and not last.paused:
                 return last
             time.sleep(self._poll_interval_s)
-        error = TrainingStalled if stalled else ChaosTimeout
         raise error(f"timed out after {timeout_s} s waiting for {what}; last: {last}")
 
     def poll(self, installed_epoch: int) -> Policy | None:

@@ -25,6 +25,7 @@ allreduce, every ``poll_interval_s``.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -66,8 +67,17 @@ class TrainerConfig:
         host: Interface the data-plane endpoints bind to (and advertise).
         step_timeout_s: Longest wait for the next allreduce frame before the neighbour is
             declared failed. Raise it when a step's compute time varies a lot between devices.
-        policy_timeout_s: Longest wait for a new policy after a failed allreduce. It must exceed
-            the daemon's failure timeout (1.5 s by default).
+        policy_timeout_s: Longest silence of the local daemon that a step boundary tolerates
+            (it answers policy requests; a busy device may answer late). It must exceed the
+            daemon's failure timeout (1.5 s by default).
+        stall_timeout_s: Longest time a step may wait for the cluster to heal after its
+            allreduce failed or was interrupted: a failure detected and scaled in, a split
+            overlay being reconnected, a partition that pauses this side until it heals. The
+            wait is reported every ``stall_progress_s`` (event ``waiting``, and a log line).
+            ``None`` (the default): wait as long as it takes; a cluster that can heal is never
+            given up on. Set it when a script must give up on its own, and catch
+            :class:`TrainingStalled`.
+        stall_progress_s: How often a waiting step reports that it still waits.
         join_timeout_s: Longest wait for the daemon to join and the scheduler to plan the join.
         replication_timeout_s: Limit on pulling the whole state when joining.
         poll_interval_s: How often the trainer asks its daemon for a newer policy while blocked
@@ -108,6 +118,8 @@ class TrainerConfig:
     host: str = "127.0.0.1"
     step_timeout_s: float = 30.0
     policy_timeout_s: float = 10.0
+    stall_timeout_s: float | None = None
+    stall_progress_s: float = 10.0
     join_timeout_s: float = 60.0
     replication_timeout_s: float = 600.0
     poll_interval_s: float = 0.02
@@ -129,10 +141,15 @@ class TrainerConfig:
             "join_timeout_s",
             "replication_timeout_s",
             "poll_interval_s",
+            "stall_progress_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        st = self.stall_timeout_s
+        if st is not None and (isinstance(st, bool) or not isinstance(st, (int, float))
+                               or not st > 0):  # fmt: skip
+            raise ConfigError(f"stall_timeout_s must be None or a positive number, got {st!r}")
         if not isinstance(self.daemon_args, tuple):
             raise ConfigError("daemon_args must be a tuple of strings")
         _check_data_ports(self.data_ports)
@@ -239,6 +256,8 @@ class Trainer:
         self.node_id = node_id if node_id is not None else _default_node_id()
         self._step = 0
         self._epoch = -1
+        self._round_started = 0.0  # when the allreduce in progress began (wait reports)
+        self._next_wait_report = math.inf
         self._policy: Policy | None = None
         self.events: list[dict[str, Any]] = []
         self._embedded: EmbeddedDaemon | None = None
@@ -400,6 +419,13 @@ class Trainer:
         :attr:`~chaos.collectives.frames.Op.RESULT`).
         """
         self._session.still_waiting()  # a trainer that waits is not the straggler
+        now = time.monotonic()
+        if now >= self._next_wait_report:  # a round that blocks long says so, as a step does
+            self._next_wait_report = now + self.config.stall_progress_s
+            self._event("waiting", what=f"the allreduce of step {self._step}",
+                        waited_s=round(now - self._round_started, 1),
+                        paused=self._session.daemon_paused, epoch=self._epoch,
+                        step=self._step)  # fmt: skip
         plane = self._plane
         mine = plane.topology_epoch
         seen = plane.newer_round_seen()
@@ -481,8 +507,9 @@ class Trainer:
 
         Raises:
             TrainingStalled: an allreduce failed (or was interrupted) and no new policy came
-                within ``policy_timeout_s``, or the daemon did not answer for that long. It is
-                a :class:`~chaos.errors.ChaosTimeout`.
+                within ``stall_timeout_s`` (``None``: it waits as long as it takes, reporting
+                ``waiting`` events), or the daemon did not answer for ``policy_timeout_s``. It
+                is a :class:`~chaos.errors.ChaosTimeout`.
         """
         session = self._session
         session.step_started(self._step)  # the step progress the scheduler finds stragglers by
@@ -512,6 +539,8 @@ class Trainer:
             if self.world_size == 1:
                 return None
             started = time.monotonic()
+            self._round_started = started
+            self._next_wait_report = started + self.config.stall_progress_s
             try:
                 out, caught_up = plane.allreduce(flat, self._step)
                 if caught_up:
@@ -562,7 +591,7 @@ class Trainer:
         policy leaves this trainer out instead (evicted as a straggler meanwhile).
 
         Raises:
-            TrainingStalled: no such policy within ``policy_timeout_s``.
+            TrainingStalled: no such policy within ``stall_timeout_s``.
             _Rejoined: this trainer had been evicted, and joined again.
         """
         session = self._session
@@ -570,7 +599,14 @@ class Trainer:
         def wanted(p: Policy) -> bool:
             return ok(p) or session.excluded(p)
 
-        p = session.wait(wanted, self.config.policy_timeout_s, what, stalled=True)
+        def waiting(waited_s: float, last: Policy | None) -> None:
+            paused = last is not None and last.paused
+            self._event("waiting", what=what, waited_s=round(waited_s, 1), paused=paused,
+                        epoch=self._epoch, step=self._step)  # fmt: skip
+
+        cfg = self.config
+        p = session.wait(wanted, cfg.stall_timeout_s, what, stalled=True,
+                         progress=waiting, progress_interval_s=cfg.stall_progress_s)  # fmt: skip
         if p.topology is None:
             self._rejoin(p)
             raise _Rejoined

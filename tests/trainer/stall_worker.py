@@ -34,6 +34,7 @@ def main() -> int:
         opt,
         step_timeout_s=args.step_timeout,
         policy_timeout_s=args.policy_timeout,
+        stall_timeout_s=args.policy_timeout,  # give up on the step: the test expects it to
     )
     embedded = trainer._embedded  # the test pauses this very daemon
     pid = embedded.proc.pid if embedded is not None else None

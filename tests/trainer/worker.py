@@ -41,6 +41,9 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--step-time", type=float, default=0.02)
     ap.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--daemon-dir", default=None, help="the embedded daemon's run directory")
+    ap.add_argument("--stall-progress", type=float, default=10.0,
+                    help="how often a waiting step reports (its 'waiting' events are recorded)")
     ap.add_argument(
         "--die-after", type=int, default=None, help="kill -9 mid-allreduce, N steps after joining"
     )
@@ -63,7 +66,9 @@ def main() -> int:
     args = _parse_args()
     model, opt = _build(args)
     xs, ys = local_data(args.id, 256, 16, 4)  # this device's local data
-    trainer = start_member(args, model, opt, step_timeout_s=20.0)
+    trainer = start_member(args, model, opt, step_timeout_s=20.0, daemon_dir=args.daemon_dir,
+                           stall_progress_s=args.stall_progress)  # fmt: skip
+    seen = 0
     if args.die_after is not None:
         trainer.fail_at(trainer.step + args.die_after)
     leave_flag = args.out.with_suffix(".leave")
@@ -78,6 +83,11 @@ def main() -> int:
             time.sleep(args.step_time)  # stands in for a longer forward/backward pass
             trainer.update()
             trainer.check_state_replication()
+            for e in trainer.events[seen:]:
+                if e["event"] in ("waiting", "evicted", "rejoined"):
+                    write_record(out, {"event": e["event"], **{k: v for k, v in e.items()
+                                                               if k in ("waited_s", "paused")}})
+            seen = len(trainer.events)
             rec = {
                 "step": trainer.step,
                 "epoch": trainer.epoch,

@@ -1,0 +1,98 @@
+"""A trainer never gives up on a cluster that can heal.
+
+Three real training processes; the minority one is cut off from the other two by a partition
+(named faults on every embedded daemon) for longer than any old policy timeout. The majority
+goes on; the minority's ``update()`` waits, reporting ``waiting`` events, and after the heal it
+joins again, pulls the current state and trains on with the others, bitwise equal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from chaos.daemon.client import DaemonClient
+from chaos.daemon.config import ipc_endpoint_for
+
+from chaos.launch import free_port, spawn_worker
+from tests.trainer.test_trainer import (
+    DAEMON_ARGS,
+    WORKER,
+    Cluster,
+    Member,
+    _assert_equal_from,
+    _world,
+)
+
+FAULT_ARGS = (*DAEMON_ARGS, "--enable-fault-injection")
+PARTITION_S = 15.0
+
+
+class PartitionCluster(Cluster):
+    """Workers whose embedded daemons accept named faults, in known run directories."""
+
+    def start(self, node_id: str, join: Member | None = None, *extra: str) -> Member:
+        port = free_port()
+        out = self.tmp / f"{node_id}.jsonl"
+        argv = [sys.executable, str(WORKER), "--id", node_id, "--out", str(out),
+                "--listen", f"tcp://127.0.0.1:{port}", "--daemon-dir", str(self.run_dir(node_id)),
+                "--stall-progress", "1.0", *extra]  # fmt: skip
+        argv += [f"--daemon-arg={a}" for a in FAULT_ARGS]
+        if join is not None:
+            argv += ["--join", join.address]
+        proc = spawn_worker(argv, log_path=out.with_suffix(".log"), append=False)
+        member = Member(node_id, out, proc, port)
+        self.members[node_id] = member
+        return member
+
+    def run_dir(self, node_id: str) -> Path:
+        return self.tmp / f"{node_id}.daemon"
+
+    def fault(self, node_id: str, name: str, peers: list[str]) -> None:
+        with DaemonClient(ipc_endpoint_for(str(self.run_dir(node_id))), timeout_s=5.0) as c:
+            c.fault(name, peers)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[PartitionCluster]:
+    with contextlib.closing(PartitionCluster(tmp_path)) as c:
+        yield c
+
+
+def test_a_partitioned_minority_waits_and_rejoins_after_the_heal(
+    cluster: PartitionCluster,
+) -> None:
+    a = cluster.start("a")
+    cluster.wait(lambda: a.last().get("step", 0) >= 3, "a to train")
+    b = cluster.start("b", a)
+    cluster.wait(lambda: _world(a, 2) and _world(b, 2), "b to join")
+    c = cluster.start("c", b)
+    cluster.wait(lambda: all(_world(m, 3) for m in (a, b, c)), "c to join")
+    for node in ("a", "b"):
+        cluster.fault(node, "partition", ["a", "b"])
+    cluster.fault("c", "partition", ["c"])
+    cut_at_t = time.monotonic()
+    cut_at = max(a.digests())
+    cluster.wait(lambda: _world(a, 2, cut_at + 5) and _world(b, 2, cut_at + 5),
+                 "the majority to go on as two")  # fmt: skip
+    c_step = max(c.digests())
+    # the partition lasts 15 s, well past the 10 s that a step used to wait before it gave up
+    lasts_until = cut_at_t + PARTITION_S
+    cluster.wait(lambda: time.monotonic() >= lasts_until, "the partition's duration")
+    assert c.proc.poll() is None, c.log()
+    assert max(c.digests()) == c_step, "the minority trained while cut off"
+    for node in ("a", "b", "c"):
+        cluster.fault(node, "clear", [])
+    healed_at = max(a.digests())
+    cluster.wait(lambda: all(_world(m, 3, healed_at + 5) for m in (a, b, c)),
+                 "c to rejoin and all three to train")  # fmt: skip
+    waits = [r for r in c.records() if r.get("event") == "waiting"]
+    assert waits and max(r["waited_s"] for r in waits) >= 12.0, waits  # it said it waited
+    first_c = min(s for s in c.digests() if s > healed_at)
+    cluster.wait(lambda: all(_world(m, 3, first_c + 5) for m in (a, b, c)),
+                 "five more steps as three")  # fmt: skip
+    assert _assert_equal_from([a, b, c], first_c) >= 3
