@@ -771,8 +771,8 @@ class Campaign:
         r = self.runner
         physical = {(min(a, b), max(a, b)) for a, b in r._net.links()
                     if a in live and b in live} - r.cut  # fmt: skip
-        if not physical:
-            return self._mark("link_cut", label="link_cut (no link left)", note="skipped")
+        if not physical:  # every link among the members is cut already: not an injection
+            return self._mark("skipped", label="link_cut skipped: every link is cut")
         a, b = self.rng.choice(sorted(physical))
         links, _sched, source = self._overlay(live)
         rec = self._mark("link_cut", a=a, b=b, label=f"link_cut {a}-{b}",
