@@ -100,6 +100,7 @@ class DaemonClient:
                 security.client(self._sock)
             self._handshake = self._sock.get_monitor_socket(_HANDSHAKE_FAILED)
         self._keyed = security is not None and security.enabled
+        self._security = security if security is not None else Security()
         self._sock.connect(endpoint)
 
     def request(
@@ -236,6 +237,8 @@ class DaemonClient:
             tensor_sizes=None if tensor_sizes is None else list(tensor_sizes),
             state_digest=state_digest,
             pid=os.getpid(),  # the daemon watches this process: its exit ends the registration
+            # with a cluster key, the data plane's frames are accepted only from this key
+            public_key=self._security.public_key if self._security.enabled else "",
         )
         return _checked(self.op(msg, timeout_s))
 

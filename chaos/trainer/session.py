@@ -252,10 +252,15 @@ def topology_of(reply: PolicyReply, me: str) -> Topology | None:
         return None  # not a member, or a split overlay: wait for a policy that joins it up
     addresses = dict(sync.addresses)
     epoch = topology_epoch(reply)
+    # with a cluster key every trainer registered its key: frames are then accepted only from
+    # the connection of the member they claim to come from
+    keys = dict(sync.keys) if sync.keys and all(n in sync.keys for n in sync.nodes) else None
     if sync.kind == "ring" and sync.ring:
-        return Topology("ring", tuple(sync.nodes), addresses, epoch, ring_order=tuple(sync.ring))
+        return Topology("ring", tuple(sync.nodes), addresses, epoch, ring_order=tuple(sync.ring),
+                        keys=keys)  # fmt: skip
     if sync.kind == "tree" and sync.parents:
-        return Topology("tree", tuple(sync.nodes), addresses, epoch, parent=dict(sync.parents))
+        return Topology("tree", tuple(sync.nodes), addresses, epoch, parent=dict(sync.parents),
+                        keys=keys)  # fmt: skip
     return Topology(
         "ring", (me,), {me: addresses.get(me, "tcp://127.0.0.1:1")}, epoch, ring_order=(me,)
     )

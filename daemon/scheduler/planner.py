@@ -79,8 +79,8 @@ def _from_wire(w: SyncPolicyWire) -> SyncPolicy:
 def same_data_plane(a: SyncPolicyWire | None, b: SyncPolicyWire) -> bool:
     """Whether two sync policies wire the data plane identically.
 
-    Only the structure counts (kind, nodes, root, parents, ring order, data endpoints and
-    connectivity); the estimates (``bottleneck_bps``, ``est_time_s``) do not, since no trainer
+    Only the structure counts (kind, nodes, root, parents, ring order, data endpoints, the
+    trainers' keys and connectivity); the estimates (``bottleneck_bps``, ``est_time_s``) do not, since no trainer
     acts on them.
     """
     if a is None:
@@ -92,6 +92,7 @@ def same_data_plane(a: SyncPolicyWire | None, b: SyncPolicyWire) -> bool:
         and a.parents == b.parents
         and a.ring == b.ring
         and a.addresses == b.addresses
+        and a.keys == b.keys
         and a.connected == b.connected
     )
 

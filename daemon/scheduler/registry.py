@@ -154,10 +154,12 @@ class TrainerRegistry:
         moved = (
             mon.node_attr(n, "data_address") != msg.data_address
             or mon.node_attr(n, "shard_address") != msg.shard_address
+            or mon.node_attr(n, "data_key") != msg.data_key
         )
         mon.set_trainer(
             n, TrainerState.TRAINING, msg.data_address, msg.shard_address, msg.tensor_sizes
         )
+        mon.set_data_key(n, msg.data_key)
         if msg.tensor_sizes is not None:
             self.layout = list(msg.tensor_sizes)
         others = [m for m in mon.trainer_members((TrainerState.TRAINING,)) if m != n]

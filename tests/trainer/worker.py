@@ -42,6 +42,7 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--daemon-dir", default=None, help="the embedded daemon's run directory")
+    ap.add_argument("--cluster-key", default=None, help="the cluster key file")
     ap.add_argument("--stall-progress", type=float, default=10.0,
                     help="how often a waiting step reports (its 'waiting' events are recorded)")
     ap.add_argument(
@@ -67,7 +68,8 @@ def main() -> int:
     model, opt = _build(args)
     xs, ys = local_data(args.id, 256, 16, 4)  # this device's local data
     trainer = start_member(args, model, opt, step_timeout_s=20.0, daemon_dir=args.daemon_dir,
-                           stall_progress_s=args.stall_progress)  # fmt: skip
+                           stall_progress_s=args.stall_progress,
+                           cluster_key=args.cluster_key)  # fmt: skip
     seen = 0
     if args.die_after is not None:
         trainer.fail_at(trainer.step + args.die_after)

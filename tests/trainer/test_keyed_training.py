@@ -1,0 +1,79 @@
+"""Training with a cluster key, end to end: three real trainers (each with its embedded daemon)
+join with one key; every trainer's key is in the sync policy, so the data plane accepts frames
+only from each member's own connection; a member killed mid-training leaves the others bitwise
+equal, as without a key."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from chaos.daemon.client import DaemonClient
+from chaos.daemon.config import ipc_endpoint_for
+
+from chaos.launch import free_port, spawn_worker
+from chaos.security import ClusterKey
+from tests.trainer.test_trainer import (
+    DAEMON_ARGS,
+    WORKER,
+    Cluster,
+    Member,
+    _assert_equal_from,
+    _world,
+)
+
+
+class KeyedCluster(Cluster):
+    """Workers that all hold one cluster key."""
+
+    def __init__(self, tmp: Path) -> None:
+        super().__init__(tmp)
+        self.key = ClusterKey.generate().write(tmp / "cluster.key")
+
+    def start(self, node_id: str, join: Member | None = None, *extra: str) -> Member:
+        port = free_port()
+        out = self.tmp / f"{node_id}.jsonl"
+        argv = [sys.executable, str(WORKER), "--id", node_id, "--out", str(out),
+                "--listen", f"tcp://127.0.0.1:{port}", "--cluster-key", str(self.key),
+                "--daemon-dir", str(self.tmp / f"{node_id}.daemon"), *extra]  # fmt: skip
+        argv += [f"--daemon-arg={a}" for a in DAEMON_ARGS]
+        if join is not None:
+            argv += ["--join", join.address]
+        proc = spawn_worker(argv, log_path=out.with_suffix(".log"), append=False)
+        member = Member(node_id, out, proc, port)
+        self.members[node_id] = member
+        return member
+
+    def status(self, node_id: str):  # type: ignore[no-untyped-def]
+        with DaemonClient(ipc_endpoint_for(str(self.tmp / f"{node_id}.daemon"))) as c:
+            return c.status()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[KeyedCluster]:
+    with contextlib.closing(KeyedCluster(tmp_path)) as c:
+        yield c
+
+
+def test_keyed_trainers_train_bind_their_keys_and_survive_a_kill(cluster: KeyedCluster) -> None:
+    a = cluster.start("a")
+    cluster.wait(lambda: a.last().get("step", 0) >= 3, "a to train")
+    b = cluster.start("b", a)
+    c = cluster.start("c", a)
+    cluster.wait(lambda: all(_world(m, 3) for m in (a, b, c)), "b and c to join")
+    sync = cluster.status("a").sync
+    assert sync is not None and set(sync.keys) == {"a", "b", "c"}
+    assert len(set(sync.keys.values())) == 3 and all(len(k) == 40 for k in sync.keys.values())
+    joined = max(c.digests())
+    cluster.wait(lambda: all(_world(m, 3, joined + 5) for m in (a, b, c)), "five steps as three")
+    os.killpg(c.proc.pid, signal.SIGKILL)
+    c.proc.wait(timeout=30)
+    del cluster.members["c"]
+    killed = max(a.digests())
+    cluster.wait(lambda: _world(a, 2, killed + 5) and _world(b, 2, killed + 5), "a, b go on")
+    assert _assert_equal_from([a, b], joined) >= 10
