@@ -80,8 +80,8 @@ def same_data_plane(a: SyncPolicyWire | None, b: SyncPolicyWire) -> bool:
     """Whether two sync policies wire the data plane identically.
 
     Only the structure counts (kind, nodes, root, parents, ring order, data endpoints, the
-    trainers' keys and connectivity); the estimates (``bottleneck_bps``, ``est_time_s``) do not, since no trainer
-    acts on them.
+    trainers' keys and connectivity); the estimates (``bottleneck_bps``, ``est_time_s``) do
+    not, since no trainer acts on them.
     """
     if a is None:
         return False
