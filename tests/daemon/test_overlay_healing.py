@@ -12,8 +12,8 @@ from pathlib import Path
 
 import networkx as nx
 import pytest
-
 from chaos.daemon.scheduler.healing import candidate_pairs, components
+
 from tests.daemon.daemon_helpers import Cluster, Node, scheduler_of, wait_until
 
 
