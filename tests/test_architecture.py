@@ -119,6 +119,7 @@ LAYERS = (
     "chaos.ops",
     "chaos.wire",
     "chaos.launch",
+    "chaos.security",
     "chaos.protocol",
     "chaos.scheduling",
     "chaos._native",
