@@ -176,20 +176,21 @@ class DataPlane:
     # ------------------------------------------------------------------ the allreduce
 
     def allreduce(self, flat: torch.Tensor, step: int) -> tuple[torch.Tensor, bool]:
-        """Averages ``flat`` over the members for ``step``.
+        """Sums ``flat`` over the members for ``step`` (the trainer divides by the sample
+        count the buffer's last element carries).
 
         ``keep_result``: a member that never got this step's result (a member died while it was
         going out) completes the step with it, so the survivors stay equal.
 
         Returns:
-            The mean, and whether this node caught up with a result a peer kept.
+            The sum, and whether this node caught up with a result a peer kept.
 
         Raises:
             RoundInterrupted: the interrupt check abandoned the round.
             PeerFailure: a neighbour failed or timed out.
         """
         caught_up = self._comm.stats.caught_up
-        out = self._comm.allreduce(flat, "mean", step=step, keep_result=True)
+        out = self._comm.allreduce(flat, "sum", step=step, keep_result=True)
         return out, self._comm.stats.caught_up > caught_up
 
     def newer_round_seen(self) -> int | None:

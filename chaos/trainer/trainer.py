@@ -176,6 +176,16 @@ def _check_data_ports(ports: object) -> None:
         )
 
 
+def _check_num_samples(num_samples: object) -> None:
+    """Raises TypeError or ValueError unless ``num_samples`` is ``None`` or an int >= 1."""
+    if num_samples is None:
+        return
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int):
+        raise TypeError(f"num_samples must be an int or None, got {type(num_samples).__name__}")
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be at least 1, got {num_samples}")
+
+
 # ----------------------------------------------------------------------------- the trainer
 
 
@@ -493,38 +503,67 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
 
-    def _flat_grads(self) -> torch.Tensor:
+    def _flat_grads(self, num_samples: int | None) -> torch.Tensor:
+        """The gradients, weighted by ``num_samples``, packed into one buffer whose last
+        element holds the weight (the sample count the allreduce sums alongside)."""
         grads = [
             p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in self._params
         ]
-        return ops.pack(grads)
+        n = sum(g.numel() for g in grads)
+        buf = torch.empty(n + 1, dtype=grads[0].dtype if grads else torch.float32)
+        flat = ops.pack(grads, out=buf)
+        weight = 1.0 if num_samples is None else float(num_samples)
+        if num_samples is not None:
+            flat.mul_(weight)
+        buf[n] = weight
+        return buf
 
-    def update(self) -> None:
+    def _install_average(self, reduced: torch.Tensor) -> None:
+        """Writes the sample-weighted mean, ``sum(N_i * g_i) / sum(N_i)``, into the gradients.
+
+        Every member divides the same bits by the same count, so they stay bitwise equal.
+        """
+        n = reduced.numel() - 1
+        for p in self._params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        # ``reduced`` is kept for a member that catches up: never modified in place
+        ops.unpack(reduced[:n].div(reduced[n]), [p.grad for p in self._params])
+
+    def update(self, num_samples: int | None = None) -> None:
         """Averages the gradients over the members, then steps the optimizer.
 
         A failure or a membership change during the allreduce aborts it and reruns the step
         under the new policy; no partial result is ever applied.
 
+        Args:
+            num_samples: The samples this device's gradients come from in this step (over
+                every backward pass since the gradients were zeroed). Each parameter's
+                ``grad`` must then be the mean gradient over those samples (the gradient of
+                the mean loss), and the average is weighted by sample: ``sum(N_i * g_i) /
+                sum(N_i)`` over the members, the gradient of the mean loss over every sample
+                of the cluster's step. ``None``: every member weighs the same (the mean of the
+                members' gradients), as if each passed 1.
+
         Raises:
+            TypeError: ``num_samples`` is not an int.
+            ValueError: ``num_samples`` is below 1.
             TrainingStalled: an allreduce failed (or was interrupted) and no new policy came
                 within ``stall_timeout_s`` (``None``: it waits as long as it takes, reporting
                 ``waiting`` events), or the daemon did not answer for ``policy_timeout_s``. It
                 is a :class:`~chaos.errors.ChaosTimeout`.
         """
+        _check_num_samples(num_samples)
         session = self._session
         session.step_started(self._step)  # the step progress the scheduler finds stragglers by
-        flat = self._flat_grads()
+        flat = self._flat_grads(num_samples)
         try:
             reduced = self._allreduce(flat)
         except _Rejoined:  # this trainer was evicted and joined again: its gradients are stale
             session.step_done(self._step)
             return
         if reduced is not None:
-            grads = [p.grad for p in self._params]
-            for p, g in zip(self._params, grads, strict=True):
-                if g is None:
-                    p.grad = torch.zeros_like(p)
-            ops.unpack(reduced, [p.grad for p in self._params])
+            self._install_average(reduced)
         self._donor.retire()  # the state is about to change
         self.optimizer.step()
         self._step += 1

@@ -1,0 +1,193 @@
+"""Training semantics with real processes: sample-weighted averaging, gradient accumulation,
+the step hooks and ``extra_state`` across joins and kills.
+
+Each worker (``semantics_worker.py``) is a real member with its embedded daemon on loopback; it
+appends one JSON line per step with a digest of its state. Tests wait for conditions with
+generous deadlines, never assert timing, and kill and reap every process group at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from chaos.errors import ChaosTimeout
+from chaos.launch import ProcessExited, free_port, kill_and_reap, spawn_worker, wait_until
+
+WORKER = Path(__file__).with_name("semantics_worker.py")
+DEADLINE_S = 120.0
+DAEMON_ARGS = ("--heartbeat-interval", "0.2", "--failure-timeout", "1.0")
+
+
+class Member:
+    """One training process (and, in its process group, its embedded daemon)."""
+
+    def __init__(self, node_id: str, out: Path, proc: subprocess.Popen[bytes], port: int):
+        self.id = node_id
+        self.out = out
+        self.proc = proc
+        self.address = f"tcp://127.0.0.1:{port}"
+
+    def records(self) -> list[dict[str, Any]]:
+        if not self.out.exists():
+            return []
+        lines = self.out.read_text().splitlines()
+        return [json.loads(line) for line in lines if line.endswith("}")]
+
+    def digests(self) -> dict[int, str]:
+        return {r["step"]: r["digest"] for r in self.records() if "digest" in r}
+
+    def last(self) -> dict[str, Any]:
+        steps = [r for r in self.records() if "digest" in r]
+        return steps[-1] if steps else {}
+
+    def leave(self) -> None:
+        self.out.with_suffix(".leave").touch()
+
+    def log(self) -> str:
+        path = self.out.with_suffix(".log")
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+
+class Cluster:
+    """Starts workers in their own sessions; kills every process group on close."""
+
+    def __init__(self, tmp: Path, worker: Path = WORKER) -> None:
+        self.tmp = tmp
+        self.worker = worker
+        self.members: dict[str, Member] = {}
+
+    def start(self, node_id: str, join: Member | None = None, *extra: str) -> Member:
+        port = free_port()
+        out = self.tmp / f"{node_id}.jsonl"
+        argv = [sys.executable, str(self.worker), "--id", node_id, "--out", str(out)]
+        argv += ["--listen", f"tcp://127.0.0.1:{port}", *extra]
+        for arg in DAEMON_ARGS:
+            argv.append(f"--daemon-arg={arg}")
+        if join is not None:
+            argv += ["--join", join.address]
+        proc = spawn_worker(argv, log_path=out.with_suffix(".log"), append=False)
+        member = Member(node_id, out, proc, port)
+        self.members[node_id] = member
+        return member
+
+    def wait(self, pred: Callable[[], Any], what: str) -> Any:
+        procs = {m.id: m.proc for m in self.members.values()}
+        try:  # exit code 70: a member that was made to fail
+            return wait_until(pred, DEADLINE_S, what, poll_s=0.1, watch=procs, ok=(0, 70))
+        except ProcessExited as exc:
+            pytest.fail(f"{exc}:\n{self.members[exc.name].log()}")
+        except ChaosTimeout as exc:
+            logs = "\n".join(f"--- {m.id}\n{m.log()}" for m in self.members.values())
+            pytest.fail(f"{exc}\n{logs}")
+
+    def close(self) -> None:
+        kill_and_reap([m.proc for m in self.members.values()], group=True)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    with contextlib.closing(Cluster(tmp_path)) as c:  # reaped even when the test fails
+        yield c
+
+
+def world(member: Member, size: int, after_step: int = 0) -> bool:
+    """Whether ``member``'s last step ran with ``size`` members, past ``after_step``."""
+    last = member.last()
+    return bool(last) and last["world"] == size and last["step"] > after_step
+
+
+def assert_equal_from(members: list[Member], first_step: int) -> int:
+    """Every step from ``first_step`` that all members recorded has one digest; returns the
+    number of steps compared."""
+    digests = [m.digests() for m in members]
+    common = set.intersection(*(set(d) for d in digests))
+    common = {s for s in common if s >= first_step}
+    assert common, "the members recorded no common step"
+    for step in sorted(common):
+        seen = {d[step] for d in digests}
+        assert len(seen) == 1, f"members differ at step {step}"
+    return len(common)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _reference_grads(params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> list[Any]:
+    """The gradient of the mean loss over the batch ``(x, y)`` in one process."""
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        from semantics_worker import build_model  # noqa: PLC0415 - the worker's own model
+    finally:
+        sys.path.pop(0)
+    model = build_model()
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), params, strict=True):
+            p.copy_(v)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    return [p.grad for p in model.parameters()]
+
+
+def _dumps(tmp: Path, ids: list[str]) -> dict[int, dict[str, dict[str, Any]]]:
+    """The dumps of the steps every member in ``ids`` dumped: step -> id -> dump."""
+    by_step: dict[int, dict[str, dict[str, Any]]] = {}
+    for path in (tmp / "dumps").glob("*.pt"):
+        node, step = path.stem.rsplit("-", 1)
+        by_step.setdefault(int(step), {})[node] = torch.load(path)
+    return {s: d for s, d in by_step.items() if set(d) == set(ids)}
+
+
+def _start_three(cluster: Cluster, batches: dict[str, int], *extra: str) -> list[Member]:
+    ids = list(batches)
+    members: list[Member] = []
+    for i, node in enumerate(ids):
+        join = members[0] if members else None
+        m = cluster.start(node, join, "--batch", str(batches[node]), *extra)
+        members.append(m)
+        cluster.wait(lambda n=i + 1: all(world(x, n) for x in members), f"{node} to take part")
+    return members
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_sample_weighted_average_is_the_gradient_of_the_whole_batch(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    batches = {"a": 3, "b": 8, "c": 21}
+    dump = ["--dump-dir", str(tmp_path / "dumps"), "--dump-world", "3", "--dump-count", "3"]
+    members = _start_three(cluster, batches, "--weighted", *dump)
+    ids = list(batches)
+    cluster.wait(lambda: len(_dumps(tmp_path, ids)) >= 2, "steps dumped by all three")
+    checked = 0
+    for step, dumps in sorted(_dumps(tmp_path, ids).items()):
+        a, b, c = (dumps[i] for i in ids)
+        for other in (b, c):  # the members held the same model and averaged to the same bits
+            for p, q in zip(a["params"], other["params"], strict=True):
+                assert torch.equal(p, q), f"parameters differ at step {step}"
+            for p, q in zip(a["grads"], other["grads"], strict=True):
+                assert torch.equal(p, q), f"averaged gradients differ at step {step}"
+        x = torch.cat([dumps[i]["x"] for i in ids])
+        y = torch.cat([dumps[i]["y"] for i in ids])
+        assert x.shape[0] == sum(batches.values())
+        for got, want in zip(a["grads"], _reference_grads(a["params"], x, y), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        # the mean of the members' means is a different gradient: the weighting mattered
+        per_member = [_reference_grads(a["params"], dumps[i]["x"], dumps[i]["y"]) for i in ids]
+        mean_of_means = [sum(gs) / 3 for gs in zip(*per_member, strict=True)]
+        assert any(not torch.allclose(g, m, rtol=1e-4, atol=1e-6)
+                   for g, m in zip(a["grads"], mean_of_means, strict=True))  # fmt: skip
+        checked += 1
+    assert checked >= 2
+    first = max(m.last()["step"] for m in members)
+    cluster.wait(lambda: all(m.last()["step"] > first + 5 for m in members), "5 more steps")
+    assert assert_equal_from(members, first) >= 5
