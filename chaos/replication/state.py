@@ -5,12 +5,16 @@ The stream is the concatenation, in this order, of:
 1. the model's parameters and buffers, in ``model.state_dict()`` order;
 2. the optimizer's tensor state, in param-group order, then parameter order within a group, then
    the state keys sorted by name (``exp_avg``, ``exp_avg_sq``, ``step`` for Adam);
-3. one runtime record: a msgpack-encoded :class:`RuntimeInfo` (step, epoch, user
+3. the tensors of the extra state objects (``extra``: LR schedulers, a ``GradScaler``, an EMA
+   model, anything with ``state_dict()``/``load_state_dict()``), object by object, each
+   ``state_dict()``'s tensors in the order it lists them;
+4. one runtime record: a msgpack-encoded :class:`RuntimeInfo` (step, epoch, user
    hyperparameters, the torch CPU, Python ``random`` and numpy RNG states), no pickle.
 
 Everything the stream does not carry travels in the :class:`Manifest` (the header): the layout of
 every tensor (name, dtype, shape), the optimizer class, every param group's hyperparameters, the
-optimizer's non-tensor per-parameter values (``None`` momentum buffers, int steps) and the length
+optimizer's non-tensor per-parameter values (``None`` momentum buffers, int steps), every extra
+object's ``state_dict()`` with its tensors replaced by their place in the stream, and the length
 of the runtime record. A joiner gets the manifest first and allocates everything from it, so an
 optimizer without state (Adam before its first step) can receive a donor's state.
 
@@ -41,11 +45,15 @@ from chaos.wire import STATE_FORMAT_VERSION
 
 __all__ = [
     "STATE_FORMAT_VERSION",
+    "ExtraEntry",
+    "ExtraState",
     "Manifest",
     "RuntimeInfo",
     "TrainingState",
     "capture_runtime",
     "decode_manifest",
+    "extra_digest",
+    "extra_tensor_count",
     "restore_rng",
     "state_diff",
     "state_digest",
@@ -112,6 +120,15 @@ class OptimValue(msgspec.Struct, array_like=True, frozen=True):
     value: Any
 
 
+class ExtraEntry(msgspec.Struct, array_like=True, frozen=True):
+    """One extra state object: its name and its ``state_dict()`` in the tagged plain encoding
+    of :func:`_encode_extra` (``["D", [[key, value], ...]]``, ``["L", [...]]``, ``["T", [...]]``,
+    ``["X", i]`` for the ``i``-th tensor of ``Manifest.extra_tensors``; scalars as they are)."""
+
+    name: Name
+    state: Any
+
+
 class Manifest(msgspec.Struct, kw_only=True, frozen=True):
     """The stream's header: everything a joiner needs to allocate before shards arrive.
 
@@ -124,6 +141,8 @@ class Manifest(msgspec.Struct, kw_only=True, frozen=True):
         model: The model's tensors, in stream order.
         optim: The optimizer's tensors, in stream order.
         optim_values: The optimizer's non-tensor per-parameter values.
+        extra: The extra state objects, in stream order: name and encoded ``state_dict()``.
+        extra_tensors: Their tensors, in stream order (named ``OBJECT/PATH``).
         runtime_bytes: Length of the runtime record that ends the stream.
         runtime_digest: SHA-256 (hex) of the runtime record; :meth:`TrainingState.apply` checks
             the received record against it, and donors whose records differ have different
@@ -139,6 +158,8 @@ class Manifest(msgspec.Struct, kw_only=True, frozen=True):
     model: list[TensorSpec]
     optim: list[OptimTensorSpec]
     optim_values: list[OptimValue]
+    extra: list[ExtraEntry] = []
+    extra_tensors: list[TensorSpec] = []
     runtime_bytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_RUNTIME_BYTES)]
     runtime_digest: Annotated[str, msgspec.Meta(max_length=64)]
     total_bytes: Annotated[int, msgspec.Meta(ge=0)]
@@ -335,13 +356,148 @@ def _byte_view(t: torch.Tensor, where: str) -> memoryview:
     return memoryview(arr)
 
 
+ExtraState = dict[str, Any]
+"""Extra state objects by name: each has ``state_dict()`` and ``load_state_dict(state)``."""
+
+_EXTRA_TAGS = frozenset(("D", "L", "T", "X"))
+
+
+def _encode_extra(
+    extra: ExtraState | None,
+) -> tuple[list[ExtraEntry], list[TensorSpec], list[torch.Tensor]]:
+    """Every extra object's ``state_dict()`` as plain values, and its tensors, copied to CPU.
+
+    The copies keep the bytes a donor serves fixed, whatever the object does meanwhile.
+
+    Raises:
+        TypeError: a value is neither a tensor of a supported dtype, a plain scalar, nor a
+            dict, list or tuple of those (the message names the object and the path).
+    """
+    entries: list[ExtraEntry] = []
+    specs: list[TensorSpec] = []
+    tensors: list[torch.Tensor] = []
+
+    def enc(v: Any, path: str) -> Any:
+        if isinstance(v, torch.Tensor):
+            t = v.detach().to("cpu", copy=True).contiguous()
+            specs.append(_spec(path, t))
+            tensors.append(t)
+            return ["X", len(tensors) - 1]
+        if v is None or isinstance(v, (bool, str, bytes)):
+            return v
+        if isinstance(v, int):
+            if not -(1 << 63) <= v < 1 << 64:
+                raise TypeError(f"{path}: the int {v} does not fit in 64 bits")
+            return int(v)
+        if isinstance(v, float):
+            return float(v)
+        if isinstance(v, dict):
+            return ["D", [[enc(k, f"{path}/<key>"), enc(x, f"{path}/{k}")] for k, x in v.items()]]
+        if isinstance(v, (list, tuple)):
+            tag = "L" if isinstance(v, list) else "T"
+            return [tag, [enc(x, f"{path}/{i}") for i, x in enumerate(v)]]
+        raise TypeError(
+            f"extra state {path} is a {type(v).__name__}; a state_dict() may hold tensors, "
+            "numbers, str, bytes, bool, None, and dicts, lists and tuples of those"
+        )
+
+    for name, obj in (extra or {}).items():
+        getter = getattr(obj, "state_dict", None)
+        if not callable(getter):
+            raise TypeError(f"extra state {name!r} has no state_dict() method")
+        entries.append(ExtraEntry(name=name, state=enc(getter(), name)))
+    return entries, specs, tensors
+
+
+def _decode_extra(node: Any, tensors: Sequence[torch.Tensor], where: str) -> Any:
+    """The value :func:`_encode_extra` encoded as ``node``, with its tensors.
+
+    Raises:
+        StateLayoutError: ``node`` is not such an encoding.
+    """
+    if not isinstance(node, (list, tuple)):
+        return node
+    if len(node) != 2 or node[0] not in _EXTRA_TAGS:
+        raise StateLayoutError(f"malformed extra state at {where}")
+    tag, body = node
+    if tag == "X":
+        if isinstance(body, bool) or not isinstance(body, int) or not 0 <= body < len(tensors):
+            raise StateLayoutError(f"extra state at {where} names no tensor of the stream")
+        return tensors[body]
+    if not isinstance(body, (list, tuple)):
+        raise StateLayoutError(f"malformed extra state at {where}")
+    if tag == "D":
+        out: dict[Any, Any] = {}
+        for pair in body:
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise StateLayoutError(f"malformed extra state dict at {where}")
+            key = _decode_extra(pair[0], tensors, where)
+            if isinstance(key, (list, dict, torch.Tensor)):
+                raise StateLayoutError(f"extra state at {where} has an unhashable key")
+            out[key] = _decode_extra(pair[1], tensors, f"{where}/{key}")
+        return out
+    items = [_decode_extra(x, tensors, f"{where}/{i}") for i, x in enumerate(body)]
+    return items if tag == "L" else tuple(items)
+
+
+def _tensor_refs(node: Any, refs: list[int]) -> None:
+    """Appends to ``refs`` every tensor index an encoded value names (checked later)."""
+    if isinstance(node, (list, tuple)) and len(node) == 2 and node[0] in _EXTRA_TAGS:
+        tag, body = node
+        if tag == "X":
+            refs.append(body if isinstance(body, int) and not isinstance(body, bool) else -1)
+        elif isinstance(body, (list, tuple)):
+            for item in body:
+                if tag == "D" and isinstance(item, (list, tuple)):  # a [key, value] pair
+                    for part in item:
+                        _tensor_refs(part, refs)
+                else:
+                    _tensor_refs(item, refs)
+
+
+def extra_tensor_count(extra: ExtraState | None) -> int:
+    """The tensors the extra objects' ``state_dict()`` hold now (to notice a new layout)."""
+    count = 0
+
+    def walk(v: Any) -> None:
+        nonlocal count
+        if isinstance(v, torch.Tensor):
+            count += 1
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+
+    for obj in (extra or {}).values():
+        walk(obj.state_dict())
+    return count
+
+
+def extra_digest(extra: ExtraState | None) -> str:
+    """SHA-256 (hex) of the extra objects' states: their encoded values and tensor bytes.
+
+    Raises:
+        TypeError: as :func:`_encode_extra`.
+    """
+    entries, specs, tensors = _encode_extra(extra)
+    h = hashlib.sha256(_ENCODER.encode([entries, specs]))
+    for t in tensors:
+        h.update(_byte_view(t, "extra"))
+    return h.hexdigest()
+
+
 def layout_fingerprint(
     model: Sequence[TensorSpec],
     optimizer_class: str,
     params: Sequence[Sequence[TensorSpec]],
     optim: Sequence[OptimTensorSpec],
+    extra: Sequence[ExtraEntry] = (),
+    extra_tensors: Sequence[TensorSpec] = (),
 ) -> str:
-    """SHA-256 (hex) of the layout: names, dtypes and shapes of every tensor, and the optimizer.
+    """SHA-256 (hex) of the layout: names, dtypes and shapes of every tensor, the optimizer,
+    and the names of the extra state objects.
 
     Two states with equal fingerprints have identical streams up to the runtime record.
     """
@@ -352,6 +508,8 @@ def layout_fingerprint(
         optimizer_class,
         [[[p.dtype, p.shape] for p in group] for group in params],
         [[s.group, s.index, s.key, s.dtype, s.shape] for s in optim],
+        [e.name for e in extra],
+        [[s.name, s.dtype, s.shape] for s in extra_tensors],
     ]
     return hashlib.sha256(_ENCODER.encode(canon)).hexdigest()
 
@@ -374,7 +532,7 @@ def decode_manifest(data: bytes | memoryview) -> Manifest:
         raise StateLayoutError(
             f"state format version {m.version}, this node speaks {STATE_FORMAT_VERSION}"
         )
-    specs: list[TensorSpec | OptimTensorSpec] = [*m.model, *m.optim]
+    specs: list[TensorSpec | OptimTensorSpec] = [*m.model, *m.optim, *m.extra_tensors]
     specs += [p for group in m.params for p in group]
     for s in specs:
         if s.dtype not in _DTYPES:
@@ -382,6 +540,7 @@ def decode_manifest(data: bytes | memoryview) -> Manifest:
     total = m.runtime_bytes
     total += sum(_nbytes(s.dtype, s.shape) for s in m.model)
     total += sum(_nbytes(o.dtype, o.shape) for o in m.optim)
+    total += sum(_nbytes(s.dtype, s.shape) for s in m.extra_tensors)
     if total != m.total_bytes:
         raise StateLayoutError(f"manifest total_bytes {m.total_bytes} != its tensors' {total}")
     if len(m.param_groups) != len(m.params):
@@ -396,7 +555,17 @@ def decode_manifest(data: bytes | memoryview) -> Manifest:
             )
     if any("params" in hyper for hyper in m.param_groups):
         raise StateLayoutError("manifest hyperparameters name 'params'")
-    if layout_fingerprint(m.model, m.optimizer_class, m.params, m.optim) != m.fingerprint:
+    refs: list[int] = []
+    for entry in m.extra:
+        _tensor_refs(entry.state, refs)
+    if sorted(refs) != list(range(len(m.extra_tensors))):
+        raise StateLayoutError("manifest extra state does not name each of its tensors once")
+    if len({e.name for e in m.extra}) != len(m.extra):
+        raise StateLayoutError("manifest names an extra state object twice")
+    fingerprint = layout_fingerprint(
+        m.model, m.optimizer_class, m.params, m.optim, m.extra, m.extra_tensors
+    )
+    if fingerprint != m.fingerprint:
         raise StateLayoutError("manifest fingerprint does not match its layout")
     return m
 
@@ -437,15 +606,21 @@ class TrainingState:
         model: The model; its ``state_dict()`` tensors must be contiguous CPU tensors.
         optimizer: The model's optimizer.
         runtime: The runtime record to carry (see :func:`capture_runtime`).
+        extra: Extra state objects by name (``state_dict()``/``load_state_dict()``): their
+            states travel with the model's; their tensors are copied to CPU when captured.
 
     Raises:
         TypeError: a state value has an unsupported type (non-tensor model state, tensor
-            hyperparameters, an unsupported dtype).
+            hyperparameters, an unsupported dtype, an extra state value that is not plain).
         ValueError: a tensor is not a contiguous dense CPU tensor.
     """
 
     def __init__(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, runtime: RuntimeInfo
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        runtime: RuntimeInfo,
+        extra: ExtraState | None = None,
     ) -> None:
         model_specs, model_tensors = self._model_part(model)
         optim_specs: list[OptimTensorSpec] = []
@@ -464,21 +639,29 @@ class TrainingState:
                     else:
                         _check_plain(v, where)
                         values.append(OptimValue(g, i, key, v))
+        entries, extra_specs, extra_tensors = _encode_extra(extra)
         blob = _ENCODER.encode(runtime)
         params = _param_specs(optimizer)
         cls_name = _optimizer_class(optimizer)
+        fingerprint = layout_fingerprint(
+            model_specs, cls_name, params, optim_specs, entries, extra_specs
+        )
         manifest = Manifest(
-            fingerprint=layout_fingerprint(model_specs, cls_name, params, optim_specs),
+            fingerprint=fingerprint,
             optimizer_class=cls_name,
             params=params,
             param_groups=_group_hypers(optimizer),
             model=model_specs,
             optim=optim_specs,
             optim_values=values,
+            extra=entries,
+            extra_tensors=extra_specs,
             runtime_bytes=len(blob),
             runtime_digest=hashlib.sha256(blob).hexdigest(),
             total_bytes=0,
         )
+        self._extra = dict(extra or {})
+        self._extra_tensors = extra_tensors
         self._setup(model, optimizer, manifest, model_tensors, optim_tensors, blob)
         self._runtime: RuntimeInfo | None = runtime
         self._written = [(0, self.total_bytes)]
@@ -492,15 +675,17 @@ class TrainingState:
         step: int,
         epoch: int,
         hyperparameters: dict[str, Any] | None = None,
+        extra: ExtraState | None = None,
     ) -> TrainingState:
-        """A donor's state: live views of ``model`` and ``optimizer``, and the RNG states now.
+        """A donor's state: live views of ``model`` and ``optimizer``, copies of the ``extra``
+        objects' states, and the RNG states now.
 
         The views are live: the donor must not step the optimizer while the state is served.
 
         Raises:
             TypeError, ValueError: see the class.
         """
-        return cls(model, optimizer, capture_runtime(step, epoch, hyperparameters))
+        return cls(model, optimizer, capture_runtime(step, epoch, hyperparameters), extra)
 
     @classmethod
     def for_joiner(
@@ -508,20 +693,30 @@ class TrainingState:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         manifest: Manifest | bytes | memoryview,
+        extra: ExtraState | None = None,
     ) -> TrainingState:
         """A joiner's receiving state, laid out as the donor's ``manifest`` says.
 
-        Model shards are written straight into ``model``'s tensors; optimizer tensors are
-        allocated here (the optimizer may have no state yet) and installed by :meth:`apply`.
+        Model shards are written straight into ``model``'s tensors; optimizer and extra state
+        tensors are allocated here (the optimizer may have no state yet) and installed by
+        :meth:`apply`.
 
         Raises:
             StateLayoutError: the manifest is malformed, or its layout differs from this
-                model and optimizer (names, shapes, dtypes, param groups, optimizer class).
+                model and optimizer (names, shapes, dtypes, param groups, optimizer class), or
+                it names other extra state objects than ``extra``.
         """
         m = decode_manifest(manifest) if not isinstance(manifest, Manifest) else manifest
+        theirs, ours = [e.name for e in m.extra], list(extra or {})
+        if sorted(theirs) != sorted(ours):
+            raise StateLayoutError(
+                f"the donor's extra state objects are {theirs}, this trainer's are {ours}"
+            )
         model_specs, model_tensors = cls._model_part(model)
         params = _param_specs(optimizer)
-        mine = layout_fingerprint(model_specs, _optimizer_class(optimizer), params, m.optim)
+        mine = layout_fingerprint(
+            model_specs, _optimizer_class(optimizer), params, m.optim, m.extra, m.extra_tensors
+        )
         if mine != m.fingerprint:
             raise StateLayoutError(
                 "the donor's state has another layout than this model and optimizer: "
@@ -529,6 +724,9 @@ class TrainingState:
             )
         optim_tensors = [torch.empty(s.shape, dtype=_DTYPES[s.dtype]) for s in m.optim]
         self = cls.__new__(cls)
+        self._extra = dict(extra or {})
+        self._extra_tensors = [torch.empty(s.shape, dtype=_DTYPES[s.dtype])
+                               for s in m.extra_tensors]  # fmt: skip
         self._setup(model, optimizer, m, model_tensors, optim_tensors, bytearray(m.runtime_bytes))
         self._runtime = None
         self._written = []
@@ -561,7 +759,8 @@ class TrainingState:
         self._optim_tensors = optim_tensors
         names = [f"model/{s.name}" for s in manifest.model]
         names += [f"optim/{s.group}/{s.index}/{s.key}" for s in manifest.optim]
-        tensors = [*model_tensors, *optim_tensors]
+        names += [f"extra/{s.name}" for s in manifest.extra_tensors]
+        tensors = [*model_tensors, *optim_tensors, *self._extra_tensors]
         views = [_byte_view(t, n) for t, n in zip(tensors, names, strict=True)]
         views.append(memoryview(blob))
         self._views = views
@@ -702,16 +901,20 @@ class TrainingState:
     # -- applying a received state
 
     def apply(self) -> RuntimeInfo:
-        """Installs the received stream: optimizer state and hyperparameters, RNG states.
+        """Installs the received stream: extra states, optimizer state and hyperparameters,
+        RNG states.
 
         The model's tensors already hold the received bytes. Everything is decoded and checked
-        before anything is changed, so a refused stream leaves the optimizer and RNGs untouched.
+        before anything is changed, so a refused stream leaves the optimizer and RNGs untouched
+        (an extra object whose ``load_state_dict`` refuses its state leaves the objects before
+        it loaded).
 
         Returns:
             The runtime record (step, epoch, hyperparameters) for the caller's loop.
 
         Raises:
-            StateLayoutError: bytes are missing, or the runtime record is malformed.
+            StateLayoutError: bytes are missing, the runtime record or an extra state is
+                malformed, or an extra object's ``load_state_dict`` refused its state.
         """
         missing = self.missing()
         if missing:
@@ -723,6 +926,15 @@ class TrainingState:
             runtime = _RUNTIME_DECODER.decode(self._views[-1])
         except _UNREADABLE as exc:
             raise StateLayoutError(f"malformed runtime record: {exc}") from exc
+        states = [(e.name, _decode_extra(e.state, self._extra_tensors, e.name))
+                  for e in self._manifest.extra]  # fmt: skip
+        for name, state in states:
+            try:
+                self._extra[name].load_state_dict(state)
+            except Exception as exc:  # noqa: BLE001 - any refusal of the object's own check
+                raise StateLayoutError(
+                    f"extra state {name!r} refused the donor's state: {exc}"
+                ) from exc
         restore_rng(runtime)
         opt = self._optimizer
         groups = opt.param_groups
@@ -783,8 +995,11 @@ def state_diff(a: TrainingState, b: TrainingState) -> list[str]:
         out.append("optimizer hyperparameters differ")
     if ma.optim_values != mb.optim_values:
         out.append("optimizer non-tensor values differ")
+    if ma.extra != mb.extra:
+        out.append("extra state values differ")
     names = [f"model/{s.name}" for s in ma.model]
-    names += [f"optim/{s.group}/{s.index}/{s.key}" for s in ma.optim] + ["runtime"]
+    names += [f"optim/{s.group}/{s.index}/{s.key}" for s in ma.optim]
+    names += [f"extra/{s.name}" for s in ma.extra_tensors] + ["runtime"]
     sa, sb = a.tensor_sizes(), b.tensor_sizes()
     if sa != sb:
         out.append(f"element sizes differ (runtime record {sa[-1]} vs {sb[-1]} bytes)")

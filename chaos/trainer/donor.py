@@ -1,9 +1,10 @@
 """The trainer's training state as replication sees it: the donor's snapshots, the joiner's pull.
 
-A :class:`Donor` captures the model's and optimizer's state: its tensor layout (which the
-trainer registers with the scheduler, again when the optimizer creates its state), the digest of
-a restored checkpoint, and the snapshot a donor serves to a joiner at a step boundary. As a
-joiner it pulls the state from several donors at once and loads it into the model and optimizer.
+A :class:`Donor` captures the model's, optimizer's and extra objects' state: its tensor layout
+(which the trainer registers with the scheduler, again when the optimizer creates its state), the
+digest of a restored checkpoint, and the snapshot a donor serves to a joiner at a step boundary.
+As a joiner it pulls the state from several donors at once and loads it into the model, the
+optimizer and the extra objects.
 It publishes its snapshots through a :class:`SnapshotServer` (the data plane's shard server).
 """
 
@@ -21,7 +22,12 @@ import torch
 from chaos.errors import ReplicationError
 from chaos.protocol import ReplicationWire
 from chaos.replication.pull import PullConfig, gather_manifests, plan_for_snapshot, pull_state
-from chaos.replication.state import TrainingState
+from chaos.replication.state import (
+    ExtraState,
+    TrainingState,
+    extra_digest,
+    extra_tensor_count,
+)
 from chaos.scheduling import Neighbor
 from chaos.scheduling.bounds import lower_bound
 from chaos.security import Security
@@ -67,6 +73,8 @@ class Donor:
         replication_timeout_s: Limit on pulling the whole state.
         pull_window: Outstanding shard requests per donor.
         security: The cluster key the joiner's pulls connect with (default: none, plain).
+        extra: Extra state objects by name (``state_dict()``/``load_state_dict()``) that travel
+            with the training state.
     """
 
     def __init__(
@@ -82,8 +90,10 @@ class Donor:
         replication_timeout_s: float,
         pull_window: int,
         security: Security | None = None,
+        extra: ExtraState | None = None,
     ) -> None:
         self.model = model
+        self.extra: ExtraState = dict(extra or {})
         self._security = security
         self.optimizer = optimizer
         self.node_id = node_id
@@ -100,7 +110,9 @@ class Donor:
     # ------------------------------------------------------------------ layout
 
     def _capture(self, step: int, epoch: int) -> TrainingState:
-        return TrainingState.capture(self.model, self.optimizer, step=step, epoch=max(0, epoch))
+        return TrainingState.capture(
+            self.model, self.optimizer, step=step, epoch=max(0, epoch), extra=self.extra
+        )
 
     def initial_layout(self, has_state: bool) -> list[int] | None:
         """The tensor sizes the trainer registers with (``None`` for a joiner without state);
@@ -126,10 +138,11 @@ class Donor:
         n = len(self.model.state_dict())
         for st in self.optimizer.state.values():
             n += sum(1 for v in st.values() if isinstance(v, torch.Tensor))
-        return n + 1
+        return n + extra_tensor_count(self.extra) + 1
 
     def restored_digest(self) -> str:
-        """SHA-256 over the model's and optimizer's tensors (not the per-device RNG)."""
+        """SHA-256 over the model's and optimizer's tensors and the extra objects' states (not
+        the per-device RNG)."""
         h = hashlib.sha256()
         for name, t in self.model.state_dict().items():
             h.update(name.encode())
@@ -139,6 +152,8 @@ class Donor:
                 if isinstance(v, torch.Tensor):
                     h.update(key.encode())
                     h.update(_raw_bytes(v))
+        if self.extra:
+            h.update(extra_digest(self.extra).encode())
         return h.hexdigest()
 
     # ------------------------------------------------------------------ serving
@@ -183,7 +198,9 @@ class Donor:
             torch.manual_seed(seed & 0xFFFFFFFF)
             random.seed(seed)
             np.random.seed(seed & 0xFFFFFFFF)
-            return TrainingState.capture(self.model, self.optimizer, step=step, epoch=0)
+            return TrainingState.capture(
+                self.model, self.optimizer, step=step, epoch=0, extra=self.extra
+            )
         finally:
             torch.set_rng_state(saved[0])
             random.setstate(saved[1])
@@ -221,7 +238,7 @@ class Donor:
         )
         t_manifest = time.monotonic()
         step = next(iter(keys.values()))[1]
-        state = TrainingState.for_joiner(self.model, self.optimizer, manifest)
+        state = TrainingState.for_joiner(self.model, self.optimizer, manifest, self.extra)
         neighbors = [Neighbor(d.id, d.prop_s, d.trans_s_per_byte, d.sync_s) for d in rep.donors
                      if d.id in keys]  # fmt: skip
         plan = plan_for_snapshot(state, rep, neighbors)

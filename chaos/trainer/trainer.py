@@ -176,6 +176,25 @@ def _check_data_ports(ports: object) -> None:
         )
 
 
+def _check_extra_state(extra: object) -> dict[str, Any]:
+    """``extra`` as a dict of named objects with ``state_dict`` and ``load_state_dict``.
+
+    Raises:
+        ConfigError: ``extra`` is not such a dict.
+    """
+    if extra is None:
+        return {}
+    if not isinstance(extra, dict):
+        raise ConfigError(f"extra_state must be a dict of named objects, got {extra!r}")
+    for name, obj in extra.items():
+        if not isinstance(name, str) or not 1 <= len(name) <= 256:
+            raise ConfigError(f"extra_state names must be 1-256 characters, got {name!r}")
+        for method in ("state_dict", "load_state_dict"):
+            if not callable(getattr(obj, method, None)):
+                raise ConfigError(f"extra_state[{name!r}] has no {method}() method")
+    return dict(extra)
+
+
 def _check_num_samples(num_samples: object) -> None:
     """Raises TypeError or ValueError unless ``num_samples`` is ``None`` or an int >= 1."""
     if num_samples is None:
@@ -230,11 +249,17 @@ class Trainer:
         node_id: This node's id (default: ``HOSTNAME-PID``). With ``daemon=``, it must be that
             daemon's id.
         listen: The embedded daemon's control endpoint (default: a free port on ``host``).
+        extra_state: More training state by name: any object with ``state_dict()`` and
+            ``load_state_dict(state)`` (an LR scheduler, a ``torch.amp.GradScaler``, an EMA
+            model, a sampler's position). It travels with the model and optimizer to a joiner
+            and into :meth:`state_dict`, and stays bitwise equal on every member as long as the
+            script changes it only inside :meth:`update` (its ``before_step``, ``step_fn`` or
+            ``after_step``). Every member must name the same objects.
         **options: :class:`TrainerConfig` fields.
 
     Raises:
         ConfigError: bad options, or a malformed endpoint or node id (checked before anything
-            starts).
+            starts), or an ``extra_state`` entry without ``state_dict``/``load_state_dict``.
         chaos.trainer.embedded.DaemonStartError: the embedded daemon could not start or join.
         ChaosTimeout: the join or the state pull did not finish in time.
         ReplicationError: the state could not be pulled from any neighbour.
@@ -248,6 +273,7 @@ class Trainer:
         daemon: str | None = None,
         node_id: str | None = None,
         listen: str | None = None,
+        extra_state: dict[str, Any] | None = None,
         **options: Any,
     ) -> None:
         try:
@@ -255,6 +281,7 @@ class Trainer:
         except TypeError as exc:
             raise ConfigError(f"unknown Trainer option: {exc}") from exc
         _check_endpoints(join, daemon, node_id, listen)
+        self.extra_state: dict[str, Any] = _check_extra_state(extra_state)
         self._security = Security.from_key_file(self.config.cluster_key)
         install_exit_handlers()
         # Build or load the native ops now: a first JIT build takes 30-60 s, which must not
@@ -349,6 +376,7 @@ class Trainer:
             replication_timeout_s=cfg.replication_timeout_s,
             pull_window=cfg.pull_window,
             security=self._security,
+            extra=self.extra_state,
         )
 
     # ------------------------------------------------------------------ properties
@@ -530,8 +558,22 @@ class Trainer:
         # ``reduced`` is kept for a member that catches up: never modified in place
         ops.unpack(reduced[:n].div(reduced[n]), [p.grad for p in self._params])
 
-    def update(self, num_samples: int | None = None) -> None:
+    def update(
+        self,
+        num_samples: int | None = None,
+        *,
+        before_step: Callable[[], object] | None = None,
+        step_fn: Callable[[], object] | None = None,
+        after_step: Callable[[], object] | None = None,
+    ) -> None:
         """Averages the gradients over the members, then steps the optimizer.
+
+        In this order: the allreduce writes the averaged gradients into every ``p.grad``;
+        ``before_step()``; ``step_fn()`` (or ``optimizer.step()``); ``after_step()``; then
+        :attr:`step` counts one more. Only the allreduce talks to other members: the hooks run
+        on every member with the same averaged gradients, so what they compute is the same
+        everywhere. A member that was evicted and joined again during the allreduce returns
+        without calling any of them (it pulled the state the others reached).
 
         A failure or a membership change during the allreduce aborts it and reruns the step
         under the new policy; no partial result is ever applied.
@@ -544,6 +586,12 @@ class Trainer:
                 sum(N_i)`` over the members, the gradient of the mean loss over every sample
                 of the cluster's step. ``None``: every member weighs the same (the mean of the
                 members' gradients), as if each passed 1.
+            before_step: Called with the averaged gradients, before the step: clip them
+                (``torch.nn.utils.clip_grad_norm_``), or ``scaler.unscale_(optimizer)`` first.
+            step_fn: Replaces ``optimizer.step()``, e.g. ``lambda: scaler.step(optimizer)``.
+            after_step: Called after the step, before this step's state can be served to a
+                joiner: advance everything in ``extra_state`` here (``scaler.update()``,
+                ``scheduler.step()``, an EMA update).
 
         Raises:
             TypeError: ``num_samples`` is not an int.
@@ -565,7 +613,14 @@ class Trainer:
         if reduced is not None:
             self._install_average(reduced)
         self._donor.retire()  # the state is about to change
-        self.optimizer.step()
+        if before_step is not None:
+            before_step()
+        if step_fn is not None:
+            step_fn()
+        else:
+            self.optimizer.step()
+        if after_step is not None:
+            after_step()
         self._step += 1
         session.step_done(self._step)
         self._maybe_reregister()
@@ -711,10 +766,12 @@ class Trainer:
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
-        """The full training state, for disk checkpoints (``torch.save``)."""
+        """The full training state, for disk checkpoints (``torch.save``): model, optimizer,
+        every ``extra_state`` object's state (under ``"extra"``), step, epoch, RNG."""
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
+            "extra": {name: obj.state_dict() for name, obj in self.extra_state.items()},
             "step": self._step,
             "epoch": self._epoch,
             "torch_rng": torch.get_rng_state(),
@@ -728,6 +785,9 @@ class Trainer:
         """
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        for name, extra in state.get("extra", {}).items():
+            if name in self.extra_state:
+                self.extra_state[name].load_state_dict(extra)
         self._step = int(state["step"])
         torch.set_rng_state(state["torch_rng"])
 

@@ -8,6 +8,11 @@ A copy of ``worker.py`` that exercises what a real training loop needs from ``up
   averaged gradients and the local batch, so a test can recompute the gradient of the
   concatenated batch in one process.
 - ``--accum K``: the step's samples go through ``K`` backward passes (gradient accumulation).
+- ``--extras``: a real loop's state and hooks: a warmup + cosine ``LambdaLR``, a
+  ``torch.amp.GradScaler("cpu")`` and a small EMA of the weights in ``extra_state``; the
+  ``before_step`` hook unscales and clips the averaged gradient, ``step_fn`` is
+  ``scaler.step(optimizer)`` and ``after_step`` updates the scaler, the scheduler and the EMA.
+  The digest then covers the extra states and the learning rate too.
 
 It appends one JSON line per step to ``--out``: step, epoch, world size, the local batch size
 and a SHA-256 over the model, the optimizer state and the step. ``<out>.leave`` asks it to
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import math
 import sys
 import time
 from pathlib import Path
@@ -25,6 +31,7 @@ from typing import Any
 
 import torch
 
+from chaos.replication.state import extra_digest
 from chaos.trainer.worker import add_member_arguments, local_data, start_member, write_record
 
 ROWS = 512
@@ -53,6 +60,7 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=8, help="samples per step on this device")
     ap.add_argument("--weighted", action="store_true", help="update(num_samples=batch)")
     ap.add_argument("--accum", type=int, default=1, help="backward passes per update()")
+    ap.add_argument("--extras", action="store_true", help="scheduler, scaler, EMA and hooks")
     ap.add_argument("--dump-dir", type=Path, default=None)
     ap.add_argument("--dump-world", type=int, default=3)
     ap.add_argument("--dump-count", type=int, default=3)
@@ -60,6 +68,38 @@ def _parse_args() -> argparse.Namespace:
         "--die-after", type=int, default=None, help="kill -9 mid-allreduce, N steps after joining"
     )
     return ap.parse_args()
+
+
+class Ema:
+    """A small exponential moving average of a model's parameters."""
+
+    def __init__(self, model: torch.nn.Module, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.updates = 0
+        self.shadow = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def update(self, model: torch.nn.Module) -> None:
+        self.updates += 1
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                self.shadow[n].mul_(self.decay).add_(p, alpha=1 - self.decay)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"decay": self.decay, "updates": self.updates, "shadow": dict(self.shadow)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.decay = state["decay"]
+        self.updates = state["updates"]
+        for n, t in state["shadow"].items():
+            self.shadow[n].copy_(t)
+
+
+def warmup_cosine(step: int, warmup: int = 10, total: int = 200) -> float:
+    """The learning-rate factor at ``step``: linear warmup, then a cosine decay to 10%."""
+    if step < warmup:
+        return (step + 1) / warmup
+    done = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * done))
 
 
 def build_model() -> torch.nn.Module:
@@ -79,7 +119,30 @@ def main() -> int:
     model = build_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     xs, ys = local_data(args.id, ROWS, 16, 4)
-    trainer = start_member(args, model, opt, step_timeout_s=20.0)
+    extra: dict[str, Any] = {}
+    hooks: dict[str, Any] = {}
+    scaler = None
+    if args.extras:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine)
+        scaler = torch.amp.GradScaler("cpu", growth_interval=3)
+        ema = Ema(model)
+        extra = {"sched": sched, "scaler": scaler, "ema": ema}
+
+        def before_step() -> None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+
+        def after_step() -> None:
+            scaler.update()
+            sched.step()
+            ema.update(model)
+
+        hooks = {
+            "before_step": before_step,
+            "step_fn": lambda: scaler.step(opt),
+            "after_step": after_step,
+        }
+    trainer = start_member(args, model, opt, step_timeout_s=20.0, extra_state=extra)
     if args.die_after is not None:
         trainer.fail_at(trainer.step + args.die_after)
     dumped = 0
@@ -93,10 +156,11 @@ def main() -> int:
             for xm, ym in zip(x.chunk(args.accum), y.chunk(args.accum), strict=True):
                 # each micro-batch's share of the mean loss over the step's samples
                 loss = torch.nn.functional.cross_entropy(model(xm), ym, reduction="sum")
-                (loss / args.batch).backward()
+                loss = loss / args.batch
+                (scaler.scale(loss) if scaler is not None else loss).backward()
             time.sleep(args.step_time)  # stands in for a longer forward/backward pass
             before = [p.detach().clone() for p in model.parameters()]
-            trainer.update(num_samples=args.batch if args.weighted else None)
+            trainer.update(num_samples=args.batch if args.weighted else None, **hooks)
             stepped = trainer.step == step + 1
             if (stepped and args.dump_dir is not None and dumped < args.dump_count
                     and trainer.world_size == args.dump_world):  # fmt: skip
@@ -113,6 +177,10 @@ def main() -> int:
                 "batch": args.batch,
                 "digest": state_digest(model, opt, trainer.step),
             }
+            if args.extras:
+                rec["lr"] = opt.param_groups[0]["lr"]
+                rec["scale"] = scaler.get_scale() if scaler is not None else None
+                rec["digest"] += extra_digest(extra) + repr(rec["lr"])
             write_record(out, rec)
             if leave_flag.exists():
                 trainer.request_node_exit()

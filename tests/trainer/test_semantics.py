@@ -160,12 +160,15 @@ def _start_three(cluster: Cluster, batches: dict[str, int], *extra: str) -> list
 # ----------------------------------------------------------------------------- tests
 
 
+@pytest.mark.parametrize("accum", [1, 3], ids=["one-pass", "accumulated"])
 def test_sample_weighted_average_is_the_gradient_of_the_whole_batch(
-    cluster: Cluster, tmp_path: Path
+    cluster: Cluster, tmp_path: Path, accum: int
 ) -> None:
+    """With ``accum`` 3, each step's samples go through three backward passes (gradient
+    accumulation) before one ``update()``."""
     batches = {"a": 3, "b": 8, "c": 21}
     dump = ["--dump-dir", str(tmp_path / "dumps"), "--dump-world", "3", "--dump-count", "3"]
-    members = _start_three(cluster, batches, "--weighted", *dump)
+    members = _start_three(cluster, batches, "--weighted", "--accum", str(accum), *dump)
     ids = list(batches)
     cluster.wait(lambda: len(_dumps(tmp_path, ids)) >= 2, "steps dumped by all three")
     checked = 0
@@ -191,3 +194,33 @@ def test_sample_weighted_average_is_the_gradient_of_the_whole_batch(
     first = max(m.last()["step"] for m in members)
     cluster.wait(lambda: all(m.last()["step"] > first + 5 for m in members), "5 more steps")
     assert assert_equal_from(members, first) >= 5
+
+
+def test_hooks_and_extra_state_survive_a_late_join_and_a_kill(cluster: Cluster) -> None:
+    """An LR scheduler, a GradScaler and an EMA in ``extra_state``, the averaged gradient
+    unscaled and clipped in ``before_step``, ``scaler.step`` as ``step_fn``: a late joiner
+    pulls them with the model and the members stay bitwise equal (the digest covers the
+    extra states and the learning rate), through the joiner's kill too."""
+    extras = ("--extras", "--weighted")
+    a = cluster.start("a", None, "--batch", "6", *extras)
+    cluster.wait(lambda: a.last().get("step", 0) >= 5, "a to train")
+    b = cluster.start("b", a, "--batch", "10", *extras)
+    cluster.wait(lambda: world(a, 2) and world(b, 2), "b to join a")
+    before = a.last()["step"]
+    c = cluster.start("c", b, "--batch", "4", "--die-after", "15", *extras)
+    cluster.wait(lambda: c.proc.poll() is not None, "c to join, train and die mid-allreduce")
+    assert c.proc.returncode == 70, c.log()
+    first_c, died = min(c.digests()), max(c.digests())
+    assert first_c > before, "the joiner took part only after the others had trained"
+    assert any(r.get("world") == 3 for r in a.records()), "c never took part in a step"
+    assert assert_equal_from([a, b, c], first_c) >= 10
+    cluster.wait(lambda: world(a, 2, died + 10) and world(b, 2, died + 10), "survivors go on")
+    assert assert_equal_from([a, b], before) >= 20
+    # the extra state really changed along the way: warmup, cosine, scaler growth
+    recs = [r for r in a.records() if "lr" in r]
+    assert len({r["lr"] for r in recs}) > 10
+    assert len({r["scale"] for r in recs}) > 3
+    by_step = {r["step"]: r for r in recs}
+    for r in c.records():
+        if "lr" in r and r["step"] in by_step:
+            assert (r["lr"], r["scale"]) == (by_step[r["step"]]["lr"], by_step[r["step"]]["scale"])
