@@ -6,6 +6,12 @@
 * **disconnect-link**: requested (``after_allreduce``; refused if it would disconnect the
   overlay) or a failed probe (``before_next_allreduce`` with restart; the link stays, marked
   down).
+* **a link the allreduce found failing**: when a trainer's round fails on a neighbour whose
+  daemon is heard and no straggler explains it, the link between the two is checked at once
+  (one end pings the other, as for a connect-link); no answer marks it down with a
+  disconnect-link (restart), as a failed probe does, instead of restarting the round over the
+  same dead link until the periodic probes notice (events ``link_verify``, ``link_down`` with
+  ``by: allreduce``).
 * **flap damping**: a link that a probe reports down again soon after it came back up
   (within ``FLAP_WINDOW`` link failure timeouts) is a flapping link: its next recovery is
   accepted only after a hold of ``link_failure_timeout_s`` doubled for each flap in a row (at
@@ -92,6 +98,7 @@ class LinkOps:
         self._tried: set[frozenset[str]] = set()  # pairs found unreachable during this split
         self._next_heal_check = 0.0
         self._flaps: dict[frozenset[str], _Flaps] = {}
+        self._verifying: dict[str, frozenset[str]] = {}  # op id -> the link being checked
 
     def on_request(self, msg: LinkRequest, reply: ReplyPath | None, now: float) -> None:
         """Connect-link or disconnect-link."""
@@ -166,6 +173,9 @@ class LinkOps:
         if lop is None:
             return False
         a, b = lop.req.a, lop.req.b
+        if self._verifying.pop(msg.op_id, None) is not None:
+            self._verified(a, b, msg.up, now)
+            return True
         if msg.op_id == self._healing:
             self._healing = None
             if not msg.up:
@@ -208,6 +218,32 @@ class LinkOps:
                 op_id=op_id,
             ),
         )
+
+    def verify(self, a: str, b: str, now: float) -> None:
+        """Checks the overlay link ``a``-``b`` at once (``a`` pings ``b``) after an allreduce
+        failed on it; no-op without such a link up, or while one check of it is pending."""
+        link = self.monitor.link(a, b) if self.monitor.has(a) and self.monitor.has(b) else None
+        key = frozenset((a, b))
+        if link is None or not link["up"] or key in self._verifying.values():
+            return
+        op_id = "verify-" + uuid.uuid4().hex[:8]
+        req = LinkRequest(sender=self.host.node_id, epoch=self.ledger.epoch, a=a, b=b,
+                          op="disconnect", op_id=op_id)  # fmt: skip
+        self.pending[op_id] = LinkOp(req, None, now, now + self.cfg.link_failure_timeout_s)
+        self._verifying[op_id] = key
+        self.host.event("link_verify", a=a, b=b)
+        self._order_probe(a, b, op_id, measure_bandwidth=False)
+
+    def _verified(self, a: str, b: str, up: bool, now: float) -> None:
+        """The check of a link the allreduce failed on: down means a disconnect-link."""
+        link = self.monitor.link(a, b) if self.monitor.has(a) and self.monitor.has(b) else None
+        if up or link is None or not link["up"]:
+            self.host.event("link_verified", a=a, b=b, up=up)
+            return
+        self._count_flap(frozenset((a, b)), now)
+        self.monitor.set_link(a, b, up=False)
+        self.host.event("link_down", a=a, b=b, by="allreduce")
+        self.ledger.commit("disconnect_link", now, apply_at="before_next_allreduce", restart=True)
 
     def _count_flap(self, key: frozenset[str], now: float) -> None:
         """Records a link going down; sets the hold of its next recovery."""
@@ -253,6 +289,9 @@ class LinkOps:
                     self._healing = None
                     self._tried.add(frozenset((lop.req.a, lop.req.b)))
                     self.host.event("heal_unreachable", a=lop.req.a, b=lop.req.b)
+                    continue
+                if self._verifying.pop(op_id, None) is not None:
+                    self._verified(lop.req.a, lop.req.b, False, now)  # no answer at all
                     continue
                 self.ledger.refuse(
                     lop.reply, lop.req.op_id, Reason.TIMEOUT, "link measurement timed out"

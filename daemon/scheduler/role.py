@@ -289,6 +289,10 @@ class SchedulerRole:
             )  # fmt: skip
             if peer != neighbour:
                 msg = msgspec.structs.replace(msg, detail=peer)
+            elif self.failures.fresh(neighbour, now):
+                # no straggler explains it and the neighbour's daemon is heard: the link
+                # between the two may be what failed; check it at once (disconnect-link if so)
+                self.links.verify(n, neighbour, now)
         elif msg.kind == "gone":
             self.stragglers.forget(n)
         self.trainers.on_event(msg, reply, now)
