@@ -43,6 +43,9 @@ from chaos.protocol import (
 from chaos.protocol.messages import MAX_ELAPSED_S
 from chaos.protocol.states import TrainerState
 
+THROUGHPUT_REFRESH_S = 5.0
+"""The trainer's throughput goes to the scheduler at least this often while it changes little."""
+
 
 class RelayHost(Protocol):
     """What the relay needs from its daemon."""
@@ -103,6 +106,8 @@ class TrainerRelay:
         self._accepted_epoch = 0  # the scheduler's epoch when it accepted the registration
         self._progress: TrainerEvent | None = None  # the trainer's latest progress report
         self._progress_at = 0.0  # when it came (monotonic)
+        self._rate_sent: tuple[float, int] | None = None  # throughput, global batch forwarded
+        self._rate_sent_at = 0.0
 
     def on_register(self, msg: TrainerRegister, reply: ReplyPath | None) -> None:
         """Forwards a registration to the scheduler as :class:`TrainerInfo`."""
@@ -128,6 +133,8 @@ class TrainerRelay:
     def on_event(self, msg: TrainerEvent, reply: ReplyPath | None) -> None:
         """Forwards a trainer event to the scheduler, stamped with this node's id (a progress
         report is kept instead, and forwarded at the next heartbeat; it is never answered)."""
+        if msg.kind == "throughput":
+            return  # the daemon's to send: the trainer's throughput rides in its progress
         if msg.kind == "progress":
             if self.registration is not None:
                 self._progress = msg
@@ -230,6 +237,28 @@ class TrainerRelay:
                 in_step=last.in_step, elapsed_s=last.elapsed_s + silent, silent_s=silent,
             )
         )  # fmt: skip
+        self._report_throughput(last, now)
+
+    def _report_throughput(self, last: TrainerEvent, now: float) -> None:
+        """Forwards the trainer's throughput and global batch (a one-way ``throughput`` event)
+        when they changed by over 2 % since last forwarded, or every
+        :data:`THROUGHPUT_REFRESH_S` (a new scheduler learns them so)."""
+        rate, batch = last.samples_per_s, last.global_batch
+        if rate <= 0.0 or batch <= 0:
+            return
+        sent = self._rate_sent
+        fresh = now - self._rate_sent_at < THROUGHPUT_REFRESH_S
+        steady = sent is not None and sent[1] == batch and abs(rate - sent[0]) <= 0.02 * sent[0]
+        if fresh and steady:
+            return
+        me = self.host.node_id
+        self.host.to_scheduler(
+            TrainerEvent(
+                sender=me, epoch=self.host.epoch, kind="throughput", node_id=me, step=last.step,
+                samples_per_s=rate, global_batch=batch,
+            )
+        )  # fmt: skip
+        self._rate_sent, self._rate_sent_at = (rate, batch), now
 
     def _end_registration(self) -> None:
         self._watched = None

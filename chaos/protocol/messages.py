@@ -109,11 +109,19 @@ class Reason(str, enum.Enum):
 
 ApplyAt = Literal["after_allreduce", "before_next_allreduce"]
 FaultName = Literal["drop_to", "drop_from", "cut_link", "partition", "clear"]
-TrainerEventKind = Literal["ready", "replication_done", "step_failed", "gone", "progress"]
+TrainerEventKind = Literal[
+    "ready", "replication_done", "step_failed", "gone", "progress", "throughput"
+]
 MAX_ELAPSED_S = 1e9
 """Longest duration a trainer's progress report may state (about 31 years)."""
 Elapsed = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_ELAPSED_S)]
 """A bounded, finite duration in seconds (a trainer's progress report)."""
+MAX_BATCH = 1 << 31
+"""Largest global or local batch (samples per step) a message may state."""
+Rate = Annotated[float, msgspec.Meta(ge=0.0, le=1e12)]
+"""A bounded, finite throughput in samples per second (0: not measured)."""
+BatchSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_BATCH)]
+"""Samples per step of one member, in a split of the global batch."""
 
 
 class _Base(msgspec.Struct, kw_only=True, frozen=True, tag_field="type"):
@@ -185,6 +193,10 @@ class SyncPolicyWire(msgspec.Struct, kw_only=True, frozen=True):
     keys: dict[NodeId, PublicKey] = {}
     """The trainers' CURVE public keys (with a cluster key): a data frame is accepted only from
     the connection of the member it names."""
+    batch_sizes: dict[NodeId, BatchSize] = {}
+    """The global batch split across the members in proportion to their measured throughput
+    (samples per step for each; they sum to the global batch): empty when no trainer asked
+    for a global batch (``TrainerConfig.global_batch``). Not part of the data-plane structure."""
     topology_epoch: Counter = 0
     """The epoch in which this data-plane structure (kind, nodes, tree or ring, endpoints) was
     first issued; allreduce frames carry it. A commit that leaves the structure as it was and
@@ -557,6 +569,11 @@ class TrainerEvent(_Base, frozen=True, tag="trainer_event"):
     (``in_step``) or computing, for ``elapsed_s`` in that phase; the daemon forwards the latest
     one to the scheduler every heartbeat interval, with ``silent_s``, the time since its trainer
     was last heard, and ``elapsed_s`` aged to that moment.
+
+    A trainer with a global batch adds ``samples_per_s`` (its throughput: samples per second
+    of compute, allreduce waits excluded) and ``global_batch`` to its progress; its daemon
+    forwards them to the scheduler as a one-way ``throughput`` event when they change, which
+    the scheduler splits the global batch by (``SyncPolicyWire.batch_sizes``).
     """
 
     KIND: ClassVar[str] = "client"
@@ -568,6 +585,8 @@ class TrainerEvent(_Base, frozen=True, tag="trainer_event"):
     step: Counter = 0
     in_step: bool = False
     silent_s: Elapsed = 0.0
+    samples_per_s: Rate = 0.0
+    global_batch: Annotated[int, msgspec.Meta(ge=0, le=MAX_BATCH)] = 0
 
 
 class PolicyReply(_Base, frozen=True, tag="policy_reply"):

@@ -166,6 +166,8 @@ class StepBeacon:
         self._since = time.monotonic()  # when the trainer entered its phase
         self._sent_at = float("-inf")
         self._sent_in_step = False
+        self._rate = 0.0  # samples per second of compute (0: not measured)
+        self._global_batch = 0
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self.sent = 0
@@ -184,6 +186,12 @@ class StepBeacon:
                 target=self._run, name="chaos-step-beacon", daemon=True
             )  # fmt: skip
             self._thread.start()
+
+    def throughput(self, samples_per_s: float, global_batch: int) -> None:
+        """The trainer's throughput and global batch, sent with its next notes."""
+        with self._lock:
+            self._rate = max(0.0, min(samples_per_s, 1e12))
+            self._global_batch = max(0, min(global_batch, 1 << 31))
 
     def alive(self) -> None:
         """The trainer is still in its phase (it waits inside ``update()``)."""
@@ -207,6 +215,8 @@ class StepBeacon:
             step=self._step,
             in_step=self._in_step,
             elapsed_s=min(now - self._since, MAX_ELAPSED_S),
+            samples_per_s=self._rate,
+            global_batch=self._global_batch,
         )
         try:
             while self._sock.poll(0, zmq.POLLIN):  # a refusal from the daemon: nothing to do
@@ -420,6 +430,13 @@ class DaemonSession:
         """Tells the daemon (one way) that the trainer left ``update()``, now at ``step``."""
         if self._beacon is not None:
             self._beacon.note(step, in_step=False)
+
+    def report_throughput(self, samples_per_s: float, global_batch: int) -> None:
+        """Adds the trainer's throughput (samples per second of compute) and its global batch
+        to its step progress (one way), which the scheduler splits the global batch by; a
+        trainer without a local ``ipc://`` daemon has no progress to add them to."""
+        if self._beacon is not None:
+            self._beacon.throughput(samples_per_s, global_batch)
 
     @property
     def daemon_paused(self) -> bool:

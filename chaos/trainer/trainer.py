@@ -52,6 +52,12 @@ from chaos.trainer.session import TrainingStalled as TrainingStalled  # part of 
 
 log = logging.getLogger("chaos.trainer")
 
+MAX_GLOBAL_BATCH = 1 << 31
+"""The largest ``TrainerConfig.global_batch``."""
+
+THROUGHPUT_SMOOTHING = 0.3
+"""Weight of the newest step in the trainer's measured throughput (an exponential average)."""
+
 
 class _Rejoined(Exception):
     """The scheduler had evicted this trainer (a straggler); it joined again inside
@@ -109,6 +115,11 @@ class TrainerConfig:
             plane (allreduce endpoint, payload lanes, shard server, pulls) and a TCP connection
             to the daemon are then authenticated and encrypted, and the embedded daemon starts
             with ``--cluster-key``. ``None``: no key (plain sockets; see ``docs/security.md``).
+        global_batch: Samples per step over the whole cluster, kept constant as members come
+            and go: the scheduler splits it across the members in proportion to their measured
+            throughput, and :attr:`Trainer.local_batch_size` says this member's part. Every
+            member must set the same value, and pass ``num_samples`` to ``update()``. ``None``
+            (the default): off, each script picks its own batch.
 
     Raises:
         ConfigError: a non-positive timeout or interval, a bad ``data_ports`` range, or a
@@ -133,6 +144,7 @@ class TrainerConfig:
     policy_notices: bool = True
     restored: bool = False
     cluster_key: str | None = None
+    global_batch: int | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -153,6 +165,12 @@ class TrainerConfig:
         if not isinstance(self.daemon_args, tuple):
             raise ConfigError("daemon_args must be a tuple of strings")
         _check_data_ports(self.data_ports)
+        gb = self.global_batch
+        if gb is not None and (isinstance(gb, bool) or not isinstance(gb, int)
+                               or not 1 <= gb <= MAX_GLOBAL_BATCH):  # fmt: skip
+            raise ConfigError(
+                f"global_batch must be None or an int in 1..{MAX_GLOBAL_BATCH}, got {gb!r}"
+            )
         if self.cluster_key is not None:
             if not isinstance(self.cluster_key, (str, os.PathLike)):
                 raise ConfigError(f"cluster_key must be a file path, got {self.cluster_key!r}")
@@ -296,6 +314,9 @@ class Trainer:
         self._round_started = 0.0  # when the allreduce in progress began (wait reports)
         self._next_wait_report = math.inf
         self._policy: Policy | None = None
+        self._batch_sizes: dict[str, int] = {}  # the global batch's split in force
+        self._samples_per_s: float | None = None  # measured throughput (samples / compute s)
+        self._computing_since: float | None = None  # when the last update() returned
         self.events: list[dict[str, Any]] = []
         self._embedded: EmbeddedDaemon | None = None
         t0 = time.monotonic()
@@ -397,6 +418,37 @@ class Trainer:
         return len(self._policy.members) if self._policy else 1
 
     @property
+    def local_batch_size(self) -> int | None:
+        """This member's share of ``global_batch``: the samples to use in this step (pass it
+        as ``update(num_samples=...)``). The scheduler splits the global batch in proportion
+        to the members' measured throughput and installs the split with every membership
+        change; until it has one, the members split it evenly. ``None`` without a
+        ``global_batch``."""
+        gb = self.config.global_batch
+        if gb is None:
+            return None
+        mine = self._batch_sizes.get(self.node_id)
+        if mine is not None:
+            return mine
+        members = sorted(self._policy.members) if self._policy else [self.node_id]
+        if self.node_id not in members:
+            return max(1, gb // max(1, len(members)))
+        base, extra = divmod(gb, len(members))
+        return max(1, base + (1 if members.index(self.node_id) < extra else 0))
+
+    @property
+    def batch_sizes(self) -> dict[str, int]:
+        """The split of ``global_batch`` in force (member -> samples per step), as the
+        scheduler installed it; empty before it has one, or without a ``global_batch``."""
+        return dict(self._batch_sizes) if self.config.global_batch is not None else {}
+
+    @property
+    def samples_per_s(self) -> float | None:
+        """This member's measured throughput: samples per second of compute between two
+        ``update()`` calls (allreduce waits excluded), smoothed; ``None`` before two steps."""
+        return self._samples_per_s
+
+    @property
     def neighbors(self) -> list[str]:
         """This node's overlay neighbours, as the daemon knows them."""
         return self._session.neighbors()
@@ -425,6 +477,7 @@ class Trainer:
             self._step = self._donor.pull(policy.replication, policy.epoch)
         self._install(policy)
         elapsed = time.monotonic() - t0
+        self._computing_since = time.monotonic()
         self._event("ready", elapsed_s=elapsed, epoch=self._epoch, step=self._step)
         session.report_ready(elapsed, f"epoch {self._epoch} step {self._step}")
 
@@ -483,6 +536,11 @@ class Trainer:
         changed = self._policy is None or set(policy.members) != set(self._policy.members)
         self._policy = policy
         self._epoch = policy.epoch
+        sync = policy.raw.sync if policy.raw is not None else None
+        sizes = dict(sync.batch_sizes) if sync is not None else {}
+        if sizes != self._batch_sizes and self.config.global_batch is not None:
+            self._event("batch_split", epoch=policy.epoch, sizes=sizes)
+        self._batch_sizes = sizes
         if changed:
             self._event("membership", epoch=policy.epoch, members=list(policy.members))
         self._donor.serve(policy.replication, policy.epoch, self._step)
@@ -602,6 +660,7 @@ class Trainer:
                 is a :class:`~chaos.errors.ChaosTimeout`.
         """
         _check_num_samples(num_samples)
+        self._measure(num_samples)
         session = self._session
         session.step_started(self._step)  # the step progress the scheduler finds stragglers by
         flat = self._flat_grads(num_samples)
@@ -609,6 +668,7 @@ class Trainer:
             reduced = self._allreduce(flat)
         except _Rejoined:  # this trainer was evicted and joined again: its gradients are stale
             session.step_done(self._step)
+            self._computing_since = time.monotonic()
             return
         if reduced is not None:
             self._install_average(reduced)
@@ -624,6 +684,24 @@ class Trainer:
         self._step += 1
         session.step_done(self._step)
         self._maybe_reregister()
+        self._computing_since = time.monotonic()
+
+    def _measure(self, num_samples: int | None) -> None:
+        """Measures this step's throughput, samples over the seconds since the last
+        ``update()`` returned (the script's compute: no allreduce wait is in it), and with a
+        global batch reports it to the daemon with the step progress."""
+        now = time.monotonic()
+        since, self._computing_since = self._computing_since, None
+        gb = self.config.global_batch
+        samples = num_samples if num_samples is not None else self.local_batch_size
+        if since is None or samples is None or now <= since:
+            return
+        rate = samples / (now - since)
+        old = self._samples_per_s
+        a = THROUGHPUT_SMOOTHING
+        self._samples_per_s = rate if old is None else (1 - a) * old + a * rate
+        if gb is not None:
+            self._session.report_throughput(self._samples_per_s, gb)
 
     def _allreduce(self, flat: torch.Tensor) -> torch.Tensor | None:
         plane = self._plane

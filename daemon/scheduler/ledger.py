@@ -20,6 +20,7 @@ from typing import Protocol
 
 import msgspec
 from chaos.daemon.config import DaemonConfig
+from chaos.daemon.scheduler.batch_split import BatchSplitter
 from chaos.daemon.scheduler.monitor import ClusterMonitor
 from chaos.daemon.scheduler.planner import (
     data_addresses,
@@ -111,6 +112,8 @@ class EpochLedger:
         self.ops: dict[str, PendingOp] = {}
         self.last_sync: SyncPolicyWire | None = None
         self.last_update: ClusterUpdate | None = None
+        # the global batch and the trainers' throughputs: every commit carries their split
+        self.batches = BatchSplitter()
 
     @property
     def stable_members(self) -> frozenset[str]:
@@ -168,6 +171,7 @@ class EpochLedger:
         self.epoch += 1
         view = self.monitor.to_view(self.epoch, self.host.term, self.host.node_id)
         sync = self.current_sync()
+        sync = msgspec.structs.replace(sync, batch_sizes=self.batches.sizes(sync.nodes, now))
         if replication is None:
             replication = self._carried()
         sync = self._stamp_topology(sync, restart)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from chaos.daemon.config import DaemonConfig
+from chaos.daemon.scheduler.batch_split import BatchSplitter
 from chaos.daemon.scheduler.monitor import ClusterMonitor
 from chaos.daemon.scheduler.planner import replication_policy
 from chaos.daemon.transport import ReplyPath
@@ -42,10 +43,12 @@ class RegistryHost(Protocol):
 
 
 class Commits(Protocol):
-    """The epochs: the one committed last, the sync policy in force, and a new commit."""
+    """The epochs: the one committed last, the sync policy in force, the global batch's split
+    it carries, and a new commit."""
 
     epoch: int
     last_sync: SyncPolicyWire | None
+    batches: BatchSplitter
 
     def commit(  # noqa: D102
         self,
@@ -203,9 +206,14 @@ class TrainerRegistry:
     # -- events ----------------------------------------------------------------------------
 
     def on_event(self, msg: TrainerEvent, reply: ReplyPath | None, now: float) -> None:
-        """Applies a trainer event (rule 4: ``ready`` marks the node ``training``)."""
+        """Applies a trainer event (rule 4: ``ready`` marks the node ``training``); a
+        ``throughput`` report (one-way, never answered) goes to the global batch's split."""
         mon, n = self.monitor, msg.sender
         cur = mon.trainer(n)
+        if msg.kind == "throughput":
+            if cur == TrainerState.TRAINING:
+                self.commits.batches.observe(n, msg.samples_per_s, msg.global_batch)
+            return
         self.host.event(
             "trainer_event", peer=n, kind=msg.kind, elapsed_s=msg.elapsed_s, detail=msg.detail
         )
@@ -352,7 +360,12 @@ class TrainerRegistry:
 
     def tick(self, now: float) -> None:
         """Commits the held restarts that are due and still needed: no newer structure came,
-        and the blamed peer is heard (a silent one is the failure detector's to remove)."""
+        and the blamed peer is heard (a silent one is the failure detector's to remove); and
+        a new split of the global batch when the throughputs drifted from the one installed
+        (``batch_split``: the data plane stays as it is, no round is disturbed)."""
+        last = self.commits.last_sync
+        if last is not None and last.nodes and self.commits.batches.due(last.nodes, now):
+            self.commits.commit("batch_split", now)
         for suspect, (due, failed_epoch) in list(self.held.items()):
             if now < due:
                 continue
@@ -370,6 +383,7 @@ class TrainerRegistry:
 
     def forget(self, node: str) -> None:
         """Drops what is known about a node that left or failed."""
+        self.commits.batches.forget(node)
         self.registered_at.pop(node, None)
         self.pending.pop(node, None)
         self.restarted.pop(node, None)

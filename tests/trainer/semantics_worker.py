@@ -13,6 +13,9 @@ A copy of ``worker.py`` that exercises what a real training loop needs from ``up
   ``before_step`` hook unscales and clips the averaged gradient, ``step_fn`` is
   ``scaler.step(optimizer)`` and ``after_step`` updates the scaler, the scheduler and the EMA.
   The digest then covers the extra states and the learning rate too.
+- ``--global-batch G``: a constant global batch; each step uses ``trainer.local_batch_size``
+  samples (``--sample-time S`` sleeps ``S`` seconds per sample: a slower device) and records
+  the split in force.
 
 It appends one JSON line per step to ``--out``: step, epoch, world size, the local batch size
 and a SHA-256 over the model, the optimizer state and the step. ``<out>.leave`` asks it to
@@ -61,6 +64,8 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--weighted", action="store_true", help="update(num_samples=batch)")
     ap.add_argument("--accum", type=int, default=1, help="backward passes per update()")
     ap.add_argument("--extras", action="store_true", help="scheduler, scaler, EMA and hooks")
+    ap.add_argument("--global-batch", type=int, default=None)
+    ap.add_argument("--sample-time", type=float, default=0.0, help="seconds per sample")
     ap.add_argument("--dump-dir", type=Path, default=None)
     ap.add_argument("--dump-world", type=int, default=3)
     ap.add_argument("--dump-count", type=int, default=3)
@@ -142,7 +147,8 @@ def main() -> int:
             "step_fn": lambda: scaler.step(opt),
             "after_step": after_step,
         }
-    trainer = start_member(args, model, opt, step_timeout_s=20.0, extra_state=extra)
+    trainer = start_member(args, model, opt, step_timeout_s=20.0, extra_state=extra,
+                           global_batch=args.global_batch)  # fmt: skip
     if args.die_after is not None:
         trainer.fail_at(trainer.step + args.die_after)
     dumped = 0
@@ -151,16 +157,18 @@ def main() -> int:
         write_record(out, {"ready": True, "step": trainer.step, "epoch": trainer.epoch})
         while trainer.step < args.max_steps:
             step = trainer.step
-            x, y = batch_at(xs, ys, step, args.batch)
+            size = trainer.local_batch_size or args.batch
+            x, y = batch_at(xs, ys, step, size)
             opt.zero_grad()
-            for xm, ym in zip(x.chunk(args.accum), y.chunk(args.accum), strict=True):
+            for xm, ym in zip(x.chunk(args.accum), y.chunk(args.accum), strict=False):
                 # each micro-batch's share of the mean loss over the step's samples
                 loss = torch.nn.functional.cross_entropy(model(xm), ym, reduction="sum")
-                loss = loss / args.batch
+                loss = loss / size
                 (scaler.scale(loss) if scaler is not None else loss).backward()
-            time.sleep(args.step_time)  # stands in for a longer forward/backward pass
+            time.sleep(args.step_time + args.sample_time * size)  # a longer forward/backward
             before = [p.detach().clone() for p in model.parameters()]
-            trainer.update(num_samples=args.batch if args.weighted else None, **hooks)
+            weighted = args.weighted or args.global_batch is not None
+            trainer.update(num_samples=size if weighted else None, **hooks)
             stepped = trainer.step == step + 1
             if (stepped and args.dump_dir is not None and dumped < args.dump_count
                     and trainer.world_size == args.dump_world):  # fmt: skip
@@ -174,7 +182,8 @@ def main() -> int:
                 "step": trainer.step,
                 "epoch": trainer.epoch,
                 "world": trainer.world_size,
-                "batch": args.batch,
+                "batch": size,
+                "split": trainer.batch_sizes,
                 "digest": state_digest(model, opt, trainer.step),
             }
             if args.extras:
