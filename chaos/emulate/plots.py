@@ -122,7 +122,8 @@ def plot_compare(
 
 _EVENT_COLORS = {"join": "tab:green", "leave": "tab:olive", "kill": "tab:red",
                  "link_cut": "tab:orange", "partition": "tab:purple", "heal": "tab:blue",
-                 "crash": "black", "leave_timeout": "black"}  # fmt: skip
+                 "crash": "black", "join_failed": "dimgray",
+                 "leave_timeout": "black"}  # fmt: skip
 
 
 def plot_campaign(doc: dict[str, Any], path: Path, bin_s: float = 5.0) -> Path:
@@ -160,7 +161,7 @@ def plot_campaign(doc: dict[str, Any], path: Path, bin_s: float = 5.0) -> Path:
             continue
         if ev["kind"] == "join":
             n += 1
-        elif ev["kind"] in ("kill", "leave", "crash"):
+        elif ev["kind"] in ("kill", "leave", "crash", "join_failed"):
             n -= 1
         live.append((ev["t"] - t0, n))
     if live:
