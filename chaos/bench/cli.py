@@ -11,6 +11,7 @@ from chaos.bench.allreduce import allreduce_command
 from chaos.bench.assign import assign_command
 from chaos.bench.control import control_command
 from chaos.bench.fuzz import fuzz_command
+from chaos.bench.hetero import hetero_command
 from chaos.bench.native import native_command
 from chaos.bench.pool import pool_command
 from chaos.bench.primitives import primitives_command
@@ -30,6 +31,7 @@ main.add_command(native_command)
 main.add_command(primitives_command)
 main.add_command(pool_command)
 main.add_command(fuzz_command)
+main.add_command(hetero_command)
 
 if __name__ == "__main__":  # pragma: no cover
     main()
