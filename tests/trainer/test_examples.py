@@ -73,3 +73,12 @@ def test_lora_gpt_launcher(tmp_path: Path) -> None:
     code, out = _run(argv, tmp_path)
     _check_scenario(code, out, "val_loss")
     assert "[n1] sample:" in out
+
+
+def test_nanogpt_style_launcher(tmp_path: Path) -> None:
+    """The nanoGPT-style loop: tied weights, AdamW groups, LambdaLR and GradScaler in
+    extra_state, clipping in before_step, accumulation, and a global batch split by speed."""
+    argv = [str(EXAMPLES / "nanogpt_style.py"), "--nodes", "3", "--phase-steps", "20"]
+    argv += ["--log-every", "5", "--global-batch", "24", "--accum", "2"]
+    code, out = _run(argv, tmp_path)
+    _check_scenario(code, out, "val_loss")
