@@ -83,10 +83,10 @@ LANE_HELLO_BODY = struct.Struct(BYTE_ORDER + "QB")
 LANE_NONCE = struct.Struct(BYTE_ORDER + "IQ")
 """The AES-GCM nonce of a sealed lane record: direction << 24 | attempt u32, counter u64."""
 
-LANE_RECORD_BYTES = 1 << 18
+LANE_RECORD_BYTES = 1 << 20
 """A sealed lane's frame payload is sealed as records of this many plaintext bytes (the last
-one shorter), each followed by its 16-byte tag, so that the records of one chunk are sealed
-and opened in parallel with their sending and reading."""
+one shorter), each followed by its 16-byte tag, so that a large chunk's records are opened
+while the next one is read."""
 
 # ----------------------------------------------------------------------------- emulation
 

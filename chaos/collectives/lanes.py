@@ -42,6 +42,7 @@ with each current offer's key: nothing on the lane names the peer in clear.
 from __future__ import annotations
 
 import _thread
+import contextlib
 import logging
 import os
 import queue
@@ -188,6 +189,15 @@ class LaneCipher:
         return True
 
 
+@dataclass
+class _Sealing:
+    """A frame being sealed: its header record, its payload's records, their jobs."""
+
+    header: bytes
+    records: list[memoryview]
+    jobs: list[_Job]
+
+
 class _Job:
     """One sealing or opening job run by :class:`_Workers`; :meth:`wait` returns its result."""
 
@@ -245,12 +255,13 @@ _workers_lock = threading.Lock()
 
 
 def _crypto_workers() -> _Workers:
-    """The process's record workers (started at the first sealed lane): a quarter of the
-    cores, one to four."""
+    """The process's record workers (started at the first sealed lane): one, or two from 16
+    cores (more only compete with the threads moving the bytes: on a 16-core host with four
+    members, four each were slower than two)."""
     global _workers
     with _workers_lock:
         if _workers is None:
-            _workers = _Workers(max(1, min(4, (os.cpu_count() or 1) // 4)))
+            _workers = _Workers(max(1, min(2, (os.cpu_count() or 1) // 8)))
         return _workers
 
 
@@ -386,7 +397,7 @@ class OutLane:
         self._address = (host, port)
         self._seal: LaneCipher | None = None
         self._unseal: LaneCipher | None = None
-        self._scratch = bytearray()
+        self._scratch = [bytearray(), bytearray()]
         if key is None:
             self._hello = encode_hello(node_id, token)
         else:
@@ -399,7 +410,8 @@ class OutLane:
         self._queue: deque[tuple[bytes, memoryview, Any]] = deque()
         self._queued = 0
         self._done = 0
-        self._inflight: tuple[bytes, memoryview, Any] | None = None
+        # taken from the queue, not yet fully written (a sealed lane seals one frame ahead)
+        self._inflight: list[tuple[bytes, memoryview, Any]] = []
         self._ready = False
         self._dead = False
         self._closing = False
@@ -497,68 +509,99 @@ class OutLane:
             self._await_ack(sock)
             with self._cv:
                 self._ready = not self._closing
+            if self._seal is not None:
+                self._send_sealed(sock, self._seal)
+                return
             while True:
-                with self._cv:
-                    while not self._queue and not self._closing:
-                        self._cv.wait()
-                    if self._closing:
-                        return
-                    self._inflight = item = self._queue.popleft()
+                item = self._next()
+                if item is None:
+                    return
                 if _closed_by_peer(sock):
                     raise OSError("the receiver closed the lane")
-                if self._seal is None:
-                    self._write(sock, [memoryview(item[0]), item[1]])
-                else:
-                    self._write_sealed(sock, self._seal, item[0], item[1])
-                with self._cv:
-                    self._inflight = None
-                    self._done += 1
-                    self._cv.notify_all()
+                self._write(sock, [memoryview(item[0]), item[1]])
+                self._written()
         except (OSError, _Closed) as exc:
             if not self._closing:
                 log.debug("lane to %s failed: %s", self.peer, exc)
         finally:
             with self._cv:
                 self._dead = True
-                if self._inflight is not None and not self._closing:
-                    self._queue.appendleft(self._inflight)  # not fully written: send it again
-                self._inflight = None
+                if not self._closing:  # not fully written: send them again
+                    self._queue.extendleft(reversed(self._inflight))
+                self._inflight.clear()
                 self._cv.notify_all()
             if sock is not None:
                 sock.close()
 
-    def _write_sealed(
-        self, sock: socket.socket, seal: LaneCipher, header: bytes, payload: memoryview
-    ) -> None:
-        """Writes one frame sealed: the header record, then the payload's records
-        (:data:`~chaos.wire.LANE_RECORD_BYTES` each), encrypted straight from the caller's
-        buffer into a reused one. The first record is sealed here; the others are sealed by
-        the record workers meanwhile and written as each is ready.
+    def _next(self, wait: bool = True) -> tuple[bytes, memoryview, Any] | None:
+        """Takes the next queued frame (waiting for one if ``wait``) into the in-flight ones;
+        ``None`` when closing (or, without ``wait``, none is queued)."""
+        with self._cv:
+            while wait and not self._queue and not self._closing:
+                self._cv.wait()
+            if self._closing or not self._queue:
+                return None
+            item = self._queue.popleft()
+            self._inflight.append(item)
+            return item
+
+    def _written(self) -> None:
+        """The oldest in-flight frame is written."""
+        with self._cv:
+            self._inflight.pop(0)
+            self._done += 1
+            self._cv.notify_all()
+
+    def _send_sealed(self, sock: socket.socket, seal: LaneCipher) -> None:
+        """The sealed lane's write loop: while one frame is written, the next queued one is
+        already being sealed by the record workers (into the other of two buffers), so that
+        the writes follow each other without waiting for the crypto.
 
         Raises:
             OSError, _Closed: as :meth:`_write`.
         """
-        data = _flat(payload)
+        ahead: _Sealing | None = None
+        buffer = 0
+        try:
+            while True:
+                if ahead is None:
+                    item = self._next()
+                    if item is None:
+                        return
+                    ahead, buffer = self._seal_frame(seal, item, buffer), buffer ^ 1
+                cur, ahead = ahead, None
+                item = self._next(wait=False)
+                if item is not None:
+                    ahead, buffer = self._seal_frame(seal, item, buffer), buffer ^ 1
+                if _closed_by_peer(sock):
+                    raise OSError("the receiver closed the lane")
+                for j, (job, record) in enumerate(zip(cur.jobs, cur.records, strict=True)):
+                    job.wait()
+                    self._write(sock, [memoryview(cur.header), record] if j == 0 else [record])
+                self._written()
+        finally:
+            if ahead is not None:  # none still writes into a buffer once the thread ends
+                with contextlib.suppress(BaseException):
+                    _wait_all(ahead.jobs)
+
+    def _seal_frame(
+        self, seal: LaneCipher, item: tuple[bytes, memoryview, Any], buffer: int
+    ) -> _Sealing:
+        """Starts sealing a frame into buffer ``buffer``: its header record here, its payload's
+        records (:data:`~chaos.wire.LANE_RECORD_BYTES` each, straight from the caller's
+        buffer) by the record workers. Nonces are taken in the order the frames are written."""
+        data = _flat(item[1])
         spans = _spans(len(data))
         need = len(data) + _TAG * len(spans)
-        if len(self._scratch) < need:
-            self._scratch = bytearray(need)
-        out = memoryview(self._scratch)
-        sealed_header = seal.seal(header)
-        nonces = [seal.next_nonce() for _ in spans]
+        if len(self._scratch[buffer]) < need:
+            self._scratch[buffer] = bytearray(need)
+        out = memoryview(self._scratch[buffer])
+        header = seal.seal(item[0])
         records = [out[lo + _TAG * j : hi + _TAG * (j + 1)] for j, (lo, hi) in enumerate(spans)]
-        workers = _crypto_workers() if len(spans) > 1 else None
-        jobs = [workers.submit(seal.seal_at, nonces[j], data[lo:hi], records[j])
-                for j, (lo, hi) in enumerate(spans) if j and workers is not None]  # fmt: skip
-        try:
-            lo, hi = spans[0]
-            seal.seal_at(nonces[0], data[lo:hi], records[0])
-            self._write(sock, [memoryview(sealed_header), records[0]])
-            for job, record in zip(jobs, records[1:], strict=True):
-                job.wait()
-                self._write(sock, [record])
-        finally:
-            _wait_all(jobs)  # none still writes into the buffer once this returns
+        workers = _crypto_workers()
+        jobs = [workers.submit(seal.seal_at, seal.next_nonce(), data[lo:hi], records[j])
+                for j, (lo, hi) in enumerate(spans)]  # fmt: skip
+        return _Sealing(header, records, jobs)
 
     def _await_ack(self, sock: socket.socket) -> None:
         """Waits (up to the connect timeout) for the receiver to accept the hello.

@@ -157,7 +157,7 @@ def test_chunks_of_several_records_are_sealed_and_opened_in_parallel_bitwise() -
     """Chunks larger than a lane record are sealed and opened record by record, by the record
     workers beside the threads that write and read them; a tampered middle record is caught."""
     key = ClusterKey.generate()
-    big = [torch.randn(600_000, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    big = [torch.randn(2_500_000, generator=torch.Generator().manual_seed(i)) for i in range(3)]
     chunk = 3 * LANE_RECORD_BYTES + 1000  # three full records and a short one per chunk
     with members(3, key, chunk_bytes=chunk) as secure, members(3, None, chunk_bytes=chunk) as plain:
         install(secure, "ring", 1)
