@@ -112,7 +112,7 @@ class TrainerRelay:
     def on_register(self, msg: TrainerRegister, reply: ReplyPath | None) -> None:
         """Forwards a registration to the scheduler as :class:`TrainerInfo`."""
         if not self.host.active:
-            self.host.result(reply, "", Reason.BAD_REQUEST, "this daemon is not a member (yet)")
+            self.host.result(reply, "", Reason.UNKNOWN_PEER, "this daemon is not a member (yet)")
             return
         op_id = uuid.uuid4().hex[:12]
         self._sent[op_id] = msg
@@ -141,7 +141,7 @@ class TrainerRelay:
                 self._progress_at = time.monotonic()
             return
         if not self.host.active:
-            self.host.result(reply, "", Reason.BAD_REQUEST, "this daemon is not a member (yet)")
+            self.host.result(reply, "", Reason.UNKNOWN_PEER, "this daemon is not a member (yet)")
             return
         op_id = uuid.uuid4().hex[:12]
         self._sent[op_id] = msg

@@ -45,8 +45,12 @@ _ATTEMPT_S = 5.0
 _RETRY_TOTAL_S = 15.0
 """A registration or ``ready`` report lost to a scheduler change is tried again within this long
 in all (or the caller's own timeout, if longer): a failover takes a few seconds."""
-_TRANSIENT = ("timeout", "paused", "not_scheduler")
-"""Refusals that a scheduler change explains: the request is tried again."""
+_TRANSIENT = ("timeout", "paused", "not_scheduler", "unknown_peer")
+"""Refusals that a scheduler change, or the local daemon joining again (``unknown_peer``: it
+is not a member yet, e.g. a minority daemon after a partition heals), explains: the request
+is tried again."""
+_RETRY_BACKOFF_S = 0.2
+"""Pause before a request refused at once for a transient reason is sent again."""
 BEACON_INTERVAL_S = 0.2
 """The step progress goes to the daemon at most this often (and at least this often while the
 trainer waits inside ``update()``); the daemon forwards the latest once per heartbeat."""
@@ -368,8 +372,8 @@ class DaemonSession:
 
     def _retrying(self, what: str, attempt: Callable[[float], object], attempt_s: float) -> None:
         """Runs ``attempt(timeout_s)`` again after a failure that a scheduler change explains
-        (no answer, ``timeout``, ``paused``, ``not_scheduler``), until it succeeds or
-        ``max(attempt_s, _RETRY_TOTAL_S)`` has passed in all.
+        (no answer, ``timeout``, ``paused``, ``not_scheduler``, ``unknown_peer``), until it
+        succeeds or ``max(attempt_s, _RETRY_TOTAL_S)`` has passed in all.
 
         Raises:
             ChaosTimeout: the last attempt got no answer in time.
@@ -387,6 +391,8 @@ class DaemonSession:
                 if getattr(exc, "reason", None) not in _TRANSIENT:
                     raise
                 error = exc
+                # refused at once (e.g. the daemon is joining again): back off, do not spin
+                time.sleep(min(_RETRY_BACKOFF_S, max(0.0, deadline - time.monotonic())))
             if deadline - time.monotonic() < 0.5:
                 raise error
             log.info("%s not answered (%s); trying again", what, error)

@@ -312,6 +312,7 @@ class Trainer:
         self._step = 0
         self._epoch = -1
         self._round_started = 0.0  # when the allreduce in progress began (wait reports)
+        self._stalled_epoch: int | None = None  # a failed round's structure epoch, until rerun
         self._next_wait_report = math.inf
         self._policy: Policy | None = None
         self._batch_sizes: dict[str, int] = {}  # the global batch's split in force
@@ -710,6 +711,16 @@ class Trainer:
                 raise _Rejoined
             if self.world_size == 1:
                 return None
+            stalled = self._stalled_epoch
+            if stalled is not None and plane.topology_epoch <= stalled:
+                # the last update() gave up waiting (TrainingStalled) after a failed round of
+                # this structure: the step reruns only under a newer one, so wait again first
+                def newer(p: Policy, failed: int = stalled) -> bool:
+                    return p.topo_epoch > failed and p.topology is not None
+
+                self._await_rerun(newer, f"a new policy after the failed round of epoch {stalled}")
+                continue
+            self._stalled_epoch = None
             started = time.monotonic()
             self._round_started = started
             self._next_wait_report = started + self.config.stall_progress_s
@@ -725,6 +736,7 @@ class Trainer:
                 def reached(p: Policy, target: int = target) -> bool:
                     return p.topo_epoch >= target and p.topology is not None
 
+                self._stalled_epoch = plane.topology_epoch  # until a newer one is installed
                 self._await_rerun(reached, f"the policy of epoch {target}")
             except PeerFailure as exc:
                 self._on_failed_round(exc, time.monotonic() - started)
@@ -733,6 +745,7 @@ class Trainer:
                 def renewed(p: Policy, failed: int = failed) -> bool:
                     return p.topo_epoch > failed and p.topology is not None
 
+                self._stalled_epoch = failed  # until a newer structure is installed
                 self._await_rerun(renewed, f"a new policy after {exc}")
 
     def _on_failed_round(self, exc: PeerFailure, waited_s: float) -> None:

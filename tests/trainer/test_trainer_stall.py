@@ -47,11 +47,11 @@ class Pair:
         self.paused: list[int] = []
         self.killed: set[str] = set()
 
-    def start(self, node_id: str, join: str | None) -> tuple[Path, str]:
+    def start(self, node_id: str, join: str | None, *extra: str) -> tuple[Path, str]:
         port = free_port()
         out = self.tmp / f"{node_id}.jsonl"
         address = f"tcp://127.0.0.1:{port}"
-        argv = [sys.executable, str(WORKER), "--id", node_id, "--out", str(out)]
+        argv = [sys.executable, str(WORKER), "--id", node_id, "--out", str(out), *extra]
         argv += ["--listen", address] + [f"--daemon-arg={a}" for a in DAEMON_ARGS]
         if join is not None:
             argv += ["--join", join]
@@ -112,3 +112,34 @@ def test_training_stalled_is_a_chaos_timeout_and_exported() -> None:
 
     assert issubclass(TrainingStalled, ChaosTimeout)
     assert issubclass(TrainingStalled, TimeoutError)
+
+
+def test_update_after_training_stalled_waits_again_and_resumes_when_the_cluster_heals(
+    pair: Pair,
+) -> None:
+    """A script that catches TrainingStalled and calls update() again gets the same wait (not
+    an error about the step it already ran), and trains on once a new policy comes. Three
+    members, so that the two left after a kill still hold a majority."""
+    a_out, a_address = pair.start("a", None, "--retries", "40", "--policy-timeout", "3")
+    pair.wait(lambda: any("step" in r for r in _records(a_out)), "a to train")
+    b_out, _ = pair.start("b", a_address, "--retries", "40", "--policy-timeout", "3")
+    pair.wait(lambda: _world2(a_out) and _world2(b_out), "b to join a")
+    c_out, _ = pair.start("c", a_address)
+    pair.wait(lambda: any(r.get("world") == 3 for r in _records(a_out)), "c to join")
+    daemon_pid = next(r["daemon_pid"] for r in _records(a_out) if "daemon_pid" in r)
+    os.kill(daemon_pid, signal.SIGSTOP)  # no policy while it is stopped
+    pair.paused.append(daemon_pid)
+    pair.killed.add("c")
+    signal_group(pair.procs["c"], signal.SIGKILL)
+
+    def errors() -> list[dict[str, Any]]:
+        return [r for r in _records(a_out) if "error" in r]
+
+    pair.wait(lambda: len(errors()) >= 2, "a's update() to give up twice")
+    assert [e["error"] for e in errors()[:2]] == ["TrainingStalled"] * 2, errors()
+    os.kill(daemon_pid, signal.SIGCONT)  # the daemon scales c in: a new policy comes
+    pair.paused.remove(daemon_pid)
+    stalled_at = len(_records(a_out))
+    pair.wait(lambda: any(r.get("world") == 2 for r in _records(a_out)[stalled_at:]),
+              "a to train on with b")  # fmt: skip
+    assert all(e["error"] == "TrainingStalled" for e in errors()), errors()
