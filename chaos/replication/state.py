@@ -270,6 +270,8 @@ def restore_rng(info: RuntimeInfo) -> None:
             tuple(info.python_rng.internal),
             info.python_rng.gauss_next,
         )
+        if len(info.numpy_rng.keys) != 624 * 4:  # MT19937: 624 32-bit words
+            raise ValueError(f"numpy RNG key is {len(info.numpy_rng.keys)} bytes, expected 2496")
         np_keys = np.frombuffer(info.numpy_rng.keys, dtype=np.uint32)
         np_state = (
             info.numpy_rng.algorithm,
@@ -290,7 +292,7 @@ def restore_rng(info: RuntimeInfo) -> None:
             random.setstate(saved[1])
             np.random.set_state(saved[2])
             raise
-    except (ValueError, TypeError, RuntimeError, OverflowError) as exc:
+    except (ValueError, TypeError, RuntimeError, OverflowError, IndexError) as exc:
         raise StateLayoutError(f"malformed RNG state in the runtime record: {exc}") from exc
 
 
