@@ -181,20 +181,27 @@ def test_many_idle_tcp_connections_under_a_low_file_limit(cluster: Cluster, deal
     assert _answer(local, _frame(type="status_request")).node_id == "n1"
     host, port = n1.address.removeprefix("tcp://").rsplit(":", 1)
     idle: list[socket.socket] = []
-    try:
-        for _ in range(1100):
+    log = n1.run_dir / "stderr.log"
+
+    def flooded() -> bool:
+        """Tops the idle connections up to 1,100 (a busy daemon accepts slowly: the ones the
+        backlog refused are tried again); true once a resource sample failed for want of
+        file descriptors."""
+        while len(idle) < 1100:
             s = socket.socket()
             s.settimeout(5.0)
             try:
                 s.connect((host, int(port)))
             except OSError:
                 s.close()
-                continue  # the backlog is full: the daemon no longer accepts, as it should
+                break  # the backlog is full: the daemon no longer accepts, as it should
             idle.append(s)
+        return "resource sample failed" in log.read_text()
+
+    try:
+        # the daemon's resource samples (psutil reads /proc) fail with EMFILE; it goes on
+        wait_until(flooded, "a failed sample", timeout_s=90.0)
         assert idle
-        # the daemon's resource samples (psutil reads /proc) fail with EMFILE now; it goes on
-        log = n1.run_dir / "stderr.log"
-        wait_until(lambda: "resource sample failed" in log.read_text(), "a failed sample")
         assert n1.alive()
         assert _answer(local, _frame(type="status_request")).node_id == "n1"
     finally:
