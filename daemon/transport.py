@@ -187,7 +187,7 @@ class Transport:
         """DEALERs not opened: over ``max_dealers``, or ZeroMQ refused (too many sockets)."""
         self.handshake_failures = 0
         """TCP connections refused in the CURVE handshake (no or a wrong cluster key)."""
-        self.router = self._router(listen, secure=True)
+        self.router = self._router(listen, tcp=True)
         self._handshakes = self._watch_handshakes(self.router)
         path = ipc_endpoint.removeprefix("ipc://")
         Path(path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -262,13 +262,13 @@ class Transport:
                 "a different cluster key", where, detail,
             )  # fmt: skip
 
-    def _router(self, endpoint: str, secure: bool = False) -> zmq.Socket[bytes]:
+    def _router(self, endpoint: str, tcp: bool = False) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        if secure:
-            self.security.server(sock)
-            # a connection that has not completed its handshake within this is dropped, so
-            # idle strangers do not hold file descriptors for libzmq's default 30 s
+        if tcp:
+            self.security.server(sock)  # a CURVE server with a cluster key
+            # a TCP connection that has not completed its handshake within this is dropped
+            # (keyed or not), so idle strangers do not hold descriptors for libzmq's 30 s
             sock.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_IVL_MS)
         sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_frame_bytes)
         sock.setsockopt(zmq.SNDHWM, 10_000)
