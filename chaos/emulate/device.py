@@ -149,6 +149,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--step-time", type=float, default=0.05, help="emulated compute, seconds")
     ap.add_argument("--daemon-dir", default=None)
+    ap.add_argument("--cluster-key", default=None,
+                    help="the run's cluster key file (daemon and data plane)")  # fmt: skip
     ap.add_argument("--resume", type=Path, default=None, help="stop-resume checkpoint to load")
     ap.add_argument("--resume-from", default=None, metavar="HOST:PORT",
                     help="read the stop-resume checkpoint from this store")  # fmt: skip
@@ -186,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         opt,
         host=args.host,
         daemon_dir=args.daemon_dir,
+        cluster_key=args.cluster_key,
         step_timeout_s=60.0,
         policy_timeout_s=30.0,
         join_timeout_s=300.0,

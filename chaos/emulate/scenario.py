@@ -293,7 +293,7 @@ def load_scenario(path: str | Path) -> Scenario:
 
 
 def demo_scenario(nodes: int = 6, scale: float = 0.05, model: str = "synthetic:64") -> Scenario:
-    """The demo: a join, a graceful leave, a ``kill -9``, a link add, a link cut, a partition
+    """The demo: a join, a graceful leave, a link add, a ``kill -9``, a link cut, a partition
     of a random minority and the heal; the runner draws the victims among every running device
     and link.
 
@@ -306,8 +306,8 @@ def demo_scenario(nodes: int = 6, scale: float = 0.05, model: str = "synthetic:6
     events = (
         Event(at_s=3.0, kind="join", node=j),
         Event(at_s=12.0, kind="leave"),
-        Event(at_s=20.0, kind="kill"),
-        Event(at_s=30.0, kind="link_add"),
+        Event(at_s=20.0, kind="link_add"),  # before the kill: a few devices may be a full mesh
+        Event(at_s=30.0, kind="kill"),
         Event(at_s=38.0, kind="link_cut"),
         Event(at_s=46.0, kind="partition"),
         Event(at_s=58.0, kind="heal"),
