@@ -103,6 +103,11 @@ class CampaignConfig:
         sample_s: Seconds between RSS / open-file samples.
         warmup_s: A device's samples before this many seconds after it is ready are not the
             baseline.
+        keep_majority: Skip a kill or leave that would leave fewer than a strict majority of
+            the committed membership running (read from a daemon's status). No consensus
+            system can go on past that bound without risking two states at one step: a
+            campaign that crosses it measures a cluster that is, by design, paused for good.
+            ``False``: draw them anyway (the report then shows the paused cluster).
     """
 
     nodes: int = 6
@@ -118,6 +123,7 @@ class CampaignConfig:
     step_time_s: float = 0.05
     sample_s: float = 5.0
     warmup_s: float = 20.0
+    keep_majority: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.nodes, int) or not 2 <= self.nodes <= 32:
@@ -679,6 +685,10 @@ class Campaign:
         if kind in ("kill", "leave") and len(live) <= self.cfg.min_live:
             self.progress(f"skip {kind}: {len(live)} devices run (floor {self.cfg.min_live})")
             return
+        if kind in ("kill", "leave") and self.cfg.keep_majority and not self._majority_after(live):
+            self._mark("skipped", label=f"skip {kind}", reason="majority")
+            self.progress(f"skip {kind}: a strict majority of the committed membership must run")
+            return
         if kind == "join" and len(self.runner.running()) >= self.cfg.live_bound:
             return
         if not live:
@@ -695,6 +705,24 @@ class Campaign:
             return
         note = f" ({rec['note']})" if rec.get("note") else ""
         self.progress(f"{kind:<12} {rec.get('label', '')}{note}")
+
+    def _majority_after(self, live: list[str]) -> bool:
+        """Whether a strict majority of the committed membership would still run after one
+        more of ``live`` went (unknown membership: yes)."""
+        for name in self.rng.sample(live, min(2, len(live))):
+            code, _took, out = self._status(name)
+            if code != 0:
+                continue
+            try:
+                members = {n["id"] for n in json.loads(out).get("nodes", [])}
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+            if not members:
+                continue
+            cut_off = {n for side in self.runner.partitions for n in side}
+            running = (members & set(live)) - cut_off
+            return len(running) - 1 > len(members) / 2
+        return True
 
     def _overlay(self, live: list[str]) -> tuple[set[tuple[str, str]], str | None, str]:
         """The overlay's links among ``live`` and the scheduler: from a daemon's status (the

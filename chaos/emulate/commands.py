@@ -386,10 +386,13 @@ def _parse_weights(text: str | None) -> dict[str, float]:
 @click.option("--warmup", "warmup_s", type=click.FloatRange(0.0, 3600.0), default=20.0,
               show_default=True, help="A device's samples this soon after ready are not the "
               "baseline.")  # fmt: skip
+@click.option("--keep-majority/--no-keep-majority", default=True, show_default=True,
+              help="Skip a kill or leave that would leave fewer than a strict majority of the "
+              "committed membership running (past it the cluster pauses for good).")
 def chaos_command(nodes: int, duration: float, rate: float, seed: int, json_path: Path,
                   plot_dir: Path | None, loopback: bool, min_live: int | None, max_live: int,
                   weights: str | None, cut_vertex_bias: float, model: str, scale: float,
-                  sample_s: float, warmup_s: float) -> None:  # fmt: skip
+                  sample_s: float, warmup_s: float, keep_majority: bool) -> None:  # fmt: skip
     """A fault campaign and soak: Poisson-timed joins, leaves, kill -9s, link cuts,
     partitions and heals on a training cluster; reports per fault kind whether and how fast
     training resumed, lost or divergent steps, crashes, ETTR, and RSS/open files over time."""
@@ -400,7 +403,8 @@ def chaos_command(nodes: int, duration: float, rate: float, seed: int, json_path
                              min_live=min_live if min_live is not None else max(2, nodes // 2),
                              max_live=max_live, weights=_parse_weights(weights),
                              cut_vertex_bias=cut_vertex_bias, model=model, scale=scale,
-                             sample_s=sample_s, warmup_s=warmup_s)  # fmt: skip
+                             sample_s=sample_s, warmup_s=warmup_s,
+                             keep_majority=keep_majority)  # fmt: skip
     except ConfigError as exc:
         raise click.BadParameter(str(exc)) from exc
     shaped = _shaped(loopback)
