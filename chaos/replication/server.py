@@ -143,6 +143,10 @@ class _Snapshot:
     epoch: int
     step: int
     digest: str
+    epochs: frozenset[int] = frozenset()
+    """Every epoch this snapshot is the state of (the newest is ``epoch``): a commit that
+    comes at the same step (a second joiner admitted before anyone stepped) adds its epoch, so
+    both joiners pull the same bytes."""
 
 
 class ShardServer:
@@ -209,9 +213,25 @@ class ShardServer:
         """
         if not isinstance(state, TrainingState):
             raise TypeError(f"publish takes a TrainingState, got {type(state).__name__}")
-        snap = _Snapshot(state, epoch, step, manifest_digest(state.manifest_bytes))
+        snap = _Snapshot(state, epoch, step, manifest_digest(state.manifest_bytes),
+                         frozenset((epoch,)))  # fmt: skip
         with self._lock:
             self._snapshot = snap
+
+    def also_serve(self, epoch: int, step: int) -> bool:
+        """Serves the published snapshot of ``step`` as the state of ``epoch`` too (a newer
+        epoch committed at the same step, while an older joiner may still be pulling it).
+
+        Returns:
+            ``False`` when the published snapshot is not of ``step`` (nothing changes).
+        """
+        with self._lock:
+            snap = self._snapshot
+            if snap is None or snap.step != step:
+                return False
+            self._snapshot = replace(snap, epoch=max(snap.epoch, epoch),
+                                     epochs=snap.epochs | {epoch})  # fmt: skip
+        return True
 
     def retire(self) -> None:
         """Stops serving the snapshot; later requests are refused as ``not_published``."""
@@ -360,7 +380,7 @@ class ShardServer:
         epoch = req.epoch
         if isinstance(req, ManifestRequest) and req.newer_ok and snap.epoch >= req.epoch:
             epoch = snap.epoch
-        if (epoch, step) != (snap.epoch, snap.step):
+        if step != snap.step or (epoch != snap.epoch and epoch not in snap.epochs):
             return refusal(
                 req.req_id,
                 Reason.STALE_STATE,

@@ -217,6 +217,11 @@ class DataPlane:
         """Serves ``state`` as the snapshot of ``(epoch, step)`` to joiners."""
         self._server.publish(state, epoch, step)
 
+    def also_serve(self, epoch: int, step: int) -> bool:
+        """Serves the snapshot of ``step`` as the state of ``epoch`` too (see
+        :meth:`chaos.replication.server.ShardServer.also_serve`)."""
+        return self._server.also_serve(epoch, step)
+
     def retire(self) -> None:
         """Stops serving the snapshot (the state is about to change)."""
         self._server.retire()

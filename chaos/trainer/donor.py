@@ -43,6 +43,9 @@ class SnapshotServer(Protocol):
     def publish(self, state: TrainingState, epoch: int, step: int) -> None:
         """Serves ``state`` as the snapshot of ``(epoch, step)``."""
 
+    def also_serve(self, epoch: int, step: int) -> bool:
+        """Serves the snapshot of ``step`` as the state of ``epoch`` too."""
+
     def retire(self) -> None:
         """Stops serving the snapshot."""
 
@@ -166,7 +169,8 @@ class Donor:
     def serve(self, replication: ReplicationWire | None, epoch: int, step: int) -> None:
         """Takes the donor role a policy gives this node, at a step boundary.
 
-        A later epoch at the same step keeps the snapshot a joiner may be pulling.
+        A later epoch at the same step keeps the snapshot a joiner may be pulling, and serves
+        it as that epoch's state too (a second joiner admitted before anyone stepped).
 
         Args:
             replication: The policy's replication part.
@@ -181,6 +185,8 @@ class Donor:
             self._snapshots.publish(self._capture_for_serving(step, epoch), *key)
             self._published = key
             self._event("serving", joiner=rep.target, epoch=epoch, step=step)
+        elif epoch != self._published[0] and self._snapshots.also_serve(epoch, step):
+            self._event("serving", joiner=rep.target, epoch=epoch, step=step, same_snapshot=True)
 
     def retire(self) -> None:
         """Stops serving the published snapshot, if any (the state is about to change)."""

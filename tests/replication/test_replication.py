@@ -607,3 +607,23 @@ def test_plan_for_snapshot_replans_only_over_the_donors_that_had_work() -> None:
     # not over d1, which is faster but had no work
     assert [k for k, v in plan.assignment.items() if v] == ["d0"]
     assert _covers(plan, total)
+
+
+def test_a_second_epoch_at_the_same_step_is_served_by_the_same_snapshot() -> None:
+    """Two joiners admitted one after the other before anyone stepped: the donor serves its one
+    snapshot as the state of both epochs (the second joiner used to get stale_state)."""
+    model, opt = _build(seed=0)
+    state = TrainingState.capture(model, opt, step=78, epoch=0)
+    with ShardServer() as server:
+        server.publish(state, 5, 78)
+        with pytest.raises(ReplicationError, match="stale_state"):
+            fetch_manifest(server.address, 6, None, timeout_s=20.0)
+        assert server.also_serve(6, 78)
+        for epoch in (5, 6):  # the first joiner's pull goes on; the second's starts
+            assert fetch_manifest(server.address, epoch, None, timeout_s=20.0) == (
+                state.manifest_bytes, 78)  # fmt: skip
+        with pytest.raises(ReplicationError, match="stale_state"):
+            fetch_manifest(server.address, 7, None, timeout_s=20.0)
+        assert not server.also_serve(7, 79)  # another step: a new snapshot is needed
+        with pytest.raises(ReplicationError, match="stale_state"):
+            fetch_manifest(server.address, 7, None, timeout_s=20.0)
