@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,13 +15,9 @@ import pytest
 from chaos.daemon.client import DaemonClient
 from chaos.daemon.config import ipc_endpoint_for
 
-from chaos.launch import free_port, spawn_worker
 from chaos.security import ClusterKey
 from tests.trainer.test_trainer import (
-    DAEMON_ARGS,
-    WORKER,
     Cluster,
-    Member,
     _assert_equal_from,
     _world,
 )
@@ -35,19 +30,8 @@ class KeyedCluster(Cluster):
         super().__init__(tmp)
         self.key = ClusterKey.generate().write(tmp / "cluster.key")
 
-    def start(self, node_id: str, join: Member | None = None, *extra: str) -> Member:
-        port = free_port()
-        out = self.tmp / f"{node_id}.jsonl"
-        argv = [sys.executable, str(WORKER), "--id", node_id, "--out", str(out),
-                "--listen", f"tcp://127.0.0.1:{port}", "--cluster-key", str(self.key),
-                "--daemon-dir", str(self.tmp / f"{node_id}.daemon"), *extra]  # fmt: skip
-        argv += [f"--daemon-arg={a}" for a in DAEMON_ARGS]
-        if join is not None:
-            argv += ["--join", join.address]
-        proc = spawn_worker(argv, log_path=out.with_suffix(".log"), append=False)
-        member = Member(node_id, out, proc, port)
-        self.members[node_id] = member
-        return member
+    def node_args(self, node_id: str) -> list[str]:
+        return ["--cluster-key", str(self.key), "--daemon-dir", str(self.tmp / f"{node_id}.daemon")]
 
     def status(self, node_id: str):  # type: ignore[no-untyped-def]
         with DaemonClient(ipc_endpoint_for(str(self.tmp / f"{node_id}.daemon"))) as c:

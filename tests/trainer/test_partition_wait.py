@@ -9,7 +9,6 @@ joins again, pulls the current state and trains on with the others, bitwise equa
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,12 +17,9 @@ import pytest
 from chaos.daemon.client import DaemonClient
 from chaos.daemon.config import ipc_endpoint_for
 
-from chaos.launch import free_port, spawn_worker
 from tests.trainer.test_trainer import (
     DAEMON_ARGS,
-    WORKER,
     Cluster,
-    Member,
     _assert_equal_from,
     _world,
 )
@@ -35,19 +31,10 @@ PARTITION_S = 15.0
 class PartitionCluster(Cluster):
     """Workers whose embedded daemons accept named faults, in known run directories."""
 
-    def start(self, node_id: str, join: Member | None = None, *extra: str) -> Member:
-        port = free_port()
-        out = self.tmp / f"{node_id}.jsonl"
-        argv = [sys.executable, str(WORKER), "--id", node_id, "--out", str(out),
-                "--listen", f"tcp://127.0.0.1:{port}", "--daemon-dir", str(self.run_dir(node_id)),
-                "--stall-progress", "1.0", *extra]  # fmt: skip
-        argv += [f"--daemon-arg={a}" for a in FAULT_ARGS]
-        if join is not None:
-            argv += ["--join", join.address]
-        proc = spawn_worker(argv, log_path=out.with_suffix(".log"), append=False)
-        member = Member(node_id, out, proc, port)
-        self.members[node_id] = member
-        return member
+    daemon_args = FAULT_ARGS
+
+    def node_args(self, node_id: str) -> list[str]:
+        return ["--daemon-dir", str(self.run_dir(node_id)), "--stall-progress", "1.0"]
 
     def run_dir(self, node_id: str) -> Path:
         return self.tmp / f"{node_id}.daemon"

@@ -72,12 +72,18 @@ class Cluster:
         self.tmp = tmp
         self.members: dict[str, Member] = {}
 
+    daemon_args: tuple[str, ...] = DAEMON_ARGS
+
+    def node_args(self, node_id: str) -> list[str]:
+        """Worker arguments every member gets (subclasses add theirs)."""
+        return []
+
     def start(self, node_id: str, join: Member | None = None, *extra: str) -> Member:
         port = free_port()
         out = self.tmp / f"{node_id}.jsonl"
         argv = [sys.executable, str(WORKER), "--id", node_id, "--out", str(out)]
-        argv += ["--listen", f"tcp://127.0.0.1:{port}", *extra]
-        for arg in DAEMON_ARGS:
+        argv += ["--listen", f"tcp://127.0.0.1:{port}", *self.node_args(node_id), *extra]
+        for arg in self.daemon_args:
             argv.append(f"--daemon-arg={arg}")
         if join is not None:
             argv += ["--join", join.address]
