@@ -8,7 +8,6 @@ holder that claims another member's routing id.
 from __future__ import annotations
 
 import socket
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -31,6 +30,8 @@ from chaos.collectives.lanes import (
 from chaos.errors import PeerFailure, ProtocolError
 from chaos.security import ClusterKey, Security
 from chaos.wire import LANE_RECORD_BYTES
+from tests.collectives.test_lanes import results as _results
+from tests.collectives.test_lanes import run_all
 
 NUMEL = 50_000
 CHUNK = 1 << 14  # 16 KiB: a dozen chunks per member
@@ -72,29 +73,9 @@ def inputs(n: int) -> list[torch.Tensor]:
     return [torch.randn(NUMEL, generator=torch.Generator().manual_seed(i)) for i in range(n)]
 
 
-def run_all(comms: list[Communicator], xs: list[torch.Tensor], **kw: Any) -> list[Any]:
-    """One allreduce on every member at once; each entry is the result or the exception."""
-    out: list[Any] = [None] * len(comms)
-
-    def one(i: int) -> None:
-        try:
-            out[i] = comms[i].allreduce(xs[i], **kw)
-        except Exception as exc:  # collected and checked by the test
-            out[i] = exc
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(comms))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    return out
-
-
 def results(comms: list[Communicator], xs: list[torch.Tensor], **kw: Any) -> list[torch.Tensor]:
-    out = run_all(comms, xs, **kw)
-    for r in out:
-        if not isinstance(r, torch.Tensor):
-            raise AssertionError(f"an allreduce failed: {out}")
+    """Every member's result of one allreduce; each one must be the same tensor."""
+    out = _results(comms, xs, **kw)
     assert all(torch.equal(r, out[0]) for r in out)
     return out
 
