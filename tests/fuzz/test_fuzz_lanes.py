@@ -22,8 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chaos.collectives.frames import DATA_OPS, HEADER_BYTES, Header, Op, encode_header
+from chaos.collectives.lane_crypto import TO_RECEIVER as _TO_RECEIVER
 from chaos.collectives.lanes import (
-    _TO_RECEIVER,
     LANE_KEY_BYTES,
     InLane,
     LaneCipher,
