@@ -23,7 +23,7 @@ from fuzz_strategies import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chaos.bench.fuzz import control_examples
+from chaos.bench.fuzz_frames import control_examples
 from chaos.errors import ProtocolError
 from chaos.protocol import codec
 from chaos.protocol import messages as m
