@@ -232,6 +232,44 @@ class ReplicationWire(msgspec.Struct, kw_only=True, frozen=True):
     donors: list[DonorLink] = []
     tensor_sizes: list[int] = []
     method: PlanMethod = PlanMethod.CHAOS
+    per_shard_cost_s: Seconds = 0.0
+    """The per-shard cost c the plan used (the monitor's measured value, or the configured
+    prior before any pull was measured); a joiner's re-plans use it too."""
+
+
+MAX_PULL_RANGES = 4096
+"""Most byte ranges one donor's entry of a :class:`PullReport` lists."""
+
+
+class DonorPull(msgspec.Struct, kw_only=True, frozen=True):
+    """What one donor sent in a joiner's pull (part of a :class:`PullReport`).
+
+    ``elapsed_s`` runs from the request that brought its first shard to its last shard;
+    ``ranges`` are the byte ranges it delivered, adjacent ones merged; ``failed`` is why the
+    joiner dropped it (empty: it finished its part).
+    """
+
+    id: NodeId
+    bytes: NonNeg = 0
+    shards: NonNeg = 0
+    elapsed_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)] = 0.0
+    ranges: Annotated[list[tuple[NonNeg, NonNeg]], msgspec.Meta(max_length=MAX_PULL_RANGES)] = []
+    failed: Annotated[str, msgspec.Meta(max_length=64)] = ""
+
+
+class PullReport(msgspec.Struct, kw_only=True, frozen=True):
+    """A joiner's account of the pull it executed (``TrainerEvent.pull``).
+
+    ``reason`` says why the plan it started with differs from the scheduler's (empty: it is
+    the scheduler's); ``per_shard_cost_s`` is the c its re-plans used; ``replans`` counts the
+    re-plans after a donor failed.
+    """
+
+    reason: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    per_shard_cost_s: Seconds = 0.0
+    replans: NonNeg = 0
+    state_bytes: NonNeg = 0
+    donors: Annotated[list[DonorPull], msgspec.Meta(max_length=256)] = []
 
 
 class ClusterView(msgspec.Struct, kw_only=True, frozen=True):
@@ -570,6 +608,8 @@ class TrainerEvent(_Base, frozen=True, tag="trainer_event"):
     one to the scheduler every heartbeat interval, with ``silent_s``, the time since its trainer
     was last heard, and ``elapsed_s`` aged to that moment.
 
+    ``replication_done`` (answered) carries the joiner's :class:`PullReport` in ``pull``.
+
     A trainer with a global batch adds ``samples_per_s`` (its throughput: samples per second
     of compute, allreduce waits excluded) and ``global_batch`` to its progress; its daemon
     forwards them to the scheduler as a one-way ``throughput`` event when they change, which
@@ -587,6 +627,9 @@ class TrainerEvent(_Base, frozen=True, tag="trainer_event"):
     silent_s: Elapsed = 0.0
     samples_per_s: Rate = 0.0
     global_batch: Annotated[int, msgspec.Meta(ge=0, le=MAX_BATCH)] = 0
+    pull: PullReport | None = None
+    """With ``replication_done``: the pull the joiner executed (the scheduler measures the
+    per-shard cost from it and logs ``replication_executed``)."""
 
 
 class PolicyReply(_Base, frozen=True, tag="policy_reply"):
