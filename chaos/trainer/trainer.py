@@ -30,7 +30,6 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,7 +37,8 @@ import torch
 from chaos import ops
 from chaos.errors import ChaosError, ConfigError, DaemonGone, PeerFailure, RoundInterrupted
 from chaos.launch import free_tcp_address
-from chaos.security import ClusterKey, Security
+from chaos.security import Security
+from chaos.trainer.config import TrainerConfig, check_extra_state, check_num_samples
 from chaos.trainer.dataplane import DataPlane
 from chaos.trainer.donor import Donor
 from chaos.trainer.embedded import EmbeddedDaemon
@@ -47,13 +47,11 @@ from chaos.trainer.exit_signals import (  # capture_exit_event and request_exit 
 )
 from chaos.trainer.exit_signals import install_exit_handlers
 from chaos.trainer.exit_signals import request_exit as request_exit
+from chaos.trainer.gradients import GradientPacker
 from chaos.trainer.session import DaemonSession, Policy, StepBeacon
 from chaos.trainer.session import TrainingStalled as TrainingStalled  # part of this API
 
 log = logging.getLogger("chaos.trainer")
-
-MAX_GLOBAL_BATCH = 1 << 31
-"""The largest ``TrainerConfig.global_batch``."""
 
 THROUGHPUT_SMOOTHING = 0.3
 """Weight of the newest step in the trainer's measured throughput (an exponential average)."""
@@ -63,164 +61,6 @@ class _Rejoined(Exception):
     """The scheduler had evicted this trainer (a straggler); it joined again inside
     ``update()``, pulling the current state, so the step's gradients are stale: the step is
     skipped (the next one computes them on the pulled state)."""
-
-
-@dataclass(frozen=True)
-class TrainerConfig:
-    """Options of a :class:`Trainer` (the ``**options`` of its constructor).
-
-    Args:
-        host: Interface the data-plane endpoints bind to (and advertise).
-        step_timeout_s: Longest wait for the next allreduce frame before the neighbour is
-            declared failed. Raise it when a step's compute time varies a lot between devices.
-        policy_timeout_s: Longest silence of the local daemon that a step boundary tolerates
-            (it answers policy requests; a busy device may answer late). It must exceed the
-            daemon's failure timeout (1.5 s by default).
-        stall_timeout_s: Longest time a step may wait for the cluster to heal after its
-            allreduce failed or was interrupted: a failure detected and scaled in, a split
-            overlay being reconnected, a partition that pauses this side until it heals. The
-            wait is reported every ``stall_progress_s`` (event ``waiting``, and a log line).
-            ``None`` (the default): wait as long as it takes; a cluster that can heal is never
-            given up on. Set it when a script must give up on its own, and catch
-            :class:`TrainingStalled`.
-        stall_progress_s: How often a waiting step reports that it still waits.
-        join_timeout_s: Longest wait for the daemon to join and the scheduler to plan the join.
-        replication_timeout_s: Limit on pulling the whole state when joining.
-        poll_interval_s: How often the trainer asks its daemon for a newer policy while blocked
-            in an allreduce. Lower reacts faster to membership changes, at a small CPU cost.
-        chunk_bytes: Allreduce frame size; see :class:`CommunicatorConfig`.
-        wire_dtype: ``None``, ``"float16"`` or ``"bfloat16"`` gradient wire format.
-        lanes: Send the gradient chunks over plain TCP payload lanes beside ZeroMQ (faster:
-            no copy out of ZeroMQ's buffers); turn it off where only the data endpoint's port
-            may be opened between devices. See :attr:`CommunicatorConfig.lanes`.
-        data_ports: ``(first, last)``, an inclusive range of TCP ports for the trainer's data
-            endpoints (the allreduce endpoint and the shard server bind its first two free
-            ports; ports other programs hold are skipped). Set it where ephemeral ports could
-            collide with ports chosen for other listeners, or where only known ports may be
-            opened between devices (then also set ``lanes=False``: the payload lanes use an
-            ephemeral port). ``None``: ephemeral ports.
-        daemon_args: Extra ``chaos-daemon start`` arguments for the embedded daemon.
-        daemon_dir: The embedded daemon's run directory (IPC socket, event log); default: a
-            fresh temporary directory.
-        pull_window: Outstanding shard requests per donor while joining.
-        policy_notices: Learn of newer policies from the daemon's published notices, asking the
-            daemon only when one names a newer epoch (or the notices fall silent). ``False``:
-            ask at every step boundary (an IPC round trip each), as a comparison baseline.
-        restored: The model and optimizer were loaded from a checkpoint that every member
-            restores (the stop-resume baseline): the trainer joins with that state instead of
-            pulling one; the scheduler admits it only if its state digest equals the first
-            trainer's. Such members should not step until all of them are in (see
-            :meth:`Trainer.wait_world`).
-        cluster_key: The cluster key file (``chaos-daemon keygen FILE``, mode 0600): the data
-            plane (allreduce endpoint, payload lanes, shard server, pulls) and a TCP connection
-            to the daemon are then authenticated and encrypted, and the embedded daemon starts
-            with ``--cluster-key``. ``None``: no key (plain sockets; see ``docs/security.md``).
-        global_batch: Samples per step over the whole cluster, kept constant as members come
-            and go: the scheduler splits it across the members in proportion to their measured
-            throughput, and :attr:`Trainer.local_batch_size` says this member's part. Every
-            member must set the same value, and pass ``num_samples`` to ``update()``. ``None``
-            (the default): off, each script picks its own batch.
-
-    Raises:
-        ConfigError: a non-positive timeout or interval, a bad ``data_ports`` range, or a
-            cluster key file that is missing, readable by others or not a key.
-    """
-
-    host: str = "127.0.0.1"
-    step_timeout_s: float = 30.0
-    policy_timeout_s: float = 10.0
-    stall_timeout_s: float | None = None
-    stall_progress_s: float = 10.0
-    join_timeout_s: float = 60.0
-    replication_timeout_s: float = 600.0
-    poll_interval_s: float = 0.02
-    chunk_bytes: int = 1 << 20
-    wire_dtype: str | None = None
-    lanes: bool = True
-    data_ports: tuple[int, int] | None = None
-    daemon_args: tuple[str, ...] = ()
-    daemon_dir: str | None = None
-    pull_window: int = 8
-    policy_notices: bool = True
-    restored: bool = False
-    cluster_key: str | None = None
-    global_batch: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in (
-            "step_timeout_s",
-            "policy_timeout_s",
-            "join_timeout_s",
-            "replication_timeout_s",
-            "poll_interval_s",
-            "stall_progress_s",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
-        st = self.stall_timeout_s
-        if st is not None and (isinstance(st, bool) or not isinstance(st, (int, float))
-                               or not st > 0):  # fmt: skip
-            raise ConfigError(f"stall_timeout_s must be None or a positive number, got {st!r}")
-        if not isinstance(self.daemon_args, tuple):
-            raise ConfigError("daemon_args must be a tuple of strings")
-        _check_data_ports(self.data_ports)
-        gb = self.global_batch
-        if gb is not None and (isinstance(gb, bool) or not isinstance(gb, int)
-                               or not 1 <= gb <= MAX_GLOBAL_BATCH):  # fmt: skip
-            raise ConfigError(
-                f"global_batch must be None or an int in 1..{MAX_GLOBAL_BATCH}, got {gb!r}"
-            )
-        if self.cluster_key is not None:
-            if not isinstance(self.cluster_key, (str, os.PathLike)):
-                raise ConfigError(f"cluster_key must be a file path, got {self.cluster_key!r}")
-            ClusterKey.load(self.cluster_key)  # a ConfigError that says what is wrong with it
-
-
-def _check_data_ports(ports: object) -> None:
-    """Raises ConfigError unless ``ports`` is ``None`` or ``(first, last)`` with at least two
-    ports within 1..65535."""
-    if ports is None:
-        return
-    ok = (
-        isinstance(ports, tuple)
-        and len(ports) == 2
-        and all(isinstance(p, int) and not isinstance(p, bool) for p in ports)
-    )
-    if not ok or not 1 <= ports[0] < ports[1] <= 65535:  # type: ignore[index]
-        raise ConfigError(
-            "data_ports must be None or (first, last) with 1 <= first < last <= 65535 "
-            f"(two ports at least: the allreduce endpoint and the shard server), got {ports!r}"
-        )
-
-
-def _check_extra_state(extra: object) -> dict[str, Any]:
-    """``extra`` as a dict of named objects with ``state_dict`` and ``load_state_dict``.
-
-    Raises:
-        ConfigError: ``extra`` is not such a dict.
-    """
-    if extra is None:
-        return {}
-    if not isinstance(extra, dict):
-        raise ConfigError(f"extra_state must be a dict of named objects, got {extra!r}")
-    for name, obj in extra.items():
-        if not isinstance(name, str) or not 1 <= len(name) <= 256:
-            raise ConfigError(f"extra_state names must be 1-256 characters, got {name!r}")
-        for method in ("state_dict", "load_state_dict"):
-            if not callable(getattr(obj, method, None)):
-                raise ConfigError(f"extra_state[{name!r}] has no {method}() method")
-    return dict(extra)
-
-
-def _check_num_samples(num_samples: object) -> None:
-    """Raises TypeError or ValueError unless ``num_samples`` is ``None`` or an int >= 1."""
-    if num_samples is None:
-        return
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int):
-        raise TypeError(f"num_samples must be an int or None, got {type(num_samples).__name__}")
-    if num_samples < 1:
-        raise ValueError(f"num_samples must be at least 1, got {num_samples}")
 
 
 # ----------------------------------------------------------------------------- the trainer
@@ -299,7 +139,7 @@ class Trainer:
         except TypeError as exc:
             raise ConfigError(f"unknown Trainer option: {exc}") from exc
         _check_endpoints(join, daemon, node_id, listen)
-        self.extra_state: dict[str, Any] = _check_extra_state(extra_state)
+        self.extra_state: dict[str, Any] = check_extra_state(extra_state)
         self._security = Security.from_key_file(self.config.cluster_key)
         install_exit_handlers()
         # Build or load the native ops now: a first JIT build takes 30-60 s, which must not
@@ -308,6 +148,7 @@ class Trainer:
         self.model = model
         self.optimizer = optimizer
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._grads = GradientPacker(self._params)
         self.node_id = node_id if node_id is not None else _default_node_id()
         self._step = 0
         self._epoch = -1
@@ -590,33 +431,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ training
 
-    def _flat_grads(self, num_samples: int | None) -> torch.Tensor:
-        """The gradients, weighted by ``num_samples``, packed into one buffer whose last
-        element holds the weight (the sample count the allreduce sums alongside)."""
-        grads = [
-            p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in self._params
-        ]
-        n = sum(g.numel() for g in grads)
-        buf = torch.empty(n + 1, dtype=grads[0].dtype if grads else torch.float32)
-        flat = ops.pack(grads, out=buf)
-        weight = 1.0 if num_samples is None else float(num_samples)
-        if num_samples is not None:
-            flat.mul_(weight)
-        buf[n] = weight
-        return buf
-
-    def _install_average(self, reduced: torch.Tensor) -> None:
-        """Writes the sample-weighted mean, ``sum(N_i * g_i) / sum(N_i)``, into the gradients.
-
-        Every member divides the same bits by the same count, so they stay bitwise equal.
-        """
-        n = reduced.numel() - 1
-        for p in self._params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        # ``reduced`` is kept for a member that catches up: never modified in place
-        ops.unpack(reduced[:n].div(reduced[n]), [p.grad for p in self._params])
-
     def update(
         self,
         num_samples: int | None = None,
@@ -660,11 +474,11 @@ class Trainer:
                 ``waiting`` events), or the daemon did not answer for ``policy_timeout_s``. It
                 is a :class:`~chaos.errors.ChaosTimeout`.
         """
-        _check_num_samples(num_samples)
+        check_num_samples(num_samples)
         self._measure(num_samples)
         session = self._session
         session.step_started(self._step)  # the step progress the scheduler finds stragglers by
-        flat = self._flat_grads(num_samples)
+        flat = self._grads.pack(num_samples)
         try:
             reduced = self._allreduce(flat)
         except _Rejoined:  # this trainer was evicted and joined again: its gradients are stale
@@ -672,7 +486,7 @@ class Trainer:
             self._computing_since = time.monotonic()
             return
         if reduced is not None:
-            self._install_average(reduced)
+            self._grads.install(reduced)
         self._donor.retire()  # the state is about to change
         if before_step is not None:
             before_step()

@@ -1,0 +1,180 @@
+"""The Trainer's configuration: :class:`TrainerConfig`, one frozen dataclass checked when it is
+made, and the checks of the values a script passes to the Trainer besides it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from chaos.errors import ConfigError
+from chaos.security import ClusterKey
+
+__all__ = [
+    "MAX_GLOBAL_BATCH",
+    "TrainerConfig",
+    "check_data_ports",
+    "check_extra_state",
+    "check_num_samples",
+]
+
+MAX_GLOBAL_BATCH = 1 << 31
+"""The largest ``TrainerConfig.global_batch``."""
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Options of a :class:`Trainer` (the ``**options`` of its constructor).
+
+    Args:
+        host: Interface the data-plane endpoints bind to (and advertise).
+        step_timeout_s: Longest wait for the next allreduce frame before the neighbour is
+            declared failed. Raise it when a step's compute time varies a lot between devices.
+        policy_timeout_s: Longest silence of the local daemon that a step boundary tolerates
+            (it answers policy requests; a busy device may answer late). It must exceed the
+            daemon's failure timeout (1.5 s by default).
+        stall_timeout_s: Longest time a step may wait for the cluster to heal after its
+            allreduce failed or was interrupted: a failure detected and scaled in, a split
+            overlay being reconnected, a partition that pauses this side until it heals. The
+            wait is reported every ``stall_progress_s`` (event ``waiting``, and a log line).
+            ``None`` (the default): wait as long as it takes; a cluster that can heal is never
+            given up on. Set it when a script must give up on its own, and catch
+            :class:`TrainingStalled`.
+        stall_progress_s: How often a waiting step reports that it still waits.
+        join_timeout_s: Longest wait for the daemon to join and the scheduler to plan the join.
+        replication_timeout_s: Limit on pulling the whole state when joining.
+        poll_interval_s: How often the trainer asks its daemon for a newer policy while blocked
+            in an allreduce. Lower reacts faster to membership changes, at a small CPU cost.
+        chunk_bytes: Allreduce frame size; see :class:`CommunicatorConfig`.
+        wire_dtype: ``None``, ``"float16"`` or ``"bfloat16"`` gradient wire format.
+        lanes: Send the gradient chunks over plain TCP payload lanes beside ZeroMQ (faster:
+            no copy out of ZeroMQ's buffers); turn it off where only the data endpoint's port
+            may be opened between devices. See :attr:`CommunicatorConfig.lanes`.
+        data_ports: ``(first, last)``, an inclusive range of TCP ports for the trainer's data
+            endpoints (the allreduce endpoint and the shard server bind its first two free
+            ports; ports other programs hold are skipped). Set it where ephemeral ports could
+            collide with ports chosen for other listeners, or where only known ports may be
+            opened between devices (then also set ``lanes=False``: the payload lanes use an
+            ephemeral port). ``None``: ephemeral ports.
+        daemon_args: Extra ``chaos-daemon start`` arguments for the embedded daemon.
+        daemon_dir: The embedded daemon's run directory (IPC socket, event log); default: a
+            fresh temporary directory.
+        pull_window: Outstanding shard requests per donor while joining.
+        policy_notices: Learn of newer policies from the daemon's published notices, asking the
+            daemon only when one names a newer epoch (or the notices fall silent). ``False``:
+            ask at every step boundary (an IPC round trip each), as a comparison baseline.
+        restored: The model and optimizer were loaded from a checkpoint that every member
+            restores (the stop-resume baseline): the trainer joins with that state instead of
+            pulling one; the scheduler admits it only if its state digest equals the first
+            trainer's. Such members should not step until all of them are in (see
+            :meth:`Trainer.wait_world`).
+        cluster_key: The cluster key file (``chaos-daemon keygen FILE``, mode 0600): the data
+            plane (allreduce endpoint, payload lanes, shard server, pulls) and a TCP connection
+            to the daemon are then authenticated and encrypted, and the embedded daemon starts
+            with ``--cluster-key``. ``None``: no key (plain sockets; see ``docs/security.md``).
+        global_batch: Samples per step over the whole cluster, kept constant as members come
+            and go: the scheduler splits it across the members in proportion to their measured
+            throughput, and :attr:`Trainer.local_batch_size` says this member's part. Every
+            member must set the same value, and pass ``num_samples`` to ``update()``. ``None``
+            (the default): off, each script picks its own batch.
+
+    Raises:
+        ConfigError: a non-positive timeout or interval, a bad ``data_ports`` range, or a
+            cluster key file that is missing, readable by others or not a key.
+    """
+
+    host: str = "127.0.0.1"
+    step_timeout_s: float = 30.0
+    policy_timeout_s: float = 10.0
+    stall_timeout_s: float | None = None
+    stall_progress_s: float = 10.0
+    join_timeout_s: float = 60.0
+    replication_timeout_s: float = 600.0
+    poll_interval_s: float = 0.02
+    chunk_bytes: int = 1 << 20
+    wire_dtype: str | None = None
+    lanes: bool = True
+    data_ports: tuple[int, int] | None = None
+    daemon_args: tuple[str, ...] = ()
+    daemon_dir: str | None = None
+    pull_window: int = 8
+    policy_notices: bool = True
+    restored: bool = False
+    cluster_key: str | None = None
+    global_batch: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "step_timeout_s",
+            "policy_timeout_s",
+            "join_timeout_s",
+            "replication_timeout_s",
+            "poll_interval_s",
+            "stall_progress_s",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        st = self.stall_timeout_s
+        if st is not None and (isinstance(st, bool) or not isinstance(st, (int, float))
+                               or not st > 0):  # fmt: skip
+            raise ConfigError(f"stall_timeout_s must be None or a positive number, got {st!r}")
+        if not isinstance(self.daemon_args, tuple):
+            raise ConfigError("daemon_args must be a tuple of strings")
+        check_data_ports(self.data_ports)
+        gb = self.global_batch
+        if gb is not None and (isinstance(gb, bool) or not isinstance(gb, int)
+                               or not 1 <= gb <= MAX_GLOBAL_BATCH):  # fmt: skip
+            raise ConfigError(
+                f"global_batch must be None or an int in 1..{MAX_GLOBAL_BATCH}, got {gb!r}"
+            )
+        if self.cluster_key is not None:
+            if not isinstance(self.cluster_key, (str, os.PathLike)):
+                raise ConfigError(f"cluster_key must be a file path, got {self.cluster_key!r}")
+            ClusterKey.load(self.cluster_key)  # a ConfigError that says what is wrong with it
+
+
+def check_data_ports(ports: object) -> None:
+    """Raises ConfigError unless ``ports`` is ``None`` or ``(first, last)`` with at least two
+    ports within 1..65535."""
+    if ports is None:
+        return
+    ok = (
+        isinstance(ports, tuple)
+        and len(ports) == 2
+        and all(isinstance(p, int) and not isinstance(p, bool) for p in ports)
+    )
+    if not ok or not 1 <= ports[0] < ports[1] <= 65535:  # type: ignore[index]
+        raise ConfigError(
+            "data_ports must be None or (first, last) with 1 <= first < last <= 65535 "
+            f"(two ports at least: the allreduce endpoint and the shard server), got {ports!r}"
+        )
+
+
+def check_extra_state(extra: object) -> dict[str, Any]:
+    """``extra`` as a dict of named objects with ``state_dict`` and ``load_state_dict``.
+
+    Raises:
+        ConfigError: ``extra`` is not such a dict.
+    """
+    if extra is None:
+        return {}
+    if not isinstance(extra, dict):
+        raise ConfigError(f"extra_state must be a dict of named objects, got {extra!r}")
+    for name, obj in extra.items():
+        if not isinstance(name, str) or not 1 <= len(name) <= 256:
+            raise ConfigError(f"extra_state names must be 1-256 characters, got {name!r}")
+        for method in ("state_dict", "load_state_dict"):
+            if not callable(getattr(obj, method, None)):
+                raise ConfigError(f"extra_state[{name!r}] has no {method}() method")
+    return dict(extra)
+
+
+def check_num_samples(num_samples: object) -> None:
+    """Raises TypeError or ValueError unless ``num_samples`` is ``None`` or an int >= 1."""
+    if num_samples is None:
+        return
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int):
+        raise TypeError(f"num_samples must be an int or None, got {type(num_samples).__name__}")
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be at least 1, got {num_samples}")
