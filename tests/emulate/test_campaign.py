@@ -19,11 +19,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from chaos.emulate.campaign import (
-    CampaignConfig,
+from chaos.emulate.campaign_metrics import (
     bridges,
     cut_vertices,
-    draw_plan,
     ettr,
     lineage,
     lineage_times,
@@ -32,6 +30,7 @@ from chaos.emulate.campaign import (
     resume_times,
     step_integrity,
 )
+from chaos.emulate.campaign_plan import CampaignConfig, draw_plan
 from chaos.emulate.metrics import device_outages
 from chaos.emulate.netns import list_namespaces
 from chaos.emulate.scenario import scenario_from_dict

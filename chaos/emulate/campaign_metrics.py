@@ -1,0 +1,328 @@
+"""The measurements of a fault campaign: pure functions over the records its devices wrote.
+
+Unit tested on synthetic records:
+
+* :func:`cut_vertices`, :func:`bridges`: the overlay's cut vertices and bridges at a moment;
+* :func:`lineage`, :func:`step_integrity`: the committed steps lost and the divergent states,
+  from the step digests every device records;
+* :func:`ettr`: effective training time over wall time;
+* :func:`resume_times`, :func:`per_kind`: per injection, whether and when training resumed,
+  and the figures per fault kind;
+* :func:`resource_summary`: RSS and open files per device over time.
+
+The definitions are in docs/emulation-runs.md (*The fault campaign*).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import networkx as nx
+
+from chaos.emulate.campaign_plan import CAMPAIGN_KINDS
+
+__all__ = [
+    "bridges", "cut_vertices", "ettr", "lineage", "lineage_times", "per_kind",
+    "resource_summary", "resume_times", "step_integrity", "step_records", "world_sizes",
+]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ the overlay
+
+
+def _graph(nodes: Iterable[str], edges: Iterable[tuple[str, str]]) -> nx.Graph:
+    g = nx.Graph()
+    g.add_nodes_from(nodes)
+    g.add_edges_from((a, b) for a, b in edges if a in g and b in g and a != b)
+    return g
+
+
+def cut_vertices(nodes: Iterable[str], edges: Iterable[tuple[str, str]]) -> set[str]:
+    """The devices whose loss splits the overlay among ``nodes`` (its articulation points).
+
+    Args:
+        nodes: The running devices.
+        edges: The overlay's links (links to other devices are ignored).
+    """
+    return {str(n) for n in nx.articulation_points(_graph(nodes, edges))}
+
+
+def bridges(nodes: Iterable[str], edges: Iterable[tuple[str, str]]) -> set[tuple[str, str]]:
+    """The links whose loss splits the overlay among ``nodes``, each as a sorted pair."""
+    return {(min(a, b), max(a, b)) for a, b in nx.bridges(_graph(nodes, edges))}
+
+
+# ------------------------------------------------------------------------------ step records
+
+
+def step_records(recs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in recs if r.get("kind") == "step" and r.get("digest")]
+
+
+def lineage(devices: Mapping[str, list[dict[str, Any]]],
+            survivors: Iterable[str]) -> dict[int, str]:  # fmt: skip
+    """The cluster's final training history: for each step number, the digest the survivors
+    hold (the most common among them; all devices' when no survivor recorded that step).
+
+    Args:
+        devices: Each device's records.
+        survivors: The devices running at the end.
+    """
+    surv = set(survivors)
+    votes: dict[int, dict[str, int]] = {}
+    fallback: dict[int, dict[str, int]] = {}
+    for node, recs in devices.items():
+        for r in step_records(recs):
+            table = votes if node in surv else fallback
+            per = table.setdefault(int(r["step"]), {})
+            per[r["digest"]] = per.get(r["digest"], 0) + 1
+    out = {}
+    for s in set(votes) | set(fallback):
+        per = votes.get(s) or fallback[s]
+        out[s] = max(sorted(per), key=lambda d: per[d])
+    return out
+
+
+def step_integrity(devices: Mapping[str, list[dict[str, Any]]],
+                   survivors: Iterable[str]) -> dict[str, Any]:  # fmt: skip
+    """Committed steps lost and divergent states, from the per-step digests.
+
+    Each step record carries the digest of the trained state after that step and the world
+    size of the round that produced it.
+
+    * A step ``s`` with digest ``D`` is **committed** when at least as many devices recorded
+      ``(s, D)`` as the round's world size: every member of the round holds it.
+    * A committed step is **lost** when the survivors' history (:func:`lineage`) holds another
+      digest at ``s``: the cluster went back and redid it differently.
+    * A **divergent state** is a step at which two devices that recorded it under the same
+      epoch, or two survivors (each by its last record of that step), hold different digests:
+      members that must be bitwise equal are not.
+    * A **redone** step is an uncommitted ``(s, D)`` off the survivors' history (a round some
+      member finished and the others reran after a failure); it costs time, not correctness.
+
+    Returns:
+        ``{"steps": N, "committed": N, "lost": N, "lost_steps": [...], "divergent": N,
+        "divergent_steps": [...], "redone": N}`` (lists cut to their first 20).
+    """
+    surv = set(survivors)
+    hist = lineage(devices, surv)
+    holders: dict[tuple[int, str], set[str]] = {}
+    world: dict[tuple[int, str], int] = {}
+    by_epoch: dict[tuple[int, int], set[str]] = {}
+    by_survivor: dict[int, dict[str, str]] = {}  # step -> survivor -> its last digest there
+    for node, recs in devices.items():
+        for r in step_records(recs):
+            key = (int(r["step"]), str(r["digest"]))
+            holders.setdefault(key, set()).add(node)
+            world[key] = max(world.get(key, 0), int(r.get("world", 1)))
+            by_epoch.setdefault((key[0], int(r.get("epoch", 0))), set()).add(key[1])
+            if node in surv:
+                by_survivor.setdefault(key[0], {})[node] = key[1]
+    committed = {k for k, who in holders.items() if len(who) >= world[k]}
+    lost = sorted(s for s, d in committed if s in hist and hist[s] != d)
+    redone = [k for k in holders if k not in committed and hist.get(k[0]) != k[1]]
+    divergent = sorted(
+        {s for (s, _e), ds in by_epoch.items() if len(ds) > 1}
+        | {s for s, ds in by_survivor.items() if len(set(ds.values())) > 1}
+    )
+    return {"steps": len(hist), "committed": len(committed), "lost": len(lost),
+            "lost_steps": lost[:20], "divergent": len(divergent),
+            "divergent_steps": divergent[:20], "redone": len(redone)}  # fmt: skip
+
+
+def lineage_times(devices: Mapping[str, list[dict[str, Any]]],
+                  hist: Mapping[int, str]) -> list[tuple[float, int]]:  # fmt: skip
+    """When each step of the history was first completed, in time order: ``[(t, step)]``."""
+    first: dict[int, float] = {}
+    for recs in devices.values():
+        for r in step_records(recs):
+            s = int(r["step"])
+            if hist.get(s) == r["digest"] and (s not in first or r["t"] < first[s]):
+                first[s] = float(r["t"])
+    return sorted((t, s) for s, t in first.items())
+
+
+def ettr(times: list[tuple[float, int]], start: float, end: float) -> dict[str, Any]:
+    """Effective training time over wall time.
+
+    The steps of the survivors' history completed in ``[start, end]`` are the useful work;
+    each is worth the cluster's normal step time ``tau``, the median interval between
+    consecutive history steps over the window. ``ETTR = steps * tau / (end - start)``. A stall
+    adds wall time and no step; redone work (a round rerun, a step the cluster went back on)
+    adds no step either, since a history step counts once. ETTR slightly above 1 means steps
+    got faster than their median (fewer members) for a while.
+
+    Args:
+        times: :func:`lineage_times`.
+        start: The window's start (the cluster up).
+        end: The window's end.
+
+    Returns:
+        ``{"ettr", "useful_steps", "tau_s", "wall_s", "lost_s"}`` (``lost_s``: wall time not
+        covered by useful steps); ``ettr`` is ``None`` with fewer than two steps.
+    """
+    inside = [(t, s) for t, s in times if start <= t <= end]
+    wall = max(0.0, end - start)
+    if len(inside) < 2 or wall <= 0:
+        return {"ettr": None, "useful_steps": len(inside), "tau_s": None, "wall_s": wall,
+                "lost_s": wall}  # fmt: skip
+    tau = statistics.median(b[0] - a[0] for a, b in zip(inside, inside[1:], strict=False))
+    useful = len(inside) * tau
+    return {"ettr": useful / wall, "useful_steps": len(inside), "tau_s": tau, "wall_s": wall,
+            "lost_s": max(0.0, wall - useful)}  # fmt: skip
+
+
+def resume_times(
+    injections: list[dict[str, Any]],
+    devices: Mapping[str, list[dict[str, Any]]],
+    daemon_events: list[dict[str, Any]],
+    lifetimes: Mapping[str, tuple[float, float]],
+) -> list[dict[str, Any]]:
+    """Per injection: did training resume, and after how long.
+
+    Training resumed after an injection at ``t`` once every device that runs at ``t`` (not the
+    fault's victim) and is not paused has completed a step that started after ``t`` (a step
+    in flight at ``t`` may finish with the victim's contribution, so it does not count). A
+    device is paused when its daemon logged ``paused`` (its side lost the majority) between its
+    last step before ``t`` and its first step after it (after a ``heal``, only a pause after
+    ``t`` counts, so a heal waits for the devices it should bring back), or when it is out of
+    the cluster: not a member of the newest view any daemon installed between ``t`` and the
+    next injection (the scheduler evicted it, e.g. cut off from it, and it did not join again
+    in that time). A device that stops running before it steps (killed, left, crashed later)
+    is not waited for. When every device paused, training did not resume.
+
+    Args:
+        injections: The harness events (``t``, ``kind``, ``node``).
+        devices: Each device's records.
+        daemon_events: The daemons' event logs.
+        lifetimes: Each device's ``(ready, gone)`` times (``gone`` is ``inf`` while it runs).
+
+    Returns:
+        One row per injection: ``{"t", "kind", "label", "resumed", "resume_s", "waited",
+        "paused", "not_resumed"}``.
+    """
+    pauses: dict[str, list[float]] = {}
+    views: list[tuple[float, int, frozenset[str]]] = []
+    for e in daemon_events:
+        if e.get("event") == "paused":
+            pauses.setdefault(str(e.get("node")), []).append(float(e["ts"]))
+        elif e.get("event") == "view_installed" and e.get("members"):
+            views.append((float(e["ts"]), int(e.get("epoch", 0)), frozenset(e["members"])))
+    views.sort()
+    steps = {n: sorted((float(r["t"]) - float(r.get("dur_s", 0.0)), float(r["t"]))
+                       for r in recs if r.get("kind") == "step")
+             for n, recs in devices.items()}  # fmt: skip
+    rows = []
+    starts = sorted(float(e["t"]) for e in injections)
+    for ev in injections:
+        t = float(ev["t"])
+        until = next((x for x in starts if x > t), math.inf)
+        inside = [v for v in views if v[0] <= until]
+        member = max(inside, key=lambda v: (v[1], v[0]))[2] if inside else None
+        waited, paused, missing, last = [], [], [], t
+        for n, (ready, gone) in sorted(lifetimes.items()):
+            if not ready <= t < gone or n == ev.get("node"):
+                continue
+            if member is not None and n not in member:
+                paused.append(n)  # out of the cluster: evicted, not joined again yet
+                continue
+            mine = steps.get(n, [])
+            nxt = next((end for start, end in mine if start > t), None)
+            prev = t if ev["kind"] == "heal" else max((end for _s, end in mine if end <= t),
+                                                      default=ready)  # fmt: skip
+            stop = min(gone, nxt if nxt is not None else math.inf)
+            if any(prev < p <= stop for p in pauses.get(n, ())):
+                paused.append(n)
+            elif nxt is not None and nxt < gone:
+                waited.append(n)
+                last = max(last, nxt)
+            elif gone < math.inf:
+                continue  # it went before stepping: not waited for
+            else:
+                missing.append(n)
+        resumed = bool(waited) and not missing
+        rows.append({"t": t, "kind": ev["kind"], "label": ev.get("label", ev["kind"]),
+                     "resumed": resumed, "resume_s": last - t if resumed else None,
+                     "waited": waited, "paused": paused, "not_resumed": missing})  # fmt: skip
+    return rows
+
+
+def _quantile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def per_kind(rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The campaign's table: per kind, injections, resumed count, p50/p99 resume time."""
+    out: dict[str, Any] = {}
+    for kind in CAMPAIGN_KINDS:
+        mine = [r for r in rows if r["kind"] == kind]
+        evs = [e for e in events if e["kind"] == kind]
+        took = [r["resume_s"] for r in mine if r["resume_s"] is not None]
+        entry: dict[str, Any] = {
+            "injected": len(mine), "resumed": sum(1 for r in mine if r["resumed"]),
+            "not_resumed": sum(1 for r in mine if not r["resumed"]),
+            "resume_p50_s": _quantile(took, 0.5), "resume_p99_s": _quantile(took, 0.99),
+            "resume_max_s": max(took) if took else None,
+        }  # fmt: skip
+        if kind == "kill":
+            entry["cut_vertex"] = sum(1 for e in evs if e.get("cut_vertex"))
+            entry["scheduler"] = sum(1 for e in evs if e.get("scheduler"))
+        if kind == "link_cut":
+            entry["bridge"] = sum(1 for e in evs if e.get("bridge"))
+        if kind == "partition":
+            entry["majority_side"] = sum(1 for e in evs if e.get("majority"))
+        out[kind] = entry
+    return out
+
+
+def resource_summary(samples: list[dict[str, Any]], ready: Mapping[str, float],
+                     warmup_s: float) -> dict[str, Any]:  # fmt: skip
+    """RSS and open files per device and process, after warm-up: first, last, max ratio.
+
+    Args:
+        samples: ``{"t", "node", "proc" ("trainer" or "daemon"), "rss", "fds"}`` rows.
+        ready: When each device became ready.
+        warmup_s: Samples earlier than this after ready are ignored.
+
+    Returns:
+        ``{"per_process": {"node/proc": {"samples", "rss_first", "rss_last", "rss_max_ratio",
+        "fds_first", "fds_last", "fds_max_ratio"}}, "worst_rss_ratio", "worst_fds_ratio",
+        "flat_within_10pct"}``; processes with fewer than two samples after warm-up are left
+        out.
+    """
+    series: dict[str, list[dict[str, Any]]] = {}
+    for s in samples:
+        r = ready.get(s["node"])
+        if r is not None and s["t"] >= r + warmup_s:
+            series.setdefault(f"{s['node']}/{s['proc']}", []).append(s)
+    per: dict[str, Any] = {}
+    for key, rows in sorted(series.items()):
+        if len(rows) < 2:
+            continue
+        rows.sort(key=lambda x: x["t"])
+        entry: dict[str, Any] = {"samples": len(rows),
+                                 "span_s": rows[-1]["t"] - rows[0]["t"]}  # fmt: skip
+        for m in ("rss", "fds"):
+            first = rows[0][m]
+            entry[f"{m}_first"] = first
+            entry[f"{m}_last"] = rows[-1][m]
+            entry[f"{m}_max_ratio"] = max(x[m] for x in rows) / first if first else None
+        per[key] = entry
+    worst = {m: max((v[f"{m}_max_ratio"] for v in per.values()
+                     if v[f"{m}_max_ratio"] is not None), default=None)
+             for m in ("rss", "fds")}  # fmt: skip
+    flat = all(w is None or w <= 1.10 for w in worst.values()) if per else None
+    return {"per_process": per, "worst_rss_ratio": worst["rss"],
+            "worst_fds_ratio": worst["fds"], "flat_within_10pct": flat}  # fmt: skip
+
+
+def world_sizes(devices: Mapping[str, list[dict[str, Any]]]) -> list[tuple[float, int]]:
+    """The training world size over time: ``(t, world)`` of every step, time ordered."""
+    return sorted((float(r["t"]), int(r.get("world", 1)))
+                  for recs in devices.values() for r in step_records(recs))  # fmt: skip

@@ -1,0 +1,191 @@
+"""The report of ``chaos-emulate chaos``: the campaign's JSON document and its readable table.
+
+:func:`report` gathers what the run loop (:mod:`chaos.emulate.campaign`) recorded and the
+measurements of :mod:`chaos.emulate.campaign_metrics` into one document; :func:`format_table`
+prints its summary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict
+from typing import Any, Protocol
+
+from chaos.emulate.campaign_metrics import (
+    ettr,
+    lineage,
+    lineage_times,
+    per_kind,
+    resource_summary,
+    resume_times,
+    step_integrity,
+    world_sizes,
+)
+from chaos.emulate.campaign_plan import CampaignConfig, PlannedEvent
+from chaos.emulate.metrics import device_outages
+from chaos.emulate.runner import Runner, RunResult
+
+__all__ = ["FAULTS", "CampaignRecord", "format_table", "report"]
+
+
+class CampaignRecord(Protocol):
+    """What a campaign's run loop recorded, as the report reads it
+    (:class:`~chaos.emulate.campaign.Campaign` is one)."""
+
+    @property
+    def cfg(self) -> CampaignConfig:
+        """The campaign's config."""
+        ...
+
+    @property
+    def plan(self) -> list[PlannedEvent]:
+        """The planned events."""
+        ...
+
+    @property
+    def runner(self) -> Runner:
+        """The runner of the campaign's devices (their ``gone`` reasons)."""
+        ...
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """The harness events the campaign marked (injections, skips, crashes)."""
+        ...
+
+    @property
+    def crashes(self) -> list[dict[str, Any]]:
+        """Device processes that exited without being killed or asked to leave."""
+        ...
+
+    @property
+    def failed_joins(self) -> list[dict[str, Any]]:
+        """Joiners that exited before they were ready."""
+        ...
+
+    @property
+    def ready_t(self) -> Mapping[str, float]:
+        """When each device became ready."""
+        ...
+
+    @property
+    def gone_t(self) -> Mapping[str, float]:
+        """When each device that went was killed, left or crashed."""
+        ...
+
+
+FAULTS = ("leave", "kill", "link_cut", "partition", "heal", "join")
+
+
+def report(camp: CampaignRecord, result: RunResult, samples: list[dict[str, Any]], started: float,
+           ended: float, survivors: list[str]) -> dict[str, Any]:  # fmt: skip
+    """The campaign's JSON document: per-kind figures, integrity, ETTR, resources, outages."""
+    cfg = camp.cfg
+    devices = result.devices
+    injections = [e for e in camp.events if e["kind"] in FAULTS]
+    lifetimes = {n: (camp.ready_t.get(n, math.inf), camp.gone_t.get(n, math.inf))
+                 for n in devices}  # fmt: skip
+    rows = resume_times(injections, devices, result.daemon_events, lifetimes)
+    for row, ev in zip(rows, injections, strict=True):
+        for k in ("cut_vertex", "scheduler", "bridge", "majority", "nodes", "note"):
+            if k in ev:
+                row[k] = ev[k]
+    hist = lineage(devices, survivors)
+    integrity = step_integrity(devices, survivors)
+    times = lineage_times(devices, hist)
+    gone = {n: str(d.gone) for n, d in camp.runner.devices.items() if d.gone}
+    outages = device_outages(devices, result.daemon_events, ended, gone)
+    faults = [r for r in rows if r["kind"] != "join"]
+    return {
+        "config": {**asdict(cfg), "weights": dict(cfg.weights)},
+        "network": result.network,
+        "note": "devices replicate a state of the model's size; only a small head trains",
+        "started": started, "ended": ended, "wall_s": ended - started,
+        "plan_events": len(camp.plan),
+        "injected_faults": len(faults),
+        "per_kind": per_kind(rows, injections),
+        "all_resumed": all(r["resumed"] for r in faults),
+        "committed_steps_lost": integrity["lost"],
+        "divergent_states": integrity["divergent"],
+        "integrity": integrity,
+        "crashed_processes": len(camp.crashes),
+        "crashes": camp.crashes,
+        "failed_joins": len(camp.failed_joins),
+        "failed_join_details": camp.failed_joins,
+        "ettr": ettr(times, started, ended),
+        "resources": resource_summary(samples, camp.ready_t, cfg.warmup_s),
+        "survivors": survivors,
+        "outages": outages,
+        "injections": rows,
+        "harness_events": result.harness_events,
+        "timeline": {"lineage": times, "members": world_sizes(devices)},
+        "samples": samples,
+        "daemon_events": result.daemon_events,
+        "devices": devices,
+    }  # fmt: skip
+
+
+def _fmt_s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def _last_error(tail: str) -> str:
+    """The most telling line of a device log's tail: the last error or exception."""
+    lines = [ln.strip() for ln in tail.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if "ERROR" in ln or "Error" in ln or "refused" in ln:
+            return ln[-200:]
+    return lines[-1][-200:] if lines else ""
+
+
+def format_table(doc: dict[str, Any]) -> str:
+    """The campaign's readable summary."""
+    lines = [f"network: {doc['network']}; wall {doc['wall_s']:.0f} s; "
+             f"{doc['injected_faults']} faults injected"]  # fmt: skip
+    lines.append(f"{'kind':<11}{'injected':>9}{'resumed':>9}{'not':>5}{'p50 s':>8}{'p99 s':>8}"
+                 f"{'max s':>8}  notes")  # fmt: skip
+    for kind, e in doc["per_kind"].items():
+        notes = []
+        if kind == "kill":
+            notes.append(f"{e['cut_vertex']} of a cut vertex, {e['scheduler']} of the scheduler")
+        if kind == "link_cut":
+            notes.append(f"{e['bridge']} of a bridge")
+        if kind == "partition":
+            notes.append(f"{e['majority_side']} cut off a majority")
+        lines.append(f"{kind:<11}{e['injected']:>9}{e['resumed']:>9}{e['not_resumed']:>5}"
+                     f"{_fmt_s(e['resume_p50_s']):>8}{_fmt_s(e['resume_p99_s']):>8}"
+                     f"{_fmt_s(e['resume_max_s']):>8}  {'; '.join(notes)}")  # fmt: skip
+    integ = doc["integrity"]
+    lines.append(f"committed steps lost: {doc['committed_steps_lost']} (of {integ['committed']} "
+                 f"committed); divergent states: {doc['divergent_states']}; redone: "
+                 f"{integ['redone']}; crashed processes: {doc['crashed_processes']}; failed "
+                 f"joins: {doc['failed_joins']}")  # fmt: skip
+    e = doc["ettr"]
+    if e["ettr"] is not None:
+        lines.append(f"ETTR {e['ettr']:.3f}: {e['useful_steps']} useful steps x tau "
+                     f"{e['tau_s'] * 1000:.1f} ms over {e['wall_s']:.0f} s wall "
+                     f"({e['lost_s']:.0f} s lost)")  # fmt: skip
+    res = doc["resources"]
+    lines.append(f"resources after warm-up: worst RSS ratio {_fmt_s(res['worst_rss_ratio'])}, "
+                 f"worst open-files ratio {_fmt_s(res['worst_fds_ratio'])}, flat within 10%: "
+                 f"{res['flat_within_10pct']}")  # fmt: skip
+    for key, v in res["per_process"].items():
+        lines.append(f"  {key:<14} rss {v['rss_first'] / 2**20:7.1f} -> "
+                     f"{v['rss_last'] / 2**20:7.1f} MiB (max x{v['rss_max_ratio']:.3f}), fds "
+                     f"{v['fds_first']} -> {v['fds_last']} (max x{v['fds_max_ratio']:.3f}) "
+                     f"over {v['span_s']:.0f} s")  # fmt: skip
+    bad = [r for r in doc["injections"] if not r["resumed"]]
+    for r in bad[:30]:
+        lines.append(
+            f"  not resumed: {r['label']} at +{r['t'] - doc['started']:.0f} s: "
+            f"waiting on {r['not_resumed'] or 'nobody (every device paused)'}"
+        )
+    for c in doc["crashes"]:
+        lines.append(f"  crash: {c['node']} exit {c['exit_code']}: {_last_error(c['log_tail'])}")
+    if doc["failed_joins"]:
+        lines.append(f"failed joins (a joiner that exited before it was ready): "
+                     f"{doc['failed_joins']}")  # fmt: skip
+    for c in doc["failed_join_details"][:20]:
+        lines.append(f"  join_failed: {c['node']} exit {c['exit_code']}: "
+                     f"{_last_error(c['log_tail'])}")  # fmt: skip
+    return "\n".join(lines)
