@@ -2,8 +2,8 @@
 
 A loopback cluster of ``--nodes`` real training processes (each with its embedded daemon) trains
 a small MLP with a global batch of ``--global-batch`` samples a step. Every sample costs a
-device ``--sample-ms`` of compute (a sleep per sample, beside the model's own work), and one
-device is ``--slowdown`` times slower. The run is made twice, one after the other:
+device ``--sample-time`` seconds of compute (a sleep per sample, beside the model's own work),
+and one device is ``--slowdown`` times slower. The run is made twice, one after the other:
 
 - ``equal``: every member uses ``global_batch / nodes`` samples (the split a script without
   ``TrainerConfig.global_batch`` would hard-code); the slow device sets every step's pace;
@@ -55,7 +55,7 @@ class HeteroConfig:
     Args:
         nodes: Devices (3-8).
         global_batch: Samples per step over the cluster; a multiple of ``nodes``.
-        sample_ms: Compute per sample on a normal device, in milliseconds (a sleep).
+        sample_s: Compute per sample on a normal device, in seconds (a sleep).
         slowdown: How many times slower the slow device is per sample.
         measure_s: How long each run is measured, once it is steady.
         settle_s: How long each run trains, every member in, before it is measured.
@@ -68,7 +68,7 @@ class HeteroConfig:
 
     nodes: int = 4
     global_batch: int = 64
-    sample_ms: float = 1.0
+    sample_s: float = 0.001
     slowdown: float = 5.0
     measure_s: float = 15.0
     settle_s: float = 5.0
@@ -82,7 +82,7 @@ class HeteroConfig:
             raise ConfigError(
                 f"global_batch ({self.global_batch}) must be a multiple of nodes ({self.nodes})"
             )
-        for name in ("sample_ms", "measure_s", "timeout_s"):
+        for name in ("sample_s", "measure_s", "timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be positive")
         if not self.slowdown >= 1.0 or not self.settle_s >= 0:
@@ -120,7 +120,7 @@ class _Cluster:
         cfg = self.cfg
         address = free_tcp_address()
         out, log = self.root / f"{nid}.jsonl", self.root / f"{nid}.log"
-        sample_s = cfg.sample_ms / 1e3 * (cfg.slowdown if slow else 1.0)
+        sample_s = cfg.sample_s * (cfg.slowdown if slow else 1.0)
         argv = [sys.executable, "-m", "chaos.bench.hetero", "worker", "--id", nid]
         argv += ["--listen", address, "--out", str(out), "--mode", self.mode]
         argv += ["--global-batch", str(cfg.global_batch), "--nodes", str(cfg.nodes)]
@@ -234,8 +234,9 @@ def _work_dir(path: Path | None) -> Iterator[Path]:
     "--global-batch", type=click.IntRange(3), default=HeteroConfig.global_batch, show_default=True
 )
 @click.option(
-    "--sample-ms", type=click.FloatRange(0.0, min_open=True), default=HeteroConfig.sample_ms,
-    show_default=True, help="Compute per sample on a normal device.",
+    "--sample-time", "sample_s", type=click.FloatRange(0.0, min_open=True),
+    default=HeteroConfig.sample_s, show_default=True, metavar="SECONDS",
+    help="Compute per sample on a normal device, in seconds.",
 )  # fmt: skip
 @click.option(
     "--slowdown", type=click.FloatRange(1.0), default=HeteroConfig.slowdown, show_default=True,
@@ -259,7 +260,7 @@ def _work_dir(path: Path | None) -> Iterator[Path]:
 def hetero_command(
     nodes: int,
     global_batch: int,
-    sample_ms: float,
+    sample_s: float,
     slowdown: float,
     measure_s: float,
     settle_s: float,
@@ -268,7 +269,7 @@ def hetero_command(
 ) -> None:
     """A constant global batch on one slow device: speed-proportional vs equal split."""
     try:
-        cfg = HeteroConfig(nodes, global_batch, sample_ms, slowdown, measure_s, settle_s,
+        cfg = HeteroConfig(nodes, global_batch, sample_s, slowdown, measure_s, settle_s,
                            work_dir=work_dir)  # fmt: skip
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
