@@ -55,6 +55,7 @@ from chaos.replication.wire import (
     shard_checksum,
 )
 from chaos.scheduling import METHODS, Neighbor, Plan, plan_replication
+from chaos.scheduling.plan import PlanMethod
 from chaos.security import Security
 
 log = logging.getLogger("chaos.replication.pull")
@@ -67,6 +68,8 @@ __all__ = [
     "fetch_manifest",
     "gather_manifests",
     "latest_manifest",
+    "merged_ranges",
+    "choose_plan",
     "plan_for_snapshot",
     "pull_state",
 ]
@@ -268,39 +271,83 @@ def gather_manifests(
 def plan_for_snapshot(
     state: TrainingState, rep: ReplicationWire, neighbors: Sequence[Neighbor]
 ) -> Plan:
-    """The scheduler's plan for ``state``, or a local re-plan when it no longer fits.
+    """The plan the joiner executes for ``state`` (:func:`choose_plan` without its reason)."""
+    return choose_plan(state, rep, neighbors)[0]
+
+
+def choose_plan(
+    state: TrainingState, rep: ReplicationWire, neighbors: Sequence[Neighbor]
+) -> tuple[Plan, str]:
+    """The plan the joiner executes for ``state``, and why it differs from the scheduler's.
+
+    The scheduler's assignment runs as it is when every donor it gave work to answered and the
+    stream has the planned layout. When only the runtime record (the stream's last element,
+    whose size grows with the step counter's encoding) changed size, it still runs: the range
+    that ends the stream is cut or stretched to the record's new end. Otherwise the joiner
+    re-plans by the scheduler's method over the donors that answered and had work in its plan
+    (all that answered when none of those did), with the scheduler's per-shard cost c
+    (``rep.per_shard_cost_s``, measured by its monitor) and the donors' link parameters.
 
     Args:
         state: The joiner's state, built from the donors' manifest.
-        rep: The policy's replication part (assignment, shard size, method).
+        rep: The policy's replication part (assignment, shard size, method, c).
         neighbors: The donors that published the snapshot.
 
     Returns:
-        The scheduler's assignment when every donor it gave work to answered and the stream's
-        size is the planned one. Otherwise a plan by the scheduler's method over the donors
-        that answered and had work in its plan (all that answered when none of those did).
+        ``(plan, reason)``: ``reason`` is ``""`` for the scheduler's plan as it is,
+        ``"runtime_record_resized"``, ``"donors_missing: a,b"`` or ``"layout_changed"``.
     """
     sizes = state.tensor_sizes()
-    assignment = {k: [tuple(r) for r in v] for k, v in rep.assignment.items()}
+    total = sum(sizes)
+    c = float(rep.per_shard_cost_s)
+    assignment = {k: [(int(o), int(n)) for o, n in v] for k, v in rep.assignment.items()}
     answered = {n.id for n in neighbors}
     busy = {k for k, v in assignment.items() if v}
-    if busy <= answered and sum(sizes) == sum(n for v in assignment.values() for _, n in v):
-        return Plan(
-            method="chaos",
-            layout="flat",
-            shard_size=rep.shard_size,
-            assignment=assignment,
-            makespan_s=rep.makespan_s,
-            state_bytes=sum(sizes),
-            per_shard_cost_s=0.0,
-        )
-    # The runtime record (step counter, RNG states) can change size between the scheduler's
-    # planning and the donors' snapshot: re-plan locally with the scheduler's method over the
-    # donors it gave work to (one, for single-source).
+    planned = sum(n for v in assignment.values() for _, n in v)
+    missing = sorted(busy - answered)
+    reason = f"donors_missing: {','.join(missing)}"[:256] if missing else ""
+    if not missing and planned != total:
+        stretched = _resize_end(assignment, planned, total, sizes[-1] if sizes else 0, rep)
+        reason = "runtime_record_resized" if stretched is not None else "layout_changed"
+        assignment = stretched if stretched is not None else assignment
+    if not missing and sum(n for v in assignment.values() for _, n in v) == total:
+        plan = Plan(method=PlanMethod(rep.method).value, layout="flat", shard_size=rep.shard_size,
+                    assignment=assignment, makespan_s=rep.makespan_s, state_bytes=total,
+                    per_shard_cost_s=c)  # fmt: skip
+        return plan, reason
+    # re-plan with the scheduler's method over the donors it gave work to (one, for
+    # single-source) that answered
     used = {k for k, v in assignment.items() if sum(length for _, length in v) > 0}
     chosen = [n for n in neighbors if n.id in used] or list(neighbors)  # who answered
-    log.info("the scheduler's plan no longer fits the snapshot; re-planning (%s)", rep.method)
-    return plan_replication(sizes, chosen, 4e-6, "flat", rep.method)
+    log.info("the scheduler's plan does not fit the snapshot (%s); re-planning (%s, c = %g s)",
+             reason, rep.method, c)  # fmt: skip
+    return plan_replication(sizes, chosen, c, "flat", rep.method), reason
+
+
+def _resize_end(
+    assignment: dict[str, list[tuple[int, int]]],
+    planned: int,
+    total: int,
+    record: int,
+    rep: ReplicationWire,
+) -> dict[str, list[tuple[int, int]]] | None:
+    """``assignment`` with the stream's end moved from ``planned`` to ``total`` bytes, if only
+    the runtime record (the last ``record`` bytes) changed size; else ``None``."""
+    layout = list(rep.tensor_sizes)
+    start = total - record  # where the runtime record begins, in both streams
+    if not layout or start != sum(layout[:-1]) or start < 0:
+        return None  # another layout (or an unknown one): not only the record moved
+    out: dict[str, list[tuple[int, int]]] = {}
+    for nid, ranges in assignment.items():
+        kept = []
+        for off, n in ranges:
+            end = total if off + n == planned else min(off + n, total)
+            if end > off:
+                kept.append((off, end - off))
+        out[nid] = kept
+    if sum(n for v in out.values() for _, n in v) != total:
+        return None
+    return out
 
 
 def _manifest_exchange(
@@ -405,6 +452,12 @@ class PullStats:
             ``"disconnected"``, ``"malformed_reply"``, ``"handshake_failed"``: another
             cluster key).
         elapsed_s: Wall time of the pull, in seconds.
+        elapsed_per_donor: Per donor, seconds from sending the request that brought its first
+            shard to receiving its last one (its part of the transfer: the wait for a donor
+            that had not published yet is left out). The scheduler fits the per-shard cost c
+            to it.
+        ranges_per_donor: Per donor, the byte ranges it delivered, adjacent ones merged: the
+            assignment the pull executed.
     """
 
     bytes_per_donor: dict[str, int] = field(default_factory=dict)
@@ -414,9 +467,23 @@ class PullStats:
     replans: int = 0
     failed_donors: dict[str, str] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    elapsed_per_donor: dict[str, float] = field(default_factory=dict)
+    ranges_per_donor: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 Shard = tuple[int, int]
+
+
+def merged_ranges(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(offset, length)`` ranges in offset order, adjacent or overlapping ones merged."""
+    out: list[tuple[int, int]] = []
+    for off, n in sorted(r for r in ranges if r[1] > 0):
+        if out and out[-1][0] + out[-1][1] >= off:
+            last = out[-1]
+            out[-1] = (last[0], max(last[0] + last[1], off + n) - last[0])
+        else:
+            out.append((off, n))
+    return out
 
 
 class _Donor:
@@ -432,6 +499,18 @@ class _Donor:
         self.alive = True
         self.unpublished_since: float | None = None  # first not_published answer
         self.retry_at = 0.0  # no requests before this (monotonic seconds)
+        self.sent_at: dict[int, float] = {}  # when each outstanding request was sent
+        self.first_at: float | None = None  # when the request of its first shard was sent
+        self.last_at = 0.0  # when its last shard arrived
+        self.delivered: list[Shard] = []  # the ranges it delivered, adjacent ones merged
+
+    def delivered_range(self, shard: Shard) -> None:
+        """Notes a delivered range (merged with the last one when adjacent)."""
+        last = self.delivered[-1] if self.delivered else None
+        if last is not None and last[0] + last[1] == shard[0]:
+            self.delivered[-1] = (last[0], last[1] + shard[1])
+        else:
+            self.delivered.append(shard)
 
     def queued_bytes(self) -> int:
         return sum(n for _, n in self.queue) + sum(n for _, n in self.inflight.values())
@@ -550,6 +629,10 @@ class _Puller:
             for d in self.donors.values():
                 self._disconnect(d)
         self.stats.elapsed_s = time.monotonic() - t0
+        for d in self.donors.values():
+            self.stats.ranges_per_donor[d.id] = merged_ranges(d.delivered)
+            if d.first_at is not None:
+                self.stats.elapsed_per_donor[d.id] = max(0.0, d.last_at - d.first_at)
         return self.stats
 
     def _fill(self, alive: list[_Donor]) -> None:
@@ -573,6 +656,7 @@ class _Puller:
                     length=length,
                 )
                 d.inflight[req_id] = (off, length)
+                d.sent_at[req_id] = time.monotonic()
                 d.sock.send(WIRE_ENCODER.encode(req))
 
     def _check_timeouts(self) -> None:
@@ -618,6 +702,7 @@ class _Puller:
             self._fail_donor(d, "malformed_reply")
             return
         shard = d.inflight.pop(head.req_id, None)
+        sent_at = d.sent_at.pop(head.req_id, None)
         if shard is None:
             return  # an answer to a request this pull gave up on
         d.last_progress = time.monotonic()
@@ -644,6 +729,10 @@ class _Puller:
             self.todo.discard(shard)
             self.stats.bytes_per_donor[d.id] += shard[1]
             self.stats.shards_per_donor[d.id] += 1
+            if d.first_at is None:
+                d.first_at = sent_at if sent_at is not None else d.last_progress
+            d.last_at = d.last_progress
+            d.delivered_range(shard)
 
     # -- failure handling
 
@@ -683,6 +772,7 @@ class _Puller:
         orphans = [s for s in [*d.queue, *d.inflight.values()] if s in self.todo]
         d.queue.clear()
         d.inflight.clear()
+        d.sent_at.clear()
         self._disconnect(d)
         alive = [o for o in self.donors.values() if o.alive]
         if orphans and alive:
