@@ -10,6 +10,7 @@ import click
 from chaos.bench.allreduce import allreduce_command
 from chaos.bench.assign import assign_command
 from chaos.bench.control import control_command
+from chaos.bench.convergence import convergence_command
 from chaos.bench.fuzz import fuzz_command
 from chaos.bench.hetero import hetero_command
 from chaos.bench.native import native_command
@@ -32,6 +33,7 @@ main.add_command(primitives_command)
 main.add_command(pool_command)
 main.add_command(fuzz_command)
 main.add_command(hetero_command)
+main.add_command(convergence_command)
 
 if __name__ == "__main__":  # pragma: no cover
     main()
