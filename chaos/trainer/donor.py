@@ -16,23 +16,25 @@ import random
 import time
 from typing import Any, Protocol
 
+import msgspec
 import numpy as np
 import torch
 
 from chaos.errors import ReplicationError
 from chaos.protocol import ReplicationWire
-from chaos.replication.pull import PullConfig, gather_manifests, plan_for_snapshot, pull_state
+from chaos.protocol.messages import MAX_PULL_RANGES, DonorPull, PullReport
+from chaos.replication.pull import PullConfig, PullStats, choose_plan, gather_manifests, pull_state
 from chaos.replication.state import (
     ExtraState,
     TrainingState,
     extra_digest,
     extra_tensor_count,
 )
-from chaos.scheduling import Neighbor
+from chaos.scheduling import Neighbor, Plan
 from chaos.scheduling.bounds import lower_bound
 from chaos.security import Security
 
-__all__ = ["Donor", "EventSink", "SnapshotServer"]
+__all__ = ["Donor", "EventSink", "SnapshotServer", "pull_report"]
 
 log = logging.getLogger("chaos.trainer")
 
@@ -55,6 +57,11 @@ class EventSink(Protocol):
 
     def __call__(self, kind: str, **fields: Any) -> None:
         """Records one event."""
+
+
+def _step_width(step: int) -> int:
+    """Bytes the step counter takes in the runtime record (msgpack grows it at 128, 256, ...)."""
+    return len(msgspec.msgpack.encode(step))
 
 
 def _raw_bytes(t: torch.Tensor) -> bytes:
@@ -108,30 +115,31 @@ class Donor:
         self._replication_timeout_s = replication_timeout_s
         self._pull_window = pull_window
         self._layout: list[int] | None = None
+        self._layout_width = _step_width(0)  # the step's encoded size when it was registered
+        self.last_pull: PullReport | None = None
+        """What the last pull executed (``None`` before one), for the scheduler."""
         self._published: tuple[int, int] | None = None
 
     # ------------------------------------------------------------------ layout
 
-    def _capture(self, step: int, epoch: int) -> TrainingState:
-        return TrainingState.capture(
-            self.model, self.optimizer, step=step, epoch=max(0, epoch), extra=self.extra
-        )
-
     def initial_layout(self, has_state: bool) -> list[int] | None:
         """The tensor sizes the trainer registers with (``None`` for a joiner without state);
-        remembered for :meth:`layout_change`."""
-        sizes = self._capture(0, -1).tensor_sizes() if has_state else None
-        self._layout = sizes
+        remembered for :meth:`layout_change`. They are the sizes of the snapshot it would serve
+        (its runtime record included), which the scheduler plans over."""
+        sizes = self._capture_for_serving(0, 0).tensor_sizes() if has_state else None
+        self._layout, self._layout_width = sizes, _step_width(0)
         return sizes
 
     def layout_change(self, step: int, epoch: int) -> list[int] | None:
         """The new tensor sizes if the layout changed since it was last registered, else
-        ``None`` (Adam creates its state on the first step)."""
+        ``None``: Adam creates its state on the first step, and the runtime record grows when
+        the step counter's encoding does (steps 128, 256, 65536), so that the scheduler plans
+        over the sizes of the snapshot the donors will serve."""
         sizes = None
-        if self._layout is not None and len(self._layout) != self._state_tensor_count():
-            sizes = self._capture(step, epoch).tensor_sizes()
-        elif self._layout is None:
-            sizes = self._capture(step, epoch).tensor_sizes()
+        moved = _step_width(step) != self._layout_width
+        if self._layout is None or moved or len(self._layout) != self._state_tensor_count():
+            sizes = self._capture_for_serving(step, epoch).tensor_sizes()
+            self._layout_width = _step_width(step)
         if sizes is not None and sizes != self._layout:
             self._layout = sizes
             return sizes
@@ -245,9 +253,10 @@ class Donor:
         t_manifest = time.monotonic()
         step = next(iter(keys.values()))[1]
         state = TrainingState.for_joiner(self.model, self.optimizer, manifest, self.extra)
-        neighbors = [Neighbor(d.id, d.prop_s, d.trans_s_per_byte, d.sync_s) for d in rep.donors
+        # every donor that answered has published: its allreduce round is over (tau_sync 0)
+        neighbors = [Neighbor(d.id, d.prop_s, d.trans_s_per_byte, 0.0) for d in rep.donors
                      if d.id in keys]  # fmt: skip
-        plan = plan_for_snapshot(state, rep, neighbors)
+        plan, reason = choose_plan(state, rep, neighbors)
         stats = pull_state(
             plan,
             {d: a for d, a in rep.donor_addresses.items() if d in keys},
@@ -261,6 +270,15 @@ class Donor:
         )
         t_pulled = time.monotonic()
         runtime = state.apply()
+        self.last_pull = pull_report(stats, plan, reason, state.total_bytes)
+        self._event(
+            "replication_executed",
+            reason=reason,
+            as_planned=not reason and not stats.replans,
+            per_shard_cost_s=plan.per_shard_cost_s,
+            assignment={k: v for k, v in stats.ranges_per_donor.items() if v},
+            failed_donors=dict(stats.failed_donors),
+        )
         self._event(
             "replication_done",
             elapsed_s=time.monotonic() - t0,
@@ -274,3 +292,31 @@ class Donor:
             checksum_failures=stats.checksum_failures,
         )
         return runtime.step
+
+
+def pull_report(stats: PullStats, plan: Plan, reason: str, state_bytes: int) -> PullReport:
+    """The scheduler's account of a pull: per donor its bytes, shards, transfer time, the
+    ranges it delivered (left out past :data:`MAX_PULL_RANGES`) and why it was dropped.
+
+    Args:
+        stats: What the pull did.
+        plan: The plan it started with.
+        reason: Why that plan differs from the scheduler's (``""``: it does not).
+        state_bytes: The state's size.
+
+    Returns:
+        The report the joiner sends with ``replication_done``.
+    """
+    donors = [
+        DonorPull(
+            id=nid,
+            bytes=stats.bytes_per_donor.get(nid, 0),
+            shards=stats.shards_per_donor.get(nid, 0),
+            elapsed_s=min(stats.elapsed_per_donor.get(nid, 0.0), 1e9),
+            ranges=ranges if len(ranges) <= MAX_PULL_RANGES else [],
+            failed=stats.failed_donors.get(nid, "")[:64],
+        )
+        for nid, ranges in sorted(stats.ranges_per_donor.items())
+    ]
+    return PullReport(reason=reason, per_shard_cost_s=plan.per_shard_cost_s,
+                      replans=stats.replans, state_bytes=state_bytes, donors=donors)  # fmt: skip

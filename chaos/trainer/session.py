@@ -25,7 +25,7 @@ import zmq
 from chaos.collectives import Topology
 from chaos.errors import ChaosError, ChaosTimeout, ProtocolError
 from chaos.protocol import OpResult, PolicyReply, ReplicationWire, StatusReply, TrainerEvent, encode
-from chaos.protocol.messages import MAX_ELAPSED_S
+from chaos.protocol.messages import MAX_ELAPSED_S, PullReport
 from chaos.trainer.policy_watch import PolicyWatch
 
 __all__ = [
@@ -98,6 +98,10 @@ class DaemonLink(Protocol):
 
     def status(self, timeout_s: float | None = None) -> StatusReply:
         """The daemon's status."""
+        ...
+
+    def op(self, msg: TrainerEvent, timeout_s: float | None = None) -> OpResult:
+        """Sends a request to the daemon and returns its result."""
         ...
 
     def leave(
@@ -396,6 +400,16 @@ class DaemonSession:
             if deadline - time.monotonic() < 0.5:
                 raise error
             log.info("%s not answered (%s); trying again", what, error)
+
+    def report_pull(self, report: PullReport | None) -> None:
+        """Tells the scheduler what the joiner's pull executed (``replication_done``), from
+        which it measures the per-shard cost; best effort, a lost report costs nothing else."""
+        if report is None:
+            return
+        try:
+            self._client.op(TrainerEvent(kind="replication_done", pull=report), timeout_s=2.0)
+        except ChaosError as exc:
+            log.debug("replication report not taken: %s", exc)
 
     def report_step_failed(self, peer: str, epoch: int, waited_s: float = 0.0) -> str:
         """Tells the scheduler this node's step failed, so that a restart epoch comes even when

@@ -317,6 +317,7 @@ class Trainer:
         )
         if joining:
             self._step = self._donor.pull(policy.replication, policy.epoch)
+            session.report_pull(self._donor.last_pull)  # the scheduler measures c from it
         self._install(policy)
         elapsed = time.monotonic() - t0
         self._computing_since = time.monotonic()
