@@ -81,9 +81,12 @@ class DaemonConfig:
             only when the new one is estimated faster by at least this fraction of the current
             one's time, or the current one no longer applies. Raise it where link measurements
             are noisy; 0 follows every improvement.
-        per_shard_cost_s: Per-shard message cost c (seconds) for the replication planner. Measure
-            it on the data-plane transport with ``chaos-bench shard-cost`` and set the measured
-            value; a higher c makes the planner choose fewer, larger shards.
+        per_shard_cost_s: The prior of the per-shard message cost c (seconds) of the replication
+            planner: the value it plans with until a pull has been measured. Each completed
+            pull's report refits c (the scheduler's monitor keeps a smoothed estimate, shown by
+            ``chaos-daemon status``), which then replaces this value. Set it to what
+            ``chaos-bench shard-cost`` measures on the data-plane transport when the first
+            joins matter; a higher c makes the planner choose fewer, larger shards.
         replication_strategy: How a joiner's state is sourced (the harness compares them):
             ``"chaos"`` (default; Algorithms 1 and 2 over the joiner's training neighbours),
             ``"even"`` (equal split over the same neighbours), ``"single-source"`` (the fastest

@@ -241,6 +241,19 @@ MAX_PULL_RANGES = 4096
 """Most byte ranges one donor's entry of a :class:`PullReport` lists."""
 
 
+def merge_ranges(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``(offset, length)`` ranges in offset order, empty ones dropped and adjacent or
+    overlapping ones merged: the form :class:`DonorPull` lists a donor's delivered bytes in."""
+    out: list[tuple[int, int]] = []
+    for off, n in sorted((int(o), int(k)) for o, k in ranges if k > 0):
+        if out and out[-1][0] + out[-1][1] >= off:
+            last = out[-1]
+            out[-1] = (last[0], max(last[0] + last[1], off + n) - last[0])
+        else:
+            out.append((off, n))
+    return out
+
+
 class DonorPull(msgspec.Struct, kw_only=True, frozen=True):
     """What one donor sent in a joiner's pull (part of a :class:`PullReport`).
 

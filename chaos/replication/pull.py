@@ -42,7 +42,7 @@ from chaos.errors import (  # ReplicationError re-exported for callers of pull_s
     StateLayoutError,
 )
 from chaos.protocol import ReplicationWire
-from chaos.protocol.messages import Reason, Refusal
+from chaos.protocol.messages import Reason, Refusal, merge_ranges
 from chaos.replication.state import TrainingState
 from chaos.replication.wire import (
     REPLY_DECODER,
@@ -68,7 +68,6 @@ __all__ = [
     "fetch_manifest",
     "gather_manifests",
     "latest_manifest",
-    "merged_ranges",
     "choose_plan",
     "plan_for_snapshot",
     "pull_state",
@@ -474,18 +473,6 @@ class PullStats:
 Shard = tuple[int, int]
 
 
-def merged_ranges(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """``(offset, length)`` ranges in offset order, adjacent or overlapping ones merged."""
-    out: list[tuple[int, int]] = []
-    for off, n in sorted(r for r in ranges if r[1] > 0):
-        if out and out[-1][0] + out[-1][1] >= off:
-            last = out[-1]
-            out[-1] = (last[0], max(last[0] + last[1], off + n) - last[0])
-        else:
-            out.append((off, n))
-    return out
-
-
 class _Donor:
     def __init__(self, nid: str, address: str, neighbor: Neighbor) -> None:
         self.id = nid
@@ -630,7 +617,7 @@ class _Puller:
                 self._disconnect(d)
         self.stats.elapsed_s = time.monotonic() - t0
         for d in self.donors.values():
-            self.stats.ranges_per_donor[d.id] = merged_ranges(d.delivered)
+            self.stats.ranges_per_donor[d.id] = merge_ranges(d.delivered)
             if d.first_at is not None:
                 self.stats.elapsed_per_donor[d.id] = max(0.0, d.last_at - d.first_at)
         return self.stats

@@ -4,12 +4,15 @@ Nodes carry ``address``, ``state`` (:class:`~chaos.protocol.states.NodeState`), 
 ``resources`` and their trainer's registration (``trainer``
 (:class:`~chaos.protocol.states.TrainerState`), ``data_address``, ``shard_address``,
 ``tensor_sizes``); a node's neighbours are its graph neighbours over links that are up. Links carry
-``bandwidth_bps``, ``latency_s``, ``tau_sync_s`` and ``up``. The monitor holds no sockets; the
+``bandwidth_bps``, ``latency_s``, ``tau_sync_s`` (the donor's measured start delay in the last
+replication plan over the link) and ``up``. The monitor holds no sockets; the
 scheduler role edits it and turns it into a :class:`~chaos.protocol.ClusterView`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -20,15 +23,149 @@ from chaos.errors import ChaosError
 from chaos.protocol import ClusterView, LinkInfo, NodeInfo, Resources
 from chaos.protocol.states import NODE_TRANSITIONS, TRAINER_TRANSITIONS, NodeState, TrainerState
 
+PER_SHARD_COST_SMOOTHING = 0.3
+"""Weight of a new pull's fit in the smoothed per-shard cost (the first fit replaces the prior)."""
+MAX_PER_SHARD_COST_S = 0.1
+"""A fitted per-shard cost is clipped to ``[0, MAX_PER_SHARD_COST_S]`` (a sane message cost)."""
+PERIOD_SMOOTHING = 0.3
+"""Weight of a new step-period sample in a trainer's smoothed step period."""
+
+
+@dataclass(frozen=True)
+class PullSample:
+    """One donor's part of a completed pull, for the per-shard cost fit.
+
+    Attributes:
+        shards: Shard messages it sent.
+        elapsed_s: Seconds from the request of its first shard to its last shard.
+        modelled_s: What the plan's time model gives without the per-shard term:
+            ``prop_s + bytes * trans_s_per_byte``.
+    """
+
+    shards: int
+    elapsed_s: float
+    modelled_s: float
+
+
+def fit_per_shard_cost(samples: Sequence[PullSample]) -> float | None:
+    """The per-shard cost c that best explains a pull: least squares, through the origin, of
+    each donor's unexplained time ``elapsed_s - modelled_s`` on its shard count.
+
+    Args:
+        samples: One per donor that finished its part (shards > 0).
+
+    Returns:
+        ``sum(n * r) / sum(n * n)``, clipped to ``[0, MAX_PER_SHARD_COST_S]``; ``None`` without
+        a usable sample. A bandwidth measured too low makes the residual negative: c is then 0.
+    """
+    usable = [x for x in samples if x.shards > 0 and x.elapsed_s >= 0.0 and x.modelled_s >= 0.0]
+    if not usable:
+        return None
+    num = sum(x.shards * (x.elapsed_s - x.modelled_s) for x in usable)
+    den = sum(float(x.shards) ** 2 for x in usable)
+    return min(max(num / den, 0.0), MAX_PER_SHARD_COST_S)
+
+
+@dataclass
+class RoundClock:
+    """A trainer's step boundaries, from its progress reports: when its current step began
+    (it left ``update()``) and its smoothed step period.
+
+    Attributes:
+        step: The step of the last boundary seen.
+        boundary_at: When that step's computing phase began (monotonic seconds).
+        period_s: Smoothed seconds per step (``None`` before two boundaries).
+        heard_at: When the last report came.
+    """
+
+    step: int
+    boundary_at: float
+    period_s: float | None = None
+    heard_at: float = 0.0
+
+    def observe(self, step: int, boundary_at: float, now: float) -> None:
+        """A report of a trainer computing ``step`` since ``boundary_at``."""
+        self.heard_at = now
+        if step <= self.step or boundary_at <= self.boundary_at:
+            return
+        sample = (boundary_at - self.boundary_at) / (step - self.step)
+        old = self.period_s
+        self.period_s = sample if old is None else old + PERIOD_SMOOTHING * (sample - old)
+        self.step, self.boundary_at = step, boundary_at
+
+    def left_s(self, now: float) -> float | None:
+        """Seconds until its next step boundary at ``now``, assuming it kept its period since
+        the last boundary seen (``None`` without a period)."""
+        period = self.period_s
+        if period is None or period <= 0.0:
+            return None
+        since = max(0.0, now - self.boundary_at)
+        return period - since % period
+
 
 class ClusterMonitor:
-    """The scheduler's view of the cluster topology and network resources."""
+    """The scheduler's view of the cluster topology and network resources.
+
+    Besides the graph it keeps the replication planner's measured inputs: each trainer's
+    :class:`RoundClock` (tau_sync, the time a donor needs to finish the step it is in) and the
+    smoothed per-shard cost c fitted to completed pulls.
+    """
 
     def __init__(self) -> None:
         self.g: nx.Graph = nx.Graph()
         self._members: dict[tuple[NodeState, ...], list[str]] = {}
         self.version = 0
         """Bumped by every change of a node's presence or state (caches key on it)."""
+        self.clocks: dict[str, RoundClock] = {}
+        self.per_shard_cost_s: float | None = None
+        """The smoothed per-shard cost c measured from pulls (``None``: none measured yet)."""
+        self.pulls_measured = 0
+        """How many pulls the per-shard cost was fitted to."""
+
+    # -- measured replication inputs ---------------------------------------------------------
+
+    def observe_progress(
+        self, node: str, step: int, in_step: bool, phase_s: float, now: float
+    ) -> None:
+        """Takes a trainer's progress report: a computing one dates its last step boundary
+        (``now - phase_s``), from which the step period is measured."""
+        if in_step:
+            clock = self.clocks.get(node)
+            if clock is not None:
+                clock.heard_at = now
+            return
+        boundary = now - max(0.0, phase_s)
+        clock = self.clocks.get(node)
+        if clock is None:
+            self.clocks[node] = RoundClock(step, boundary, None, now)
+        else:
+            clock.observe(step, boundary, now)
+
+    def tau_sync_s(self, node: str, now: float, max_age_s: float) -> float | None:
+        """When ``node``'s trainer finishes the step it is in, from ``now`` (seconds): the
+        time a donor needs before it can send. ``None`` when unknown (no period measured, or
+        no report for ``max_age_s``)."""
+        clock = self.clocks.get(node)
+        if clock is None or now - clock.heard_at > max_age_s:
+            return None
+        return clock.left_s(now)
+
+    def observe_pull(self, samples: Sequence[PullSample]) -> float | None:
+        """Fits the per-shard cost to one completed pull and smooths it into
+        :attr:`per_shard_cost_s`; returns the fit (``None``: nothing usable)."""
+        fit = fit_per_shard_cost(samples)
+        if fit is None:
+            return None
+        old = self.per_shard_cost_s
+        self.per_shard_cost_s = fit if old is None else old + PER_SHARD_COST_SMOOTHING * (fit - old)
+        self.pulls_measured += 1
+        return fit
+
+    def set_tau_sync(self, a: str, b: str, tau_sync_s: float | None) -> None:
+        """Records the tau_sync of the donor ``a`` planned to send to ``b`` on their link
+        (no-op without the link)."""
+        if self.g.has_edge(a, b):
+            self.g.edges[a, b]["tau_sync_s"] = tau_sync_s
 
     def _nodes_changed(self) -> None:
         self._members.clear()
@@ -61,6 +198,7 @@ class ClusterMonitor:
 
     def remove_node(self, node_id: str) -> None:
         """Removes a node and its links (no-op if absent)."""
+        self.clocks.pop(node_id, None)
         if node_id in self.g:
             self.g.remove_node(node_id)
             self._nodes_changed()

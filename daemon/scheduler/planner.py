@@ -154,6 +154,7 @@ def replication_policy(
     cfg: DaemonConfig,
     addresses: dict[str, str] | None = None,
     sync_s: dict[str, float] | None = None,
+    per_shard_cost_s: float | None = None,
 ) -> ReplicationWire:
     """Runs Algorithm 1 + 2 (``chaos.scheduling.plan_replication``) for a joiner.
 
@@ -163,9 +164,12 @@ def replication_policy(
             ``None`` values: not measured (``cfg.default_bandwidth_bps`` and 0 s are assumed).
         state_bytes: Total state size, if the joiner reported one.
         tensor_sizes: Tensor sizes in canonical order, if reported (preferred).
-        cfg: Per-shard cost and the bandwidth assumed for unmeasured links.
+        cfg: The bandwidth assumed for unmeasured links, the prior per-shard cost, the strategy.
         addresses: Donor id -> shard-server endpoint (``donor_addresses`` of the result).
         sync_s: Donor id -> when it can start sending (tau_sync), in seconds; default 0.
+        per_shard_cost_s: The per-shard cost c (the monitor's measured value); ``None``: the
+            configured prior ``cfg.per_shard_cost_s``. The policy carries it, so that the
+            joiner's re-plans use the same c.
 
     Returns:
         The replication policy, or one with ``skipped`` set when the state size is unknown (the
@@ -177,9 +181,10 @@ def replication_policy(
     if not links:
         return ReplicationWire(target=joiner, skipped="no neighbours")
     taus = sync_s or {}
+    c = cfg.per_shard_cost_s if per_shard_cost_s is None else per_shard_cost_s
     try:
         neighbors = _neighbors(links, cfg, taus)
-        plan = _plan(sizes, neighbors, cfg)
+        plan = _plan(sizes, neighbors, cfg, c)
     except (ValueError, ArithmeticError) as exc:
         log.warning("replication planning failed: %s", exc)
         return ReplicationWire(target=joiner, skipped=f"planning failed: {exc}"[:200])
@@ -197,6 +202,7 @@ def replication_policy(
         ],
         tensor_sizes=list(sizes) if tensor_sizes else [],
         method=_METHODS[cfg.replication_strategy],
+        per_shard_cost_s=plan.per_shard_cost_s,
     )
 
 
@@ -232,14 +238,15 @@ def _neighbors(
     ]
 
 
-def _plan(sizes: list[int], neighbors: list[Neighbor], cfg: DaemonConfig) -> Plan:
+def _plan(sizes: list[int], neighbors: list[Neighbor], cfg: DaemonConfig, c: float) -> Plan:
     """Plans the replication, re-planning at a larger fixed shard size above
     :data:`MAX_PLAN_SHARDS` shards.
 
     Args:
         sizes: Tensor sizes in canonical order (or the one total state size).
         neighbors: The donors.
-        cfg: Per-shard cost and replication strategy.
+        cfg: The replication strategy.
+        c: The per-shard cost, in seconds.
 
     Returns:
         The plan.
@@ -254,7 +261,7 @@ def _plan(sizes: list[int], neighbors: list[Neighbor], cfg: DaemonConfig) -> Pla
         return plan_replication(
             tensor_sizes=sizes,
             neighbors=neighbors,
-            per_shard_cost_s=cfg.per_shard_cost_s,
+            per_shard_cost_s=c,
             layout="flat",
             method=_METHODS[cfg.replication_strategy],
             shard_size=shard_size,

@@ -11,11 +11,12 @@ for. Each member's side, which forwards its trainer's messages here, is
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol
 
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.scheduler.batch_split import BatchSplitter
-from chaos.daemon.scheduler.monitor import ClusterMonitor
+from chaos.daemon.scheduler.monitor import ClusterMonitor, PullSample
 from chaos.daemon.scheduler.planner import replication_policy
 from chaos.daemon.transport import ReplyPath
 
@@ -29,7 +30,13 @@ from chaos.protocol import (
     TrainerEvent,
     TrainerInfo,
 )
+from chaos.protocol.messages import PullReport, merge_ranges
 from chaos.protocol.states import NodeState, TrainerState
+
+
+def _merged(assignment: dict[str, list[tuple[int, int]]]) -> dict[str, list[tuple[int, int]]]:
+    """Per donor with work, its ranges merged (the form a joiner reports its pull in)."""
+    return {nid: m for nid, ranges in assignment.items() if (m := merge_ranges(list(ranges)))}
 
 
 class RegistryHost(Protocol):
@@ -128,7 +135,7 @@ class TrainerRegistry:
             why = "no trainer registered the state layout" if training else "no member trains"
             self._answer(reply, msg.op_id, Reason.NO_STATE_SOURCE, why)
             return
-        repl = self._plan(n)
+        repl = self._plan(n, now)
         if repl.skipped:
             self._answer(reply, msg.op_id, Reason.BAD_REQUEST, repl.skipped)
             return
@@ -144,6 +151,9 @@ class TrainerRegistry:
             shard_size=repl.shard_size,
             makespan_s=repl.makespan_s,
             skipped=repl.skipped,
+            per_shard_cost_s=repl.per_shard_cost_s,
+            sync_s={d.id: d.sync_s for d in repl.donors},
+            assignment=_merged(repl.assignment),
         )
         self._registered(n, "syncing", msg, reply)
         self.commits.commit("trainer_scale_out", now, replication=repl)
@@ -190,8 +200,11 @@ class TrainerRegistry:
             state_bytes=sum(self.layout) if self.layout else None,
         )
 
-    def _plan(self, n: str) -> ReplicationWire:
-        """Plans the replication to ``n`` from its training neighbours (else any trainer)."""
+    def _plan(self, n: str, now: float) -> ReplicationWire:
+        """Plans the replication to ``n`` from its training neighbours (else any trainer),
+        with the monitor's measured inputs: each donor's tau_sync (the time left in the step
+        it is in, from its progress reports; 0 when unknown), recorded on its link to ``n``,
+        and the per-shard cost c fitted to earlier pulls (the configured prior before any)."""
         mon = self.monitor
         training = [m for m in mon.trainer_members((TrainerState.TRAINING,)) if m != n]
         if self.cfg.replication_strategy == "multi-source":
@@ -199,9 +212,52 @@ class TrainerRegistry:
         else:
             donors = [d for d in mon.neighbors(n) if d in training] or training
         links = {d: mon.path_link(d, n) for d in donors}
-        sync_s = {d: float((mon.link(d, n) or {}).get("tau_sync_s") or 0.0) for d in donors}
+        max_age = 3 * self.cfg.heartbeat_interval_s  # a report counts this long (stragglers')
+        sync_s = {d: mon.tau_sync_s(d, now, max_age) or 0.0 for d in donors}
+        for d in donors:
+            mon.set_tau_sync(d, n, sync_s[d])
         addresses = {d: a for d in donors if (a := mon.node_attr(d, "shard_address"))}
-        return replication_policy(n, links, None, self.layout, self.cfg, addresses, sync_s)
+        c = mon.per_shard_cost_s
+        return replication_policy(n, links, None, self.layout, self.cfg, addresses, sync_s, c)
+
+    # -- measured inputs -------------------------------------------------------------------
+
+    def on_progress(self, msg: TrainerEvent, now: float) -> None:
+        """A training member's step progress: its step boundaries date tau_sync."""
+        if self.monitor.trainer(msg.sender) == TrainerState.TRAINING:
+            self.monitor.observe_progress(msg.sender, msg.step, msg.in_step, msg.elapsed_s, now)
+
+    def _on_pull(self, n: str, pull: PullReport) -> None:
+        """A joiner's executed pull: refits the per-shard cost c and logs
+        ``replication_executed`` (the delivered assignment, and why it differs from the plan
+        the scheduler issued, if it does)."""
+        planned = self.pending.get(n)
+        links = {d.id: d for d in planned.donors} if planned is not None else {}
+        samples = []
+        for d in pull.donors:
+            if d.failed or d.shards <= 0 or not self.monitor.has(d.id):
+                continue  # a dropped donor's part is partial
+            link = links.get(d.id)
+            if link is not None:
+                prop, trans = link.prop_s, link.trans_s_per_byte
+            else:
+                lat, bw = self.monitor.path_link(d.id, n)
+                prop, trans = lat or 0.0, 8.0 / (bw or self.cfg.default_bandwidth_bps)
+            samples.append(PullSample(d.shards, d.elapsed_s, prop + d.bytes * trans))
+        fit = self.monitor.observe_pull(samples)
+        executed = {d.id: [(int(o), int(k)) for o, k in d.ranges] for d in pull.donors if d.ranges}
+        same = planned is not None and executed == _merged(planned.assignment)
+        self.host.event(
+            "replication_executed",
+            peer=n,
+            as_planned=same and not pull.reason and not pull.replans,
+            reason=pull.reason,
+            replans=pull.replans,
+            failed_donors={d.id: d.failed for d in pull.donors if d.failed},
+            assignment=executed,
+            per_shard_cost_fit_s=fit,
+            per_shard_cost_s=self.monitor.per_shard_cost_s,
+        )
 
     # -- events ----------------------------------------------------------------------------
 
@@ -227,6 +283,8 @@ class TrainerRegistry:
             self._on_gone(n, cur, now)
             self._answer(reply, msg.op_id)
             return
+        if msg.kind == "replication_done" and msg.pull is not None:
+            self._on_pull(n, msg.pull)
         if msg.kind == "ready" and cur == TrainerState.SYNCING:
             mon.set_trainer(
                 n,
@@ -350,8 +408,16 @@ class TrainerRegistry:
             )
 
     def notes(self) -> list[str]:
-        """Lines for ``status``: the peers whose restarts keep failing."""
-        return [
+        """Lines for ``status``: the replication planner's per-shard cost, and the peers whose
+        restarts keep failing."""
+        c, pulls = self.monitor.per_shard_cost_s, self.monitor.pulls_measured
+        cost = (
+            f"replication: per-shard cost c = {c:.3g} s, measured over {pulls} pulls"
+            if c is not None
+            else f"replication: per-shard cost c = {self.cfg.per_shard_cost_s:.3g} s "
+            "(configured prior: no pull measured yet)"
+        )
+        return [cost] + [
             f"allreduce restarted {count + 1} times in a row, each rerun failing on {peer}; "
             f"the next restart is held {self._repeat_hold_s(peer):.1f} s"
             for peer, count in sorted(self.repeats.items())
@@ -426,7 +492,7 @@ class TrainerRegistry:
         mon = self.monitor
         for n in mon.trainer_members((TrainerState.SYNCING,)):
             if n not in self.pending and self.layout is not None:
-                repl = self._plan(n)
+                repl = self._plan(n, time.monotonic())
                 if not repl.skipped:
                     self.pending[n] = repl
 

@@ -278,6 +278,7 @@ class SchedulerRole:
             if self.monitor.trainer(n) == TrainerState.TRAINING:
                 self.failures.heard(n, now)
                 self.stragglers.report(n, msg.step, msg.in_step, msg.elapsed_s, msg.silent_s, now)
+                self.trainers.on_progress(msg, now)  # its step boundaries date tau_sync
             return  # one-way: never answered
         if msg.kind == "step_failed" and self.monitor.trainer(n) != TrainerState.NONE:
             neighbour = msg.detail
