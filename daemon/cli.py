@@ -322,11 +322,13 @@ def status(connect: str | None, cluster_key: str | None, as_json: bool) -> None:
         nbrs = ",".join(n.neighbors)
         state, trainer = n.state.value, n.trainer.value
         click.echo(f"{n.id:<12}{state:<9}{trainer:<10}{n.address:<24}{joined:<10}{nbrs}")
-    click.echo(f"{'LINK':<20}{'UP':<5}{'BANDWIDTH':<18}LATENCY")
+    # TAU_SYNC: a donor's measured start delay in the last replication plan over the link
+    click.echo(f"{'LINK':<20}{'UP':<5}{'BANDWIDTH':<18}{'LATENCY':<12}TAU_SYNC")
     for x in st.links:
         bw = _fmt(x.bandwidth_bps, 1e-6, " Mbit/s") + " "
         lat = _fmt(x.latency_s, 1e3, " ms")
-        click.echo(f"{x.a + '-' + x.b:<20}{'yes' if x.up else 'NO':<5}{bw:<18}{lat}")
+        tau = _fmt(x.tau_sync_s, 1e3, " ms")
+        click.echo(f"{x.a + '-' + x.b:<20}{'yes' if x.up else 'NO':<5}{bw:<18}{lat:<12}{tau}")
     if st.sync is not None and not st.sync.nodes:
         click.echo("sync policy: none (no trainer registered)")
     elif st.sync is not None:
