@@ -15,6 +15,7 @@ from chaos.daemon.client import DaemonClient, RequestRefused
 from daemon_helpers import Cluster, Node, free_port, wait_until
 
 from chaos.protocol import MAX_STATE_TENSORS, PolicyReply, TrainerEvent, TrainerRegister
+from tests.daemon.scheduler.role_host import RoleHost
 
 SIZES = [4096, 1000, 123_457, 8]
 
@@ -261,54 +262,14 @@ def test_registration_survives_kill9_of_the_scheduler(cluster: Cluster) -> None:
 # ----------------------------------------------------------------- scheduler rules, in process
 
 
-class _Host:
-    """The scheduler role's daemon, minus the sockets (the transport is not under test here)."""
-
-    node_id = "a"
-    address = "tcp://127.0.0.1:1"
-    public_key = ""
-    term = 1
-
-    def __init__(self) -> None:
-        self.answers: list[Any] = []
-        self.events: list[tuple[str, dict[str, Any]]] = []
-        self.updates: list[Any] = []
-        self.sent: list[tuple[str, Any]] = []
-
-    def send(self, peer: str, msg: Any) -> bool:
-        self.sent.append((peer, msg))
-        return True
-
-    def respond(self, reply: Any, msg: Any) -> None:
-        self.answers.append(msg)
-
-    def send_to_address(self, peer: str, address: str, msg: Any) -> None:
-        pass
-
-    def connect_peer(self, peer: str, address: str) -> bool:
-        return False
-
-    def broadcast(self, peers: dict[str, str], msg: Any) -> None:
-        self.updates.append(msg)
-
-    def event(self, name: str, **fields: object) -> None:
-        self.events.append((name, fields))
-
-    def observe_primitive(self, name: str, seconds: float) -> None:
-        pass
-
-    def lost_quorum(self) -> None:
-        pass
-
-
-def _scheduler_role() -> tuple[Any, _Host]:
+def _scheduler_role() -> tuple[Any, RoleHost]:
     """A scheduler ``a`` over the path a - b - c - d (b and c: no trainer yet)."""
     from chaos.daemon.config import DaemonConfig
     from chaos.daemon.scheduler.role import SchedulerRole
 
     from chaos.protocol.states import NodeState
 
-    host = _Host()
+    host = RoleHost()
     cfg = DaemonConfig(node_id="a", listen=host.address)
     role = SchedulerRole(host, cfg, None, 0.0)
     for i, n in enumerate("bcd"):
@@ -383,7 +344,7 @@ def test_multi_hop_donors_carried_plans_and_restarts() -> None:
     assert host.updates[-1].replication.donor_addresses == {"a": "ipc:///tmp/a-2"}
 
 
-def _step_failed(role: Any, host: _Host, node: str, peer: str, epoch: int, now: float) -> None:
+def _step_failed(role: Any, host: RoleHost, node: str, peer: str, epoch: int, now: float) -> None:
     """``node``'s trainer reports a failed step of ``epoch`` blaming ``peer``; it is answered."""
     msg = TrainerEvent(sender=node, epoch=epoch, kind="step_failed", detail=peer,
                        op_id=f"op-{node}-{peer}-{now}")  # fmt: skip
@@ -392,7 +353,7 @@ def _step_failed(role: Any, host: _Host, node: str, peer: str, epoch: int, now: 
         raise AssertionError(f"step_failed refused: {host.answers[-1]}")
 
 
-def _restarts(host: _Host) -> int:
+def _restarts(host: RoleHost) -> int:
     return sum(1 for u in host.updates if u.cause == "allreduce_restart")
 
 
@@ -515,7 +476,7 @@ def test_a_report_after_the_rebuild_that_changes_a_trainer_commits_an_epoch() ->
     old.trainers.on_info(_info("a", True, SIZES), None, 1.0)
     old.trainers.on_info(_info("b", False), None, 2.0)
     view = old.monitor.to_view(old.epoch, 1, "a")
-    host = _Host()
+    host = RoleHost()
     role = SchedulerRole(host, old.cfg, view, 10.0)
     assert role.monitor.trainer("b").value == "syncing"
     deadline = 10.0 + role.cfg.failure_timeout_s
@@ -696,6 +657,7 @@ def test_the_daemon_publishes_its_epoch_to_trainers(cluster: Cluster) -> None:
         wait_until(lambda: not watch.needs_fetch(p.epoch, time.monotonic()), "a notice")
         assert watch.latest_epoch == p.epoch
         epoch, _, _ = _register(n1, True, SIZES)  # a commit: every member installs it
+
         # n2's trainer, still at the old epoch, would ask now (needs_fetch drains the notices)
         def heard() -> bool:
             return watch.needs_fetch(p.epoch, time.monotonic()) and watch.latest_epoch >= epoch

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 from chaos.daemon.scheduler.stragglers import StragglerWatch
 
+from tests.daemon.scheduler.role_host import RoleHost
+
 GRACE = 2.0
 FRESH = 0.6
 ABC = ("a", "b", "c")
@@ -112,48 +114,7 @@ def test_blame_names_the_member_that_stopped_not_the_neighbour() -> None:
 # ----------------------------------------------------------------- the scheduler role
 
 
-class _Host:
-    """The scheduler role's daemon, minus the sockets."""
-
-    node_id = "a"
-    address = "tcp://127.0.0.1:1"
-    public_key = ""
-    term = 1
-
-    def __init__(self) -> None:
-        self.answers: list[Any] = []
-        self.events: list[tuple[str, dict[str, Any]]] = []
-        self.updates: list[Any] = []
-
-    def send(self, peer: str, msg: Any) -> bool:
-        return True
-
-    def respond(self, reply: Any, msg: Any) -> None:
-        self.answers.append(msg)
-
-    def send_to_address(self, peer: str, address: str, msg: Any) -> None:
-        pass
-
-    def connect_peer(self, peer: str, address: str) -> bool:
-        return False
-
-    def broadcast(self, peers: dict[str, str], msg: Any) -> None:
-        self.updates.append(msg)
-
-    def event(self, name: str, **fields: object) -> None:
-        self.events.append((name, fields))
-
-    def observe_primitive(self, name: str, seconds: float) -> None:
-        pass
-
-    def lost_quorum(self) -> None:
-        pass
-
-    def named(self, name: str) -> list[dict[str, Any]]:
-        return [f for n, f in self.events if n == name]
-
-
-def _role() -> tuple[Any, _Host]:
+def _role() -> tuple[Any, RoleHost]:
     """A scheduler ``a`` with three training members a, b, c (a triangle)."""
     from chaos.daemon.config import DaemonConfig
     from chaos.daemon.scheduler.role import SchedulerRole
@@ -161,7 +122,7 @@ def _role() -> tuple[Any, _Host]:
     from chaos.protocol import TrainerInfo
     from chaos.protocol.states import NodeState
 
-    host = _Host()
+    host = RoleHost()
     cfg = DaemonConfig(
         node_id="a", listen=host.address, heartbeat_interval_s=0.2, failure_timeout_s=1.0,
         straggler_grace_s=GRACE,
