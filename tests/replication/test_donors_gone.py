@@ -19,12 +19,11 @@ import pytest
 import torch
 from test_replication import (  # the donor processes and joiner helpers of that module
     EPOCH,
-    STEP,
     Donor,
     _donor_pool,
     _joiner,
-    _neighbors,
     _plan,
+    _pull,
 )
 
 from chaos.errors import ReplicationError
@@ -34,7 +33,6 @@ from chaos.replication.pull import (
     PullConfig,
     gather_manifests,
     latest_manifest,
-    pull_state,
 )
 
 
@@ -97,19 +95,9 @@ def test_a_pull_whose_donors_all_leave_mid_transfer_fails_with_no_donor_left(
     before = [p.detach().clone() for p in model.parameters()]
     plan = _plan(state, list(donors))
 
-    def pull() -> Any:
-        return pull_state(
-            plan,
-            {nid: d.address for nid, d in donors.items()},
-            state,
-            EPOCH,
-            STEP,
-            LONG_S,
-            neighbors=_neighbors(list(donors)),
-            config=PullConfig(window=1, request_timeout_s=LONG_S),
-        )
-
-    future = _in_thread(pull)
+    future = _in_thread(
+        lambda: _pull(donors, state, plan, LONG_S, window=1, request_timeout_s=LONG_S)
+    )
 
     def some_shard_arrived() -> bool:
         return any(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
@@ -130,14 +118,5 @@ def test_a_pull_whose_donors_left_before_it_began_fails_with_no_donor_left(
     plan = _plan(state, list(donors))
     _kill(donors)
     with pytest.raises(ReplicationError, match="no donor left") as info:
-        pull_state(
-            plan,
-            {nid: d.address for nid, d in donors.items()},
-            state,
-            EPOCH,
-            STEP,
-            LONG_S,
-            neighbors=_neighbors(list(donors)),
-            config=PullConfig(request_timeout_s=LONG_S),
-        )
+        _pull(donors, state, plan, LONG_S, window=PullConfig.window, request_timeout_s=LONG_S)
     assert info.value.failed_donors == {"d0": "unreachable", "d1": "unreachable"}

@@ -178,16 +178,24 @@ def _plan(state: TrainingState, ids: list[str]) -> Plan:
     return plan
 
 
-def _pull(donors: dict[str, Donor], state: TrainingState, plan: Plan, **cfg: Any) -> Any:
+def _pull(
+    donors: dict[str, Donor],
+    state: TrainingState,
+    plan: Plan,
+    timeout_s: float = PULL_TIMEOUT_S,
+    window: int = 4,
+    **cfg: Any,
+) -> Any:
+    """Pulls ``state`` from ``donors`` along ``plan``; ``cfg``: more :class:`PullConfig`."""
     return pull_state(
         plan,
         {nid: d.address for nid, d in donors.items()},
         state,
         EPOCH,
         STEP,
-        PULL_TIMEOUT_S,
+        timeout_s,
         neighbors=_neighbors(list(donors)),
-        config=PullConfig(window=4, **cfg),
+        config=PullConfig(window=window, **cfg),
     )
 
 
