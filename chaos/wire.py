@@ -38,10 +38,12 @@ REPLICATION_VERSION = 2
 """A donor's shard server and a joiner (:mod:`chaos.replication.wire`). 2: refusals are the
 control plane's :class:`~chaos.protocol.messages.Refusal`."""
 
-STATE_FORMAT_VERSION = 2
+STATE_FORMAT_VERSION = 3
 """The canonical training-state stream and its manifest (:mod:`chaos.replication.state`). 2: the
 extra state objects (LR schedulers, a ``GradScaler``, an EMA model): their tensors between the
-optimizer's and the runtime record, their encoded ``state_dict()`` in the manifest."""
+optimizer's and the runtime record, their encoded ``state_dict()`` in the manifest. 3: the
+manifest carries a content address (BLAKE2b-128) per chunk of the stream, so a joiner pulls only
+the chunks it does not hold."""
 
 # ----------------------------------------------------------------------------- data plane
 

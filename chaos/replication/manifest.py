@@ -15,6 +15,8 @@ from chaos.errors import StateLayoutError
 from chaos.wire import STATE_FORMAT_VERSION
 
 __all__ = [
+    "CHUNK_BYTES",
+    "CHUNK_DIGEST_BYTES",
     "DTYPES",
     "ENCODER",
     "EXTRA_TAGS",
@@ -26,8 +28,11 @@ __all__ = [
     "OptimTensorSpec",
     "OptimValue",
     "TensorSpec",
+    "chunk_address",
+    "chunk_ranges",
     "decode_manifest",
     "dtype_name",
+    "element_sizes",
     "layout_fingerprint",
     "nbytes",
     "tensor_spec",
@@ -36,6 +41,17 @@ __all__ = [
 
 MAX_MANIFEST_BYTES = 64 << 20
 """Largest encoded manifest a joiner accepts (64 MiB: far above any real model's header)."""
+
+CHUNK_BYTES = 1 << 18
+"""Default chunk size of the content addresses (256 KiB): a joiner skips a chunk it already
+holds, so smaller chunks skip more of a state that changed in places, at 16 bytes of manifest
+per chunk."""
+
+MIN_CHUNK_BYTES = 1 << 12
+MAX_CHUNK_BYTES = 1 << 26
+
+CHUNK_DIGEST_BYTES = 16
+"""Length of a chunk's content address (BLAKE2b, 128 bits)."""
 
 MAX_RUNTIME_BYTES = 16 << 20
 """Largest runtime record a joiner accepts (16 MiB)."""
@@ -123,6 +139,11 @@ class Manifest(msgspec.Struct, kw_only=True, frozen=True):
             the received record against it, and donors whose records differ have different
             manifests (so a joiner never assembles one record from two donors).
         total_bytes: Length of the whole stream.
+        chunk_bytes: The chunk size of ``chunks``.
+        chunks: The content address of every chunk of the stream, in stream order
+            (:func:`chunk_ranges`: each element cut into ``chunk_bytes`` pieces, the last one
+            shorter): BLAKE2b-128 of the chunk's bytes. A joiner skips the chunks whose bytes it
+            already holds (a base model on disk, a returning device's last state).
     """
 
     version: int = STATE_FORMAT_VERSION
@@ -138,6 +159,8 @@ class Manifest(msgspec.Struct, kw_only=True, frozen=True):
     runtime_bytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_RUNTIME_BYTES)]
     runtime_digest: Annotated[str, msgspec.Meta(max_length=64)]
     total_bytes: Annotated[int, msgspec.Meta(ge=0)]
+    chunk_bytes: Annotated[int, msgspec.Meta(ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES)] = CHUNK_BYTES
+    chunks: list[Annotated[bytes, msgspec.Meta(min_length=16, max_length=16)]] = []
 
 
 UNREADABLE = (msgspec.DecodeError, RecursionError, UnicodeDecodeError)
@@ -229,12 +252,12 @@ def decode_manifest(data: bytes | memoryview) -> Manifest:
     for s in specs:
         if s.dtype not in DTYPES:
             raise StateLayoutError(f"manifest names an unsupported dtype {s.dtype!r}")
-    total = m.runtime_bytes
-    total += sum(nbytes(s.dtype, s.shape) for s in m.model)
-    total += sum(nbytes(o.dtype, o.shape) for o in m.optim)
-    total += sum(nbytes(s.dtype, s.shape) for s in m.extra_tensors)
+    sizes = element_sizes(m)
+    total = sum(sizes)
     if total != m.total_bytes:
         raise StateLayoutError(f"manifest total_bytes {m.total_bytes} != its tensors' {total}")
+    if len(m.chunks) != sum(-(-size // m.chunk_bytes) for size in sizes):  # never materialised
+        raise StateLayoutError(f"manifest has {len(m.chunks)} chunk addresses for its layout")
     if len(m.param_groups) != len(m.params):
         raise StateLayoutError("manifest has a different number of param groups and param lists")
     owners = [(o.group, o.index) for o in m.optim]
@@ -260,3 +283,35 @@ def decode_manifest(data: bytes | memoryview) -> Manifest:
     if fingerprint != m.fingerprint:
         raise StateLayoutError("manifest fingerprint does not match its layout")
     return m
+
+
+def element_sizes(m: Manifest) -> list[int]:
+    """The bytes of every element of the stream ``m`` describes, in order, the runtime record
+    last (what :meth:`TrainingState.tensor_sizes` returns)."""
+    sizes = [nbytes(s.dtype, s.shape) for s in m.model]
+    sizes += [nbytes(o.dtype, o.shape) for o in m.optim]
+    sizes += [nbytes(s.dtype, s.shape) for s in m.extra_tensors]
+    return [*sizes, m.runtime_bytes]
+
+
+def chunk_ranges(sizes: Sequence[int], chunk_bytes: int) -> list[tuple[int, int]]:
+    """The ``(offset, length)`` of every chunk of a stream whose elements have ``sizes``: each
+    element is cut on its own into ``chunk_bytes`` pieces (the last one shorter), so a chunk
+    never spans two tensors and one tensor's change leaves the others' addresses alone.
+
+    Raises:
+        ValueError: ``chunk_bytes`` is below 1.
+    """
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be at least 1, got {chunk_bytes}")
+    out: list[tuple[int, int]] = []
+    start = 0
+    for size in sizes:
+        out.extend((start + o, min(chunk_bytes, size - o)) for o in range(0, size, chunk_bytes))
+        start += size
+    return out
+
+
+def chunk_address(data: bytes | bytearray | memoryview) -> bytes:
+    """A chunk's content address: BLAKE2b with a 128-bit digest."""
+    return hashlib.blake2b(data, digest_size=CHUNK_DIGEST_BYTES).digest()

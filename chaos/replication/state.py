@@ -61,6 +61,8 @@ from chaos.replication.manifest import (
     OptimTensorSpec,
     OptimValue,
     TensorSpec,
+    chunk_address,
+    chunk_ranges,
     decode_manifest,
     dtype_name,
     layout_fingerprint,
@@ -224,19 +226,36 @@ class TrainingState:
         optimizer: torch.optim.Optimizer,
         manifest: Manifest | bytes | memoryview,
         extra: ExtraState | None = None,
+        *,
+        reuse: bool = True,
     ) -> TrainingState:
         """A joiner's receiving state, laid out as the donor's ``manifest`` says.
 
-        Model shards are written straight into ``model``'s tensors; optimizer and extra state
-        tensors are allocated here (the optimizer may have no state yet) and installed by
+        Model shards are written straight into ``model``'s CPU tensors; optimizer and extra
+        state tensors are allocated here (the optimizer may have no state yet) and installed by
         :meth:`apply`.
+
+        With ``reuse``, every chunk whose bytes the joiner already holds (its model as it is,
+        a base model loaded from disk, a returning device's optimizer and extra state) counts as
+        received: :meth:`missing` lists only the chunks whose content addresses differ, and
+        :attr:`reused_bytes` says how much was kept.
+
+        Args:
+            model: The joiner's model.
+            optimizer: Its optimizer.
+            manifest: The donor's manifest (bytes as received, or decoded).
+            extra: The joiner's extra state objects (the same names as the donor's).
+            reuse: Keep the chunks the joiner already holds (hashing its own state once).
 
         Raises:
             StateLayoutError: the manifest is malformed, or its layout differs from this
                 model and optimizer (names, shapes, dtypes, param groups, optimizer class), or
                 it names other extra state objects than ``extra``.
         """
-        m = decode_manifest(manifest) if not isinstance(manifest, Manifest) else manifest
+        # a decoded Manifest is checked as the bytes would be: a joiner trusts no manifest
+        m = decode_manifest(
+            ENCODER.encode(manifest) if isinstance(manifest, Manifest) else manifest
+        )
         theirs, ours = [e.name for e in m.extra], list(extra or {})
         if sorted(theirs) != sorted(ours):
             raise StateLayoutError(
@@ -261,7 +280,33 @@ class TrainingState:
         self._donor = False
         self._runtime = None
         self._written = []
+        if reuse:
+            self._reuse_held(optimizer)
         return self
+
+    def _reuse_held(self, optimizer: torch.optim.Optimizer) -> None:
+        """Marks as received every chunk whose bytes this joiner already holds."""
+        m = self._manifest
+        groups = optimizer.param_groups
+        with torch.no_grad():
+            for spec, t in zip(m.optim, self._optim_tensors, strict=True):
+                own = optimizer.state.get(groups[spec.group]["params"][spec.index], {})
+                _copy_if_alike(t, own.get(spec.key))
+            try:
+                _, specs, tensors = encode_extra(self._extra)
+            except TypeError:  # its own state cannot travel: nothing of it to reuse
+                specs, tensors = [], []
+            own_extra = {s.name: t for s, t in zip(specs, tensors, strict=True)}
+            for extra_spec, t in zip(m.extra_tensors, self._extra_tensors, strict=True):
+                _copy_if_alike(t, own_extra.get(extra_spec.name))
+        self._staging.to_host()  # a model on a device: its values into the host buffers
+        ranges = chunk_ranges(self._sizes, m.chunk_bytes)
+        for (off, length), mine, theirs in zip(
+            ranges, self.chunk_addresses(), m.chunks, strict=True
+        ):
+            if mine == theirs:
+                self._written.append((off, length))
+                self.reused_bytes += length
 
     # -- construction helpers
 
@@ -305,20 +350,34 @@ class TrainingState:
         if manifest.total_bytes == 0:
             manifest = msgspec.structs.replace(manifest, total_bytes=total)
         self._manifest = manifest
-        self._manifest_bytes = ENCODER.encode(manifest)
+        self._manifest_bytes: bytes | None = None
+        self._addressed = bool(manifest.chunks)  # a donor's chunk addresses come when asked
+        self.reused_bytes = 0
         self._total = total
 
     # -- layout
 
     @property
     def manifest(self) -> Manifest:
-        """The stream's header (send it to a joiner before any shard)."""
+        """The stream's header (send it to a joiner before any shard). A donor's chunk
+        addresses are computed on first use (it reads the whole state once)."""
+        if not self._addressed:
+            self._manifest = msgspec.structs.replace(self._manifest, chunks=self.chunk_addresses())
+            self._addressed = True
         return self._manifest
 
     @property
     def manifest_bytes(self) -> bytes:
         """The encoded manifest, as it travels on the wire."""
+        if self._manifest_bytes is None:
+            self._manifest_bytes = ENCODER.encode(self.manifest)
         return self._manifest_bytes
+
+    def chunk_addresses(self) -> list[bytes]:
+        """The content address of every chunk of the stream as its bytes are now
+        (:func:`~chaos.replication.manifest.chunk_ranges`)."""
+        ranges = chunk_ranges(self._sizes, self._manifest.chunk_bytes)
+        return [chunk_address(self.read(off, length)) for off, length in ranges]
 
     @property
     def total_bytes(self) -> int:
@@ -494,6 +553,12 @@ class TrainingState:
                 group[key] = to_tuples(value)
         self._runtime = runtime
         return runtime
+
+
+def _copy_if_alike(dst: torch.Tensor, src: object) -> None:
+    """Copies ``src`` into ``dst`` when it is a tensor of the same dtype and shape."""
+    if isinstance(src, torch.Tensor) and src.dtype == dst.dtype and src.shape == dst.shape:
+        dst.copy_(src.detach())
 
 
 def _optim_device(key: str, param: torch.Tensor, hyper: dict[str, Any]) -> torch.device:
