@@ -5,12 +5,15 @@ A worker is one training process that a launcher (:mod:`chaos.launch`) starts: t
 integration tests'. Each one parses the same member arguments (:func:`add_member_arguments`),
 builds its :class:`Trainer` from them (:func:`start_member`), trains on local data seeded by its
 id (:func:`local_data`) and appends JSON lines to its ``--out`` file (:func:`write_record`,
-:class:`EventTail`).
+:class:`EventTail`): each step's record (:func:`step_record`), with a digest of the training
+state (:func:`model_digest`) so that a launcher can check the members are bitwise equal, and
+the graceful leave's (:func:`leave_cluster`).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, TextIO
@@ -102,6 +105,66 @@ def local_data(
     return xs, torch.randint(0, classes, (rows,), generator=gen)
 
 
+def model_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> str:
+    """SHA-256 over the parameters, buffers, optimizer state tensors and the step.
+
+    Members whose digests at one step are equal hold bitwise equal training states.
+
+    Args:
+        model: The member's model.
+        optimizer: Its optimizer (the tensors of its state are hashed, in parameter order).
+        step: The step the state belongs to.
+
+    Returns:
+        The hex digest.
+    """
+    h = hashlib.sha256(str(step).encode())
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for key, v in sorted(optimizer.state.get(p, {}).items()):
+                if isinstance(v, torch.Tensor):
+                    h.update(key.encode())
+                    h.update(v.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def step_record(
+    trainer: Trainer, model: torch.nn.Module, optimizer: torch.optim.Optimizer, **fields: Any
+) -> dict[str, Any]:
+    """The record of the step just taken: its step, epoch, world size, ``fields`` and digest.
+
+    Args:
+        trainer: The member's trainer, after its ``update()``.
+        model: The model it trains.
+        optimizer: The model's optimizer.
+        **fields: More values of the step (its loss, its batch size, ...).
+
+    Returns:
+        ``{"step", "epoch", "world", **fields, "digest"}``, the digest by :func:`model_digest`.
+    """
+    return {
+        "step": trainer.step,
+        "epoch": trainer.epoch,
+        "world": trainer.world_size,
+        **fields,
+        "digest": model_digest(model, optimizer, trainer.step),
+    }
+
+
+def leave_cluster(trainer: Trainer, out: TextIO) -> None:
+    """Leaves the cluster gracefully, then records ``{"left": true, "step": N}`` in ``out``.
+
+    Args:
+        trainer: The member's trainer.
+        out: The open ``--out`` file.
+    """
+    trainer.request_node_exit()
+    write_record(out, {"left": True, "step": trainer.step})
+
+
 def write_record(out: TextIO, record: dict[str, Any]) -> None:
     """Appends one JSON line to ``out`` and flushes it (a launcher reads it while it runs).
 
@@ -134,8 +197,11 @@ class EventTail:
 __all__ = [
     "EventTail",
     "add_member_arguments",
+    "leave_cluster",
     "local_data",
+    "model_digest",
     "start_member",
+    "step_record",
     "wait_for_world",
     "write_record",
 ]

@@ -18,30 +18,7 @@ from chaos.replication.state import (
     extra_digest,
     state_equal,
 )
-
-
-class Ema:
-    """A small exponential moving average of a model's parameters."""
-
-    def __init__(self, model: torch.nn.Module, decay: float = 0.9) -> None:
-        self.decay = decay
-        self.updates = 0
-        self.shadow = {n: p.detach().clone() for n, p in model.named_parameters()}
-
-    def update(self, model: torch.nn.Module) -> None:
-        self.updates += 1
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                self.shadow[n].mul_(self.decay).add_(p, alpha=1 - self.decay)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"decay": self.decay, "updates": self.updates, "shadow": dict(self.shadow)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.decay = state["decay"]
-        self.updates = state["updates"]
-        for n, t in state["shadow"].items():
-            self.shadow[n].copy_(t)
+from tests.trainer.semantics_worker import Ema  # the EMA the training-semantics worker keeps
 
 
 def _setup(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, Any]]:

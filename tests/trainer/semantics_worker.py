@@ -25,7 +25,6 @@ leave gracefully at its next step.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import math
 import sys
 import time
@@ -35,24 +34,16 @@ from typing import Any
 import torch
 
 from chaos.replication.state import extra_digest
-from chaos.trainer.worker import add_member_arguments, local_data, start_member, write_record
+from chaos.trainer.worker import (
+    add_member_arguments,
+    leave_cluster,
+    local_data,
+    start_member,
+    step_record,
+    write_record,
+)
 
 ROWS = 512
-
-
-def state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> str:
-    """SHA-256 over parameters, buffers, optimizer state tensors and the step."""
-    h = hashlib.sha256(str(step).encode())
-    for name, t in model.state_dict().items():
-        h.update(name.encode())
-        h.update(t.detach().contiguous().numpy().tobytes())
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for key, v in sorted(optimizer.state.get(p, {}).items()):
-                if isinstance(v, torch.Tensor):
-                    h.update(key.encode())
-                    h.update(v.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def _parse_args() -> argparse.Namespace:
@@ -155,7 +146,7 @@ def main() -> int:
     leave_flag = args.out.with_suffix(".leave")
     with args.out.open("a") as out:
         write_record(out, {"ready": True, "step": trainer.step, "epoch": trainer.epoch})
-        while trainer.step < args.max_steps:
+        while trainer.step < args.max_steps and not leave_flag.exists():
             step = trainer.step
             size = trainer.local_batch_size or args.batch
             x, y = batch_at(xs, ys, step, size)
@@ -178,25 +169,13 @@ def main() -> int:
                 torch.save({"params": before, "grads": grads, "x": x, "y": y},
                            args.dump_dir / f"{args.id}-{step}.pt")  # fmt: skip
             trainer.check_state_replication()
-            rec = {
-                "step": trainer.step,
-                "epoch": trainer.epoch,
-                "world": trainer.world_size,
-                "batch": size,
-                "split": trainer.batch_sizes,
-                "digest": state_digest(model, opt, trainer.step),
-            }
+            rec = step_record(trainer, model, opt, batch=size, split=trainer.batch_sizes)
             if args.extras:
                 rec["lr"] = opt.param_groups[0]["lr"]
                 rec["scale"] = scaler.get_scale() if scaler is not None else None
                 rec["digest"] += extra_digest(extra) + repr(rec["lr"])
             write_record(out, rec)
-            if leave_flag.exists():
-                trainer.request_node_exit()
-                write_record(out, {"left": True, "step": trainer.step})
-                return 0
-        trainer.request_node_exit()
-        write_record(out, {"left": True, "step": trainer.step})
+        leave_cluster(trainer, out)
     return 0
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.test_trainer import Cluster, _assert_equal_from, _world
+from tests.trainer.trainer_cluster import Cluster, assert_equal_from, world
 
 
 @pytest.fixture
@@ -31,20 +31,20 @@ def test_a_killed_cut_vertex_is_healed_and_training_goes_on(cluster: Cluster) ->
     a = cluster.start("a")
     cluster.wait(lambda: a.last().get("step", 0) >= 3, "a to train")
     b = cluster.start("b", a)
-    cluster.wait(lambda: _world(a, 2) and _world(b, 2), "b to join a")
+    cluster.wait(lambda: world(a, 2) and world(b, 2), "b to join a")
     c = cluster.start("c", b)
-    cluster.wait(lambda: all(_world(m, 3) for m in (a, b, c)), "c to join b")
+    cluster.wait(lambda: all(world(m, 3) for m in (a, b, c)), "c to join b")
     d = cluster.start("d", c)
-    cluster.wait(lambda: all(_world(m, 4) for m in (a, b, c, d)), "d to join c")
+    cluster.wait(lambda: all(world(m, 4) for m in (a, b, c, d)), "d to join c")
     os.killpg(b.proc.pid, signal.SIGKILL)  # the worker and its embedded daemon
     b.proc.wait(timeout=30)
     del cluster.members["b"]  # reaped; the watch below is for the survivors
     killed_at = max(a.digests())
     survivors = (a, c, d)
     cluster.wait(
-        lambda: all(_world(m, 3, killed_at + 10) for m in survivors),
+        lambda: all(world(m, 3, killed_at + 10) for m in survivors),
         "a, c and d to train ten steps as three",
     )
     for m in survivors:
         assert m.proc.poll() is None, m.log()
-    assert _assert_equal_from(list(survivors), killed_at + 1) >= 5
+    assert assert_equal_from(list(survivors), killed_at + 1) >= 5

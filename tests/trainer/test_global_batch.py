@@ -17,14 +17,20 @@ from typing import Any
 
 import pytest
 
-from tests.trainer.test_semantics import Cluster, Member, assert_equal_from, world
+from tests.trainer.trainer_cluster import (
+    SEMANTICS_WORKER,
+    Cluster,
+    Member,
+    assert_equal_from,
+    world,
+)
 
 GLOBAL = 48
 
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    with contextlib.closing(Cluster(tmp_path)) as c:  # reaped even when the test fails
+    with contextlib.closing(Cluster(tmp_path, SEMANTICS_WORKER)) as c:  # reaped even on failure
         yield c
 
 

@@ -16,10 +16,10 @@ from chaos.daemon.client import DaemonClient
 from chaos.daemon.config import ipc_endpoint_for
 
 from chaos.security import ClusterKey
-from tests.trainer.test_trainer import (
+from tests.trainer.trainer_cluster import (
     Cluster,
-    _assert_equal_from,
-    _world,
+    assert_equal_from,
+    world,
 )
 
 
@@ -49,15 +49,15 @@ def test_keyed_trainers_train_bind_their_keys_and_survive_a_kill(cluster: KeyedC
     cluster.wait(lambda: a.last().get("step", 0) >= 3, "a to train")
     b = cluster.start("b", a)
     c = cluster.start("c", a)
-    cluster.wait(lambda: all(_world(m, 3) for m in (a, b, c)), "b and c to join")
+    cluster.wait(lambda: all(world(m, 3) for m in (a, b, c)), "b and c to join")
     sync = cluster.status("a").sync
     assert sync is not None and set(sync.keys) == {"a", "b", "c"}
     assert len(set(sync.keys.values())) == 3 and all(len(k) == 40 for k in sync.keys.values())
     joined = max(c.digests())
-    cluster.wait(lambda: all(_world(m, 3, joined + 5) for m in (a, b, c)), "five steps as three")
+    cluster.wait(lambda: all(world(m, 3, joined + 5) for m in (a, b, c)), "five steps as three")
     os.killpg(c.proc.pid, signal.SIGKILL)
     c.proc.wait(timeout=30)
     del cluster.members["c"]
     killed = max(a.digests())
-    cluster.wait(lambda: _world(a, 2, killed + 5) and _world(b, 2, killed + 5), "a, b go on")
-    assert _assert_equal_from([a, b], joined) >= 10
+    cluster.wait(lambda: world(a, 2, killed + 5) and world(b, 2, killed + 5), "a, b go on")
+    assert assert_equal_from([a, b], joined) >= 10

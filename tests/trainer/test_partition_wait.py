@@ -17,11 +17,11 @@ import pytest
 from chaos.daemon.client import DaemonClient
 from chaos.daemon.config import ipc_endpoint_for
 
-from tests.trainer.test_trainer import (
+from tests.trainer.trainer_cluster import (
     DAEMON_ARGS,
     Cluster,
-    _assert_equal_from,
-    _world,
+    assert_equal_from,
+    world,
 )
 
 FAULT_ARGS = (*DAEMON_ARGS, "--enable-fault-injection")
@@ -56,15 +56,15 @@ def test_a_partitioned_minority_waits_and_rejoins_after_the_heal(
     a = cluster.start("a")
     cluster.wait(lambda: a.last().get("step", 0) >= 3, "a to train")
     b = cluster.start("b", a)
-    cluster.wait(lambda: _world(a, 2) and _world(b, 2), "b to join")
+    cluster.wait(lambda: world(a, 2) and world(b, 2), "b to join")
     c = cluster.start("c", b)
-    cluster.wait(lambda: all(_world(m, 3) for m in (a, b, c)), "c to join")
+    cluster.wait(lambda: all(world(m, 3) for m in (a, b, c)), "c to join")
     for node in ("a", "b"):
         cluster.fault(node, "partition", ["a", "b"])
     cluster.fault("c", "partition", ["c"])
     cut_at_t = time.monotonic()
     cut_at = max(a.digests())
-    cluster.wait(lambda: _world(a, 2, cut_at + 5) and _world(b, 2, cut_at + 5),
+    cluster.wait(lambda: world(a, 2, cut_at + 5) and world(b, 2, cut_at + 5),
                  "the majority to go on as two")  # fmt: skip
     c_step = max(c.digests())
     # the partition lasts 15 s, well past the 10 s that a step used to wait before it gave up
@@ -75,11 +75,11 @@ def test_a_partitioned_minority_waits_and_rejoins_after_the_heal(
     for node in ("a", "b", "c"):
         cluster.fault(node, "clear", [])
     healed_at = max(a.digests())
-    cluster.wait(lambda: all(_world(m, 3, healed_at + 5) for m in (a, b, c)),
+    cluster.wait(lambda: all(world(m, 3, healed_at + 5) for m in (a, b, c)),
                  "c to rejoin and all three to train")  # fmt: skip
     waits = [r for r in c.records() if r.get("event") == "waiting"]
     assert waits and max(r["waited_s"] for r in waits) >= 12.0, waits  # it said it waited
     first_c = min(s for s in c.digests() if s > healed_at)
-    cluster.wait(lambda: all(_world(m, 3, first_c + 5) for m in (a, b, c)),
+    cluster.wait(lambda: all(world(m, 3, first_c + 5) for m in (a, b, c)),
                  "five more steps as three")  # fmt: skip
-    assert _assert_equal_from([a, b, c], first_c) >= 3
+    assert assert_equal_from([a, b, c], first_c) >= 3

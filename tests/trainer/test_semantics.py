@@ -9,113 +9,27 @@ generous deadlines, never assert timing, and kill and reap every process group a
 from __future__ import annotations
 
 import contextlib
-import json
-import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from chaos.errors import ChaosTimeout
-from chaos.launch import ProcessExited, free_port, kill_and_reap, spawn_worker, wait_until
-
-WORKER = Path(__file__).with_name("semantics_worker.py")
-DEADLINE_S = 120.0
-DAEMON_ARGS = ("--heartbeat-interval", "0.2", "--failure-timeout", "1.0")
-
-
-class Member:
-    """One training process (and, in its process group, its embedded daemon)."""
-
-    def __init__(self, node_id: str, out: Path, proc: subprocess.Popen[bytes], port: int):
-        self.id = node_id
-        self.out = out
-        self.proc = proc
-        self.address = f"tcp://127.0.0.1:{port}"
-
-    def records(self) -> list[dict[str, Any]]:
-        if not self.out.exists():
-            return []
-        lines = self.out.read_text().splitlines()
-        return [json.loads(line) for line in lines if line.endswith("}")]
-
-    def digests(self) -> dict[int, str]:
-        return {r["step"]: r["digest"] for r in self.records() if "digest" in r}
-
-    def last(self) -> dict[str, Any]:
-        steps = [r for r in self.records() if "digest" in r]
-        return steps[-1] if steps else {}
-
-    def leave(self) -> None:
-        self.out.with_suffix(".leave").touch()
-
-    def log(self) -> str:
-        path = self.out.with_suffix(".log")
-        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
-
-
-class Cluster:
-    """Starts workers in their own sessions; kills every process group on close."""
-
-    def __init__(self, tmp: Path, worker: Path = WORKER) -> None:
-        self.tmp = tmp
-        self.worker = worker
-        self.members: dict[str, Member] = {}
-
-    def start(self, node_id: str, join: Member | None = None, *extra: str) -> Member:
-        port = free_port()
-        out = self.tmp / f"{node_id}.jsonl"
-        argv = [sys.executable, str(self.worker), "--id", node_id, "--out", str(out)]
-        argv += ["--listen", f"tcp://127.0.0.1:{port}", *extra]
-        for arg in DAEMON_ARGS:
-            argv.append(f"--daemon-arg={arg}")
-        if join is not None:
-            argv += ["--join", join.address]
-        proc = spawn_worker(argv, log_path=out.with_suffix(".log"), append=False)
-        member = Member(node_id, out, proc, port)
-        self.members[node_id] = member
-        return member
-
-    def wait(self, pred: Callable[[], Any], what: str) -> Any:
-        procs = {m.id: m.proc for m in self.members.values()}
-        try:  # exit code 70: a member that was made to fail
-            return wait_until(pred, DEADLINE_S, what, poll_s=0.1, watch=procs, ok=(0, 70))
-        except ProcessExited as exc:
-            pytest.fail(f"{exc}:\n{self.members[exc.name].log()}")
-        except ChaosTimeout as exc:
-            logs = "\n".join(f"--- {m.id}\n{m.log()}" for m in self.members.values())
-            pytest.fail(f"{exc}\n{logs}")
-
-    def close(self) -> None:
-        kill_and_reap([m.proc for m in self.members.values()], group=True)
+from tests.trainer.trainer_cluster import (
+    SEMANTICS_WORKER,
+    Cluster,
+    Member,
+    assert_equal_from,
+    world,
+)
 
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    with contextlib.closing(Cluster(tmp_path)) as c:  # reaped even when the test fails
+    with contextlib.closing(Cluster(tmp_path, SEMANTICS_WORKER)) as c:  # reaped even on failure
         yield c
-
-
-def world(member: Member, size: int, after_step: int = 0) -> bool:
-    """Whether ``member``'s last step ran with ``size`` members, past ``after_step``."""
-    last = member.last()
-    return bool(last) and last["world"] == size and last["step"] > after_step
-
-
-def assert_equal_from(members: list[Member], first_step: int) -> int:
-    """Every step from ``first_step`` that all members recorded has one digest; returns the
-    number of steps compared."""
-    digests = [m.digests() for m in members]
-    common = set.intersection(*(set(d) for d in digests))
-    common = {s for s in common if s >= first_step}
-    assert common, "the members recorded no common step"
-    for step in sorted(common):
-        seen = {d[step] for d in digests}
-        assert len(seen) == 1, f"members differ at step {step}"
-    return len(common)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -123,7 +37,7 @@ def assert_equal_from(members: list[Member], first_step: int) -> int:
 
 def _reference_grads(params: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> list[Any]:
     """The gradient of the mean loss over the batch ``(x, y)`` in one process."""
-    sys.path.insert(0, str(WORKER.parent))
+    sys.path.insert(0, str(SEMANTICS_WORKER.parent))
     try:
         from semantics_worker import build_model  # noqa: PLC0415 - the worker's own model
     finally:

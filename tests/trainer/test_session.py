@@ -46,16 +46,8 @@ class FakeDaemon:
             raise item
         return item
 
-    def register_trainer(
-        self,
-        data_address: str,
-        shard_address: str,
-        has_state: bool,
-        tensor_sizes: list[int] | None = None,
-        timeout_s: float | None = None,
-        state_digest: str = "",
-    ) -> object:
-        return None
+    def register_trainer(self, *args: object, **kwargs: object) -> object:
+        return None  # the session's registration is not under test here
 
     def trainer_event(
         self,

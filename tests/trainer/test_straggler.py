@@ -257,25 +257,6 @@ def test_the_step_beacon_says_when_a_step_ends_and_keeps_saying_it_is_alive_insi
 # ----------------------------------------------------------------- the worker
 
 
-def _digest(model: Any, optimizer: Any, step: int) -> str:
-    """SHA-256 over parameters, buffers, optimizer state tensors and the step."""
-    import hashlib
-
-    import torch
-
-    h = hashlib.sha256(str(step).encode())
-    for name, t in model.state_dict().items():
-        h.update(name.encode())
-        h.update(t.detach().contiguous().numpy().tobytes())
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for key, v in sorted(optimizer.state.get(p, {}).items()):
-                if isinstance(v, torch.Tensor):
-                    h.update(key.encode())
-                    h.update(v.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 def _worker(argv: list[str]) -> int:
     import argparse
     import logging
@@ -289,6 +270,7 @@ def _worker(argv: list[str]) -> int:
         add_member_arguments,
         local_data,
         start_member,
+        step_record,
         write_record,
     )
 
@@ -338,15 +320,7 @@ def _worker(argv: list[str]) -> int:
             time.sleep(args.step_time)  # stands in for a longer forward/backward pass
             trainer.update()
             trainer.check_state_replication()
-            write_record(
-                out,
-                {
-                    "step": trainer.step,
-                    "epoch": trainer.epoch,
-                    "world": trainer.world_size,
-                    "digest": _digest(model, opt, trainer.step),
-                },
-            )
+            write_record(out, step_record(trainer, model, opt))
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:

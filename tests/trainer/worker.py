@@ -10,28 +10,19 @@ drives it through files: ``<out>.leave`` asks it to leave gracefully at its next
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 import time
 
 import torch
 
-from chaos.trainer.worker import add_member_arguments, local_data, start_member, write_record
-
-
-def model_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> str:
-    """SHA-256 over parameters, buffers, optimizer state tensors and the step."""
-    h = hashlib.sha256(str(step).encode())
-    for name, t in model.state_dict().items():
-        h.update(name.encode())
-        h.update(t.detach().contiguous().numpy().tobytes())
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for key, v in sorted(optimizer.state.get(p, {}).items()):
-                if isinstance(v, torch.Tensor):
-                    h.update(key.encode())
-                    h.update(v.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
+from chaos.trainer.worker import (
+    add_member_arguments,
+    leave_cluster,
+    local_data,
+    start_member,
+    step_record,
+    write_record,
+)
 
 
 def _parse_args() -> argparse.Namespace:
@@ -43,8 +34,12 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--daemon-dir", default=None, help="the embedded daemon's run directory")
     ap.add_argument("--cluster-key", default=None, help="the cluster key file")
-    ap.add_argument("--stall-progress", type=float, default=10.0,
-                    help="how often a waiting step reports (its 'waiting' events are recorded)")
+    ap.add_argument(
+        "--stall-progress",
+        type=float,
+        default=10.0,
+        help="how often a waiting step reports (its 'waiting' events are recorded)",
+    )
     ap.add_argument(
         "--die-after", type=int, default=None, help="kill -9 mid-allreduce, N steps after joining"
     )
@@ -76,7 +71,7 @@ def main() -> int:
     leave_flag = args.out.with_suffix(".leave")
     with args.out.open("a") as out:
         write_record(out, {"ready": True, "step": trainer.step, "epoch": trainer.epoch})
-        while trainer.step < args.max_steps:
+        while trainer.step < args.max_steps and not leave_flag.exists():
             i = trainer.step % 32
             x, y = xs[i * 8 : i * 8 + 8], ys[i * 8 : i * 8 + 8]
             opt.zero_grad()
@@ -87,23 +82,11 @@ def main() -> int:
             trainer.check_state_replication()
             for e in trainer.events[seen:]:
                 if e["event"] in ("waiting", "evicted", "rejoined"):
-                    write_record(out, {"event": e["event"], **{k: v for k, v in e.items()
-                                                               if k in ("waited_s", "paused")}})
+                    kept = {k: v for k, v in e.items() if k in ("waited_s", "paused")}
+                    write_record(out, {"event": e["event"], **kept})
             seen = len(trainer.events)
-            rec = {
-                "step": trainer.step,
-                "epoch": trainer.epoch,
-                "world": trainer.world_size,
-                "loss": float(loss.detach()),
-                "digest": model_digest(model, opt, trainer.step),
-            }
-            write_record(out, rec)
-            if leave_flag.exists():
-                trainer.request_node_exit()
-                write_record(out, {"left": True, "step": trainer.step})
-                return 0
-        trainer.request_node_exit()
-        write_record(out, {"left": True, "step": trainer.step})
+            write_record(out, step_record(trainer, model, opt, loss=float(loss.detach())))
+        leave_cluster(trainer, out)
     return 0
 
 
