@@ -27,10 +27,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
-from elastic import EventPrinter, progress, run_scenario, worker_command
+from elastic import EventPrinter, example_parser, launch, parse_arguments, progress
 from torch import nn
 
 from chaos.trainer import Trainer, capture_exit_event
@@ -84,7 +83,6 @@ def worker(args: argparse.Namespace) -> int:
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     trainer = Trainer(model, optimizer, join=args.join, node_id=args.id, listen=args.listen)
     events = EventPrinter(trainer)
-    events.flush()
     batches = torch.Generator().manual_seed(1 + args.shard)
     while trainer.step < args.max_steps:
         idx = torch.randint(0, len(y_train), (args.batch,), generator=batches)
@@ -97,14 +95,7 @@ def worker(args: argparse.Namespace) -> int:
         if trainer.step % args.log_every == 0:
             with torch.no_grad():
                 acc = (model(x_test).argmax(1) == y_test).float().mean().item()
-            progress(
-                trainer.node_id,
-                trainer.step,
-                trainer.world_size,
-                trainer.epoch,
-                loss=loss.item(),
-                test_acc=acc,
-            )
+            progress(trainer, loss=loss.item(), test_acc=acc)
         if capture_exit_event():  # Ctrl+C or SIGTERM: leave gracefully
             break
     trainer.request_node_exit()
@@ -114,38 +105,15 @@ def worker(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Parses the command line; runs the launcher, or one worker with ``--worker``."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--nodes", type=int, default=3, help="worker processes to launch (>= 2)")
-    ap.add_argument("--phase-steps", type=int, default=60, help="steps between membership changes")
-    ap.add_argument("--timeout", type=float, default=120.0, help="seconds allowed per stage")
+    ap = example_parser(__doc__, phase_steps=60, data="the training images")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--log-every", type=int, default=10)
-    ap.add_argument("--worker", action="store_true", help="run one cluster member")
-    ap.add_argument("--id", help="worker: node id")
-    ap.add_argument("--listen", help="worker: its daemon's endpoint, tcp://HOST:PORT")
-    ap.add_argument("--join", default=None, help="worker: a member's endpoint to join through")
-    ap.add_argument("--shard", type=int, default=0, help="worker: which shard of the data")
-    ap.add_argument("--shards", type=int, default=1, help="worker: in how many shards")
     ap.add_argument("--max-steps", type=int, default=100_000, help="worker: stop after")
-    args = ap.parse_args(argv)
+    args = parse_arguments(ap, argv)
     if args.worker:
-        if not args.id:
-            ap.error("--worker needs --id")
         return worker(args)
-    if args.nodes < 2:
-        ap.error("--nodes must be at least 2")
-    if args.phase_steps <= args.log_every:
-        ap.error("--phase-steps must be larger than --log-every")
-
-    def argv_for(node_id: str, listen: str, join: str | None) -> list[str]:
-        shard = int(node_id[1:]) - 1
-        cmd = worker_command(Path(__file__), "--id", node_id, "--listen", listen)
-        cmd += ["--shard", str(shard), "--shards", str(args.nodes), "--batch", str(args.batch)]
-        cmd += ["--lr", str(args.lr), "--log-every", str(args.log_every)]
-        return cmd + (["--join", join] if join else [])
-
-    return run_scenario(argv_for, args.nodes, args.phase_steps, args.timeout)
+    return launch(__file__, args, ("batch", "lr", "log_every"))
 
 
 if __name__ == "__main__":

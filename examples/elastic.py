@@ -1,11 +1,14 @@
-"""Shared helpers of the examples: the one-command launcher and the event printer.
+"""Shared helpers of the examples: the one-command launcher, its options and the event printer.
 
-Not an example itself. ``digits_classifier.py`` and ``lora_gpt.py`` import it (it sits beside
-them, so ``python examples/NAME.py`` finds it) for two jobs:
+Not an example itself. ``digits_classifier.py``, ``lora_gpt.py`` and ``nanogpt_style.py``
+import it (it sits beside them, so ``python examples/NAME.py`` finds it) for three jobs:
 
 * **Worker side**: :class:`EventPrinter` prints the membership events a :class:`Trainer` records
   (someone joined or left, this node pulled or served the state, a step was rerun) as they
   happen, and :func:`progress` prints one step line.
+* **Command line**: the options every example shares (:func:`example_parser`, checked by
+  :func:`parse_arguments`), and :func:`launch`, which runs the scenario with the example's
+  own script as every worker (:func:`worker_command`, passing on options by :func:`forward`).
 * **Launcher side**: :func:`run_scenario` starts the worker processes on this machine and walks
   them through a small elastic scenario: the first node starts the cluster, the next ones join,
   one more joins in the middle of training, one leaves gracefully, then everyone leaves. It
@@ -19,6 +22,7 @@ next step boundary.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import re
@@ -47,12 +51,17 @@ from chaos.launch import (
 # ----------------------------------------------------------------------------- worker side
 
 
-def progress(node_id: str, step: int, world_size: int, epoch: int, **metrics: float) -> None:
+def progress(trainer: Any, **metrics: float) -> None:
     """Prints one progress line: ``[n1] step 40 | world 3 | epoch 5 | loss 0.4123 | ...``.
 
     The launcher reads the step from this line to pace its scenario.
+
+    Args:
+        trainer: The :class:`chaos.trainer.Trainer` (its node id, step, world size and epoch).
+        **metrics: The values to print after them, by name.
     """
-    parts = [f"[{node_id}] step {step:5d}", f"world {world_size}", f"epoch {epoch:3d}"]
+    parts = [f"[{trainer.node_id}] step {trainer.step:5d}", f"world {trainer.world_size}"]
+    parts += [f"epoch {trainer.epoch:3d}"]
     parts += [f"{name} {value:.4f}" for name, value in metrics.items()]
     print(" | ".join(parts), flush=True)
 
@@ -60,8 +69,9 @@ def progress(node_id: str, step: int, world_size: int, epoch: int, **metrics: fl
 class EventPrinter:
     """Prints the trainer's new events (``trainer.events``) as readable lines.
 
-    Call :meth:`flush` after ``Trainer(...)`` and after every ``trainer.update()``: membership
-    changes are installed at step boundaries, so that is when they become visible.
+    It prints the events recorded so far (joining the cluster) when it is made. Call
+    :meth:`flush` after every ``trainer.update()``: membership changes are installed at step
+    boundaries, so that is when they become visible.
 
     Args:
         trainer: The :class:`chaos.trainer.Trainer` whose events to print.
@@ -71,6 +81,7 @@ class EventPrinter:
         self.trainer = trainer
         self._seen = 0
         self._members: list[str] | None = None
+        self.flush()
 
     def flush(self) -> None:
         """Prints every event recorded since the last call."""
@@ -343,6 +354,128 @@ def _play(launcher: Launcher, ids: list[str], phase_steps: int) -> None:
         launcher.leave([nid])
 
 
-def worker_command(script: str | Path, *args: str) -> list[str]:
-    """The command line that runs ``script`` as a worker with this Python interpreter."""
-    return [sys.executable, str(script), "--worker", *args]
+# ----------------------------------------------------------------------------- command line
+
+
+def example_parser(doc: str, phase_steps: int, data: str) -> argparse.ArgumentParser:
+    """An example's parser, with the options every example has.
+
+    The launcher's: ``--nodes``, ``--phase-steps``, ``--timeout``; a worker's: ``--worker``,
+    ``--id``, ``--listen``, ``--join``, ``--shard``, ``--shards``. The example adds its own,
+    ``--log-every`` among them, then calls :func:`parse_arguments`.
+
+    Args:
+        doc: The example's docstring (its first line describes the command).
+        phase_steps: The default of ``--phase-steps`` (training steps between two changes).
+        data: What a worker's ``--shard`` is a part of, for the help (``"the text"``).
+
+    Returns:
+        The parser.
+    """
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--nodes", type=int, default=3, help="worker processes to launch (>= 2)")
+    ap.add_argument("--phase-steps", type=int, default=phase_steps,
+                    help="steps between membership changes")  # fmt: skip
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds allowed per stage")
+    ap.add_argument("--worker", action="store_true", help="run one cluster member")
+    ap.add_argument("--id", help="worker: node id")
+    ap.add_argument("--listen", help="worker: its daemon's endpoint, tcp://HOST:PORT")
+    ap.add_argument("--join", default=None, help="worker: a member's endpoint to join through")
+    ap.add_argument("--shard", type=int, default=0, help=f"worker: which part of {data}")
+    ap.add_argument("--shards", type=int, default=1, help="worker: in how many parts")
+    return ap
+
+
+def parse_arguments(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parses and checks an example's command line (the parser exits with a usage error).
+
+    A worker needs ``--id`` and a ``--shard`` in ``[0, --shards)``; a launcher at least 2
+    ``--nodes`` and more ``--phase-steps`` than ``--log-every``.
+
+    Args:
+        parser: From :func:`example_parser`, with a ``--log-every`` option added.
+        argv: The arguments (``None``: ``sys.argv``).
+
+    Returns:
+        The parsed arguments.
+    """
+    args = parser.parse_args(argv)
+    if args.worker:
+        if not args.id:
+            parser.error("--worker needs --id")
+        if not 0 <= args.shard < args.shards:
+            parser.error(f"--shard must be in [0, {args.shards})")
+        return args
+    if args.nodes < 2:
+        parser.error("--nodes must be at least 2")
+    if args.phase_steps <= args.log_every:
+        parser.error("--phase-steps must be larger than --log-every")
+    return args
+
+
+def forward(args: argparse.Namespace, *names: str) -> list[str]:
+    """The options ``names`` of the launcher's ``args`` as a worker's arguments.
+
+    Args:
+        args: The launcher's parsed arguments.
+        *names: Attribute names (``"log_every"`` is passed on as ``--log-every``); one whose
+            value is ``None`` is left out.
+
+    Returns:
+        ``["--name", "value", ...]``.
+    """
+    out: list[str] = []
+    for name in names:
+        value = getattr(args, name)
+        if value is not None:
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    return out
+
+
+def worker_command(
+    script: str | Path, node_id: str, listen: str, join: str | None, nodes: int, *args: str
+) -> list[str]:
+    """The command line that runs ``script`` as the scenario's worker ``node_id``.
+
+    Worker ``nK`` trains on part ``K - 1`` of ``nodes`` parts of the data.
+
+    Args:
+        script: The example.
+        node_id: ``n1`` .. ``nN``.
+        listen: Its daemon's endpoint.
+        join: A member's endpoint to join through (``None``: it starts the cluster).
+        nodes: The number of workers of the scenario.
+        *args: The example's own worker arguments.
+
+    Returns:
+        The command, run with this Python interpreter.
+    """
+    cmd = [sys.executable, str(script), "--worker", "--id", node_id, "--listen", listen]
+    cmd += ["--shard", str(int(node_id[1:]) - 1), "--shards", str(nodes), *args]
+    return cmd + (["--join", join] if join else [])
+
+
+def launch(
+    script: str | Path,
+    args: argparse.Namespace,
+    options: Sequence[str] = (),
+    extra: Callable[[str], list[str]] | None = None,
+) -> int:
+    """Runs :func:`run_scenario` with ``script``'s workers and returns its exit code.
+
+    Args:
+        script: The example; every worker runs it with ``--worker`` (:func:`worker_command`).
+        args: The launcher's parsed arguments (``--nodes``, ``--phase-steps``, ``--timeout``).
+        options: The names of the launcher's options that every worker gets too
+            (:func:`forward`).
+        extra: More arguments for one worker, by its node id.
+
+    Returns:
+        0 on success, 1 when a worker failed or a stage timed out, 130 on Ctrl+C.
+    """
+
+    def argv_for(node_id: str, listen: str, join: str | None) -> list[str]:
+        own = forward(args, *options) + (extra(node_id) if extra is not None else [])
+        return worker_command(script, node_id, listen, join, args.nodes, *own)
+
+    return run_scenario(argv_for, args.nodes, args.phase_steps, args.timeout)

@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from elastic import EventPrinter, progress, run_scenario, worker_command
+from elastic import EventPrinter, example_parser, launch, parse_arguments, progress
 from torch import nn
 from torch.nn import functional as F
 
@@ -230,7 +230,6 @@ def worker(args: argparse.Namespace) -> int:
 
     trainer = Trainer(model, optimizer, join=args.join, node_id=args.id, listen=args.listen)
     events = EventPrinter(trainer)
-    events.flush()
     batches = torch.Generator().manual_seed(1 + args.shard)
     while trainer.step < args.max_steps:
         starts = torch.randint(0, len(mine) - args.context - 1, (args.batch,), generator=batches)
@@ -244,14 +243,7 @@ def worker(args: argparse.Namespace) -> int:
         if trainer.step % args.log_every == 0:
             with torch.no_grad():
                 val_loss = lm_loss(model, val_x, val_y).item()
-            progress(
-                trainer.node_id,
-                trainer.step,
-                trainer.world_size,
-                trainer.epoch,
-                loss=loss.item(),
-                val_loss=val_loss,
-            )
+            progress(trainer, loss=loss.item(), val_loss=val_loss)
         if capture_exit_event():  # Ctrl+C or SIGTERM: leave gracefully
             break
     trainer.request_node_exit()
@@ -267,37 +259,20 @@ def worker(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Parses the command line; runs the launcher, or one worker with ``--worker``."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--nodes", type=int, default=3, help="worker processes to launch (>= 2)")
-    ap.add_argument("--phase-steps", type=int, default=60, help="steps between membership changes")
+    ap = example_parser(__doc__, phase_steps=60, data="the story")
     ap.add_argument("--pretrain-steps", type=int, default=250, help="base model steps on docs/")
-    ap.add_argument("--timeout", type=float, default=120.0, help="seconds allowed per stage")
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--rank", type=int, default=8, help="LoRA rank")
     ap.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--log-every", type=int, default=10)
-    ap.add_argument("--worker", action="store_true", help="run one cluster member")
-    ap.add_argument("--id", help="worker: node id")
-    ap.add_argument("--listen", help="worker: its daemon's endpoint, tcp://HOST:PORT")
-    ap.add_argument("--join", default=None, help="worker: a member's endpoint to join through")
     ap.add_argument("--base", default=None, help="worker: pretrained base state_dict file")
-    ap.add_argument("--shard", type=int, default=0, help="worker: which part of the story")
-    ap.add_argument("--shards", type=int, default=1, help="worker: in how many parts")
     ap.add_argument("--max-steps", type=int, default=100_000, help="worker: stop after")
     ap.add_argument("--sample-chars", type=int, default=0, help="worker: sample at the end")
-    args = ap.parse_args(argv)
+    args = parse_arguments(ap, argv)
     if args.worker:
-        if not args.id:
-            ap.error("--worker needs --id")
-        if not 0 <= args.shard < args.shards:
-            ap.error(f"--shard must be in [0, {args.shards})")
         return worker(args)
-    if args.nodes < 2:
-        ap.error("--nodes must be at least 2")
-    if args.phase_steps <= args.log_every:
-        ap.error("--phase-steps must be larger than --log-every")
     docs = sorted(DOCS.glob("*.md"))
     if not docs:
         ap.error(f"no pretraining text: {DOCS} has no .md files")
@@ -309,17 +284,11 @@ def main(argv: list[str] | None = None) -> int:
         loss = pretrain(corpus, args.pretrain_steps, base, args.context)
         print(f"== base model ready: loss {loss:.3f} after {args.pretrain_steps} steps", flush=True)
 
-        def argv_for(node_id: str, listen: str, join: str | None) -> list[str]:
-            shard = int(node_id[1:]) - 1
-            cmd = worker_command(Path(__file__), "--id", node_id, "--listen", listen)
-            cmd += ["--base", str(base), "--shard", str(shard), "--shards", str(args.nodes)]
-            cmd += ["--context", str(args.context), "--batch", str(args.batch)]
-            cmd += ["--rank", str(args.rank), "--alpha", str(args.alpha), "--lr", str(args.lr)]
-            cmd += ["--log-every", str(args.log_every)]
-            cmd += ["--sample-chars", "120"] if node_id == "n1" else []
-            return cmd + (["--join", join] if join else [])
+        def extra(node_id: str) -> list[str]:  # n1 prints a sample of the fine-tuned model
+            return ["--base", str(base)] + (["--sample-chars", "120"] if node_id == "n1" else [])
 
-        return run_scenario(argv_for, args.nodes, args.phase_steps, args.timeout)
+        options = ("context", "batch", "rank", "alpha", "lr", "log_every")
+        return launch(__file__, args, options, extra)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 import torch
-from elastic import EventPrinter, progress, run_scenario, worker_command
+from elastic import EventPrinter, example_parser, launch, parse_arguments, progress
 from torch import nn
 from torch.nn import functional as F
 
@@ -135,12 +135,15 @@ def worker(args: argparse.Namespace) -> int:
     use_fp16 = False  # float16 autocast needs a GPU; on CPU the scaler stays disabled
     scaler = torch.amp.GradScaler("cpu", enabled=use_fp16)
     trainer = Trainer(  # chaos: join the cluster (or start it); a joiner pulls the state
-        model, optimizer, join=args.join, node_id=args.id, listen=args.listen,  # chaos:
+        model,
+        optimizer,
+        join=args.join,
+        node_id=args.id,
+        listen=args.listen,  # chaos:
         extra_state={"scheduler": scheduler, "scaler": scaler},  # chaos:
         global_batch=args.global_batch,  # chaos: None: every member uses --batch-size
     )  # chaos:
     events = EventPrinter(trainer)
-    events.flush()
 
     def clip() -> None:  # chaos: nanoGPT's unscale + clip, on the averaged gradient
         scaler.unscale_(optimizer)
@@ -160,8 +163,10 @@ def worker(args: argparse.Namespace) -> int:
             loss = model(xm, ym) * (len(xm) / samples)  # each micro-batch's share of the mean
             scaler.scale(loss).backward()
         trainer.update(  # chaos: average, clip, step, advance the schedule
-            num_samples=samples, before_step=clip,  # chaos:
-            step_fn=lambda: scaler.step(optimizer), after_step=after,  # chaos:
+            num_samples=samples,
+            before_step=clip,  # chaos:
+            step_fn=lambda: scaler.step(optimizer),
+            after_step=after,  # chaos:
         )  # chaos:
         trainer.check_state_replication()  # chaos:
         optimizer.zero_grad(set_to_none=True)
@@ -170,8 +175,7 @@ def worker(args: argparse.Namespace) -> int:
             with torch.no_grad():
                 val_loss = model(val_x, val_y).item()
             lr = optimizer.param_groups[0]["lr"]
-            progress(trainer.node_id, trainer.step, trainer.world_size, trainer.epoch,
-                     lr=lr, val_loss=val_loss)  # fmt: skip
+            progress(trainer, lr=lr, val_loss=val_loss)
         if capture_exit_event():  # chaos: Ctrl+C or SIGTERM: leave gracefully
             break
     trainer.request_node_exit()  # chaos:
@@ -184,10 +188,7 @@ def worker(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Parses the command line; runs the launcher, or one worker with ``--worker``."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--nodes", type=int, default=3, help="worker processes to launch (>= 2)")
-    ap.add_argument("--phase-steps", type=int, default=40, help="steps between membership changes")
-    ap.add_argument("--timeout", type=float, default=120.0, help="seconds allowed per stage")
+    ap = example_parser(__doc__, phase_steps=40, data="the text")
     ap.add_argument("--context", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=8, help="samples per micro-step")
     ap.add_argument("--accum", type=int, default=2, help="gradient accumulation micro-steps")
@@ -199,34 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr-decay-iters", type=int, default=200)
     ap.add_argument("--grad-clip", type=float, default=1.0)
     ap.add_argument("--log-every", type=int, default=10)
-    ap.add_argument("--worker", action="store_true", help="run one cluster member")
-    ap.add_argument("--id", help="worker: node id")
-    ap.add_argument("--listen", help="worker: its daemon's endpoint, tcp://HOST:PORT")
-    ap.add_argument("--join", default=None, help="worker: a member's endpoint to join through")
-    ap.add_argument("--shard", type=int, default=0, help="worker: which part of the text")
-    ap.add_argument("--shards", type=int, default=1, help="worker: in how many parts")
     ap.add_argument("--max-iters", type=int, default=100_000, help="worker: stop after")
-    args = ap.parse_args(argv)
+    args = parse_arguments(ap, argv)
     if args.worker:
-        if not args.id:
-            ap.error("--worker needs --id")
         return worker(args)
-    if args.nodes < 2:
-        ap.error("--nodes must be at least 2")
-    if args.phase_steps <= args.log_every:
-        ap.error("--phase-steps must be larger than --log-every")
-
-    def argv_for(node_id: str, listen: str, join: str | None) -> list[str]:
-        cmd = worker_command(Path(__file__), "--id", node_id, "--listen", listen)
-        cmd += ["--shard", str(int(node_id[1:]) - 1), "--shards", str(args.nodes)]
-        for flag in ("context", "batch_size", "accum", "lr", "weight_decay", "warmup_iters",
-                     "lr_decay_iters", "grad_clip", "log_every", "global_batch"):  # fmt: skip
-            value = getattr(args, flag)
-            if value is not None:
-                cmd += [f"--{flag.replace('_', '-')}", str(value)]
-        return cmd + (["--join", join] if join else [])
-
-    return run_scenario(argv_for, args.nodes, args.phase_steps, args.timeout)
+    options = ("context", "batch_size", "accum", "lr", "weight_decay", "warmup_iters",
+               "lr_decay_iters", "grad_clip", "log_every", "global_batch")  # fmt: skip
+    return launch(__file__, args, options)
 
 
 if __name__ == "__main__":
