@@ -420,8 +420,8 @@ def run(cfg: ConvergenceConfig, echo: Callable[[str], None]) -> dict[str, Any]:
     """Makes every run (seed by seed, so that the load falls alike on every kind).
 
     Returns:
-        ``config``, ``runs`` (each :func:`run_one`'s result) and ``summary``
-        (:func:`summarize`).
+        ``config``, ``static_kinds`` (the spread's kinds), ``runs`` (each :func:`run_one`'s
+        result) and ``summary`` (:func:`summarize`).
     """
     runs: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
@@ -433,7 +433,8 @@ def run(cfg: ConvergenceConfig, echo: Callable[[str], None]) -> dict[str, Any]:
                     runs.append(r)
                     echo(_run_line(r))
     conf = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
-    return {"config": conf, "runs": runs, "summary": summarize(runs, cfg.devices)}
+    return {"config": conf, "static_kinds": list(static_kinds(cfg.devices)), "runs": runs,
+            "summary": summarize(runs, cfg.devices)}  # fmt: skip
 
 
 def _run_line(r: dict[str, Any]) -> str:

@@ -14,8 +14,6 @@ from typing import Any
 
 import numpy as np
 
-from chaos.bench.convergence import static_kinds
-
 METRICS = ("accuracy", "loss")
 
 
@@ -58,7 +56,7 @@ def plot_convergence(result: dict[str, Any], out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = result["config"]
     modes = [m for m in cfg["batch_modes"] if any(r["batch_mode"] == m for r in result["runs"])]
-    statics = static_kinds(cfg["devices"])
+    statics = result["static_kinds"]
     written = []
     for x, label in (("step", "step"), ("wall_s", "seconds since the first step")):
         fig, axes = plt.subplots(2, len(modes), figsize=(6.5 * len(modes), 8), squeeze=False)
