@@ -54,7 +54,7 @@ from chaos.replication.wire import (
     manifest_digest,
     shard_checksum,
 )
-from chaos.scheduling import METHODS, Neighbor, Plan, plan_replication
+from chaos.scheduling import METHODS, Neighbor, Plan, plan_missing, plan_replication
 from chaos.scheduling.plan import PlanMethod
 from chaos.security import Security
 
@@ -294,8 +294,12 @@ def choose_plan(
 
     Returns:
         ``(plan, reason)``: ``reason`` is ``""`` for the scheduler's plan as it is,
-        ``"runtime_record_resized"``, ``"donors_missing: a,b"`` or ``"layout_changed"``.
+        ``"runtime_record_resized"``, ``"donors_missing: a,b"``, ``"layout_changed"``, or
+        ``"held_chunks: N of M bytes"`` for a joiner that already holds ``N`` bytes of the
+        state (the plan covers only the rest).
     """
+    if state.reused_bytes:
+        return _plan_held(state, rep, neighbors)
     sizes = state.tensor_sizes()
     total = sum(sizes)
     c = float(rep.per_shard_cost_s)
@@ -321,6 +325,27 @@ def choose_plan(
     log.info("the scheduler's plan does not fit the snapshot (%s); re-planning (%s, c = %g s)",
              reason, rep.method, c)  # fmt: skip
     return plan_replication(sizes, chosen, c, "flat", rep.method), reason
+
+
+def _plan_held(
+    state: TrainingState, rep: ReplicationWire, neighbors: Sequence[Neighbor]
+) -> tuple[Plan, str]:
+    """The plan for a joiner that holds part of the state already (content-addressed chunks):
+    the scheduler's method, over the donors it gave work to that answered, and its c, run over
+    only the missing bytes (:func:`~chaos.scheduling.plan_missing`)."""
+    used = {k for k, v in rep.assignment.items() if v}
+    chosen = [n for n in neighbors if n.id in used] or list(neighbors)
+    reason = f"held_chunks: {state.reused_bytes} of {state.total_bytes} bytes"
+    ranges = state.missing()
+    c = float(rep.per_shard_cost_s)
+    if not ranges:  # nothing to pull (an empty runtime record cannot happen, but is handled)
+        empty = Plan(method=PlanMethod(rep.method).value, layout="flat", shard_size=rep.shard_size,
+                     assignment={n.id: [] for n in chosen}, makespan_s=0.0, state_bytes=0,
+                     per_shard_cost_s=c)  # fmt: skip
+        return empty, reason
+    log.info("the joiner holds %d of %d bytes; planning the rest (%s, c = %g s)",
+             state.reused_bytes, state.total_bytes, rep.method, c)  # fmt: skip
+    return plan_missing(ranges, chosen, c, rep.method), reason
 
 
 def _resize_end(
@@ -526,10 +551,12 @@ class _Puller:
         unknown = sorted(nid for nid, r in plan.assignment.items() if r and nid not in donors)
         if unknown:
             raise ValueError(f"the plan assigns shards to donors without an address: {unknown}")
-        if plan.state_bytes != state.total_bytes:
+        needed = state.missing()  # all of it, less the chunks a joiner already holds
+        need = sum(n for _, n in needed)
+        if plan.state_bytes != need:
             raise StateLayoutError(
-                f"the plan covers {plan.state_bytes} bytes, the joiner's state has "
-                f"{state.total_bytes}: plan with joiner_state.tensor_sizes()"
+                f"the plan covers {plan.state_bytes} bytes, the joiner's state lacks {need} of "
+                f"{state.total_bytes}: plan with joiner_state.missing()"
             )
         self.state, self.step = state, step
         self.epochs = {nid: epoch if isinstance(epoch, int) else int(epoch[nid]) for nid in donors}
@@ -542,8 +569,9 @@ class _Puller:
             for off, length in ranges:
                 state._check_range(off, length)
                 self._enqueue(self.donors[nid], off, length)
-        if sum(n for _, n in self.todo) != state.total_bytes:
-            raise ValueError("the plan's ranges do not cover the state exactly once")
+        todo = [(sh[0], sh[1]) for sh in self.todo]
+        if sum(n for _, n in todo) != need or merge_ranges(todo) != merge_ranges(needed):
+            raise ValueError("the plan's ranges do not cover the missing bytes exactly once")
         self.failures: dict[Shard, dict[str, int]] = {}
         self.stats = PullStats(
             bytes_per_donor={nid: 0 for nid in donors}, shards_per_donor={nid: 0 for nid in donors}

@@ -287,6 +287,8 @@ class Donor:
             planned_s=plan.makespan_s,
             lower_bound_s=lower_bound(state.total_bytes, neighbors),
             bytes=state.total_bytes,
+            reused_bytes=state.reused_bytes,  # chunks this joiner held already
+            pulled_bytes=sum(stats.bytes_per_donor.values()),
             donors=stats.bytes_per_donor,
             replans=stats.replans,
             checksum_failures=stats.checksum_failures,

@@ -164,3 +164,43 @@ def test_a_manifest_with_wrong_chunk_addresses_is_refused() -> None:
             decode_manifest(msgspec.msgpack.encode(bad))
         with pytest.raises(StateLayoutError):
             TrainingState.for_joiner(model, opt, bad)
+
+
+def test_a_lora_joiner_pulls_only_the_missing_chunks_from_real_shard_servers() -> None:
+    from chaos.scheduling import Neighbor, plan_missing
+
+    from chaos.replication.pull import PullConfig, pull_state
+    from chaos.replication.server import ShardServer
+
+    model, opt = _lora(seed=1, steps=3)
+    donor = TrainingState.capture(model, opt, step=3, epoch=1)
+    j_model, j_opt = _lora(seed=2, steps=0)
+    with ShardServer() as a, ShardServer() as b:
+        for server in (a, b):
+            server.publish(donor, 1, 3)
+        joiner = TrainingState.for_joiner(j_model, j_opt, donor.manifest_bytes)
+        nbrs = [Neighbor("a", 0.0, 1e-8), Neighbor("b", 0.0, 1e-8)]
+        plan = plan_missing(joiner.missing(), nbrs, 4e-6)
+        stats = pull_state(plan, {"a": a.address, "b": b.address}, joiner, 1, 3, 60.0,
+                           neighbors=nbrs, config=PullConfig(window=4))  # fmt: skip
+    pulled = sum(stats.bytes_per_donor.values())
+    assert pulled == donor.total_bytes - joiner.reused_bytes
+    assert pulled <= 0.05 * donor.total_bytes
+    assert all(stats.bytes_per_donor[d] > 0 for d in ("a", "b"))  # both donors share the rest
+    joiner.apply()
+    assert state_equal(donor, TrainingState.capture(j_model, j_opt, step=3, epoch=1))
+
+
+def test_a_plan_for_the_whole_state_is_refused_when_the_joiner_holds_part_of_it() -> None:
+    from chaos.scheduling import Neighbor, plan_replication
+
+    from chaos.replication.pull import pull_state
+
+    model, opt = _lora(seed=1, steps=1)
+    donor = TrainingState.capture(model, opt, step=1, epoch=1)
+    j_model, j_opt = _lora(seed=2, steps=0)
+    joiner = TrainingState.for_joiner(j_model, j_opt, donor.manifest_bytes)
+    nbrs = [Neighbor("a", 0.0, 1e-8)]
+    whole = plan_replication(joiner.tensor_sizes(), nbrs, 4e-6)
+    with pytest.raises(StateLayoutError, match="lacks"):
+        pull_state(whole, {"a": "tcp://127.0.0.1:9"}, joiner, 1, 1, 5.0, neighbors=nbrs)
