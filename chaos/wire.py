@@ -27,10 +27,11 @@ BYTE_ORDER = "<"
 
 # ----------------------------------------------------------------------------- control plane
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """The control plane's messages (:mod:`chaos.protocol.messages`), daemon to daemon, CLI and
 trainer to daemon. 3: one :class:`~chaos.protocol.messages.Refusal` for every msgpack channel
-(``req_id``, the shard server's reason codes)."""
+(``req_id``, the shard server's reason codes). 4: a join's refusal may list other members'
+addresses for the joiner to try (``Refusal.members``)."""
 
 # ----------------------------------------------------------------------------- replication
 

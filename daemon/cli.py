@@ -3,7 +3,7 @@
 Commands::
 
     chaos-daemon keygen FILE
-    chaos-daemon start --id ID --listen tcp://HOST:PORT [--join tcp://HOST:PORT]
+    chaos-daemon start --id ID --listen tcp://HOST:PORT [--join tcp://HOST:PORT[,...] ...]
                        [--neighbor ID ...] [--config FILE.toml] [--heartbeat-interval S]
                        [--failure-timeout S] [--metrics-port P] [--metrics-host HOST]
                        [--cluster-key FILE] [--insecure] [--enable-fault-injection]
@@ -46,6 +46,7 @@ from chaos.daemon.config import (
     ensure_private_run_dir,
     ipc_endpoint_for,
     load_config,
+    parse_join_endpoints,
 )
 
 from chaos.errors import ChaosError, ChaosTimeout, ConfigError
@@ -116,7 +117,12 @@ def keygen(file: str) -> None:
 @main.command()
 @click.option("--id", "node_id", help=f"Unique node id ({NODE_ID_RULE}).")
 @click.option("--listen", help="TCP endpoint to bind, tcp://HOST:PORT.")
-@click.option("--join", help="A member's endpoint; without it a new cluster starts.")
+@click.option(
+    "--join",
+    multiple=True,
+    help="Members' endpoints to join through, tried in turn (repeat, or separate with commas); "
+    "without it a new cluster starts.",
+)
 @click.option("--neighbor", "neighbors", multiple=True, help="Wanted overlay neighbour (repeat).")
 @click.option(
     "--config",
@@ -163,7 +169,7 @@ def keygen(file: str) -> None:
 def start(
     node_id: str | None,
     listen: str | None,
-    join: str | None,
+    join: tuple[str, ...],
     neighbors: tuple[str, ...],
     config_file: str | None,
     heartbeat_interval: float | None,
@@ -188,7 +194,7 @@ def start(
     cli: dict[str, Any] = {
         "node_id": node_id,
         "listen": listen,
-        "join": join,
+        "join": parse_join_endpoints(join),
         "neighbors": tuple(neighbors),
         "heartbeat_interval_s": heartbeat_interval,
         "failure_timeout_s": failure_timeout,

@@ -17,7 +17,7 @@ import os
 import stat
 import tempfile
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +52,9 @@ class DaemonConfig:
     Args:
         node_id: This node's unique id.
         listen: TCP endpoint the daemon's ROUTER binds, ``tcp://HOST:PORT``. Peers reach it here.
-        join: A member's endpoint to join through; ``None`` starts a new cluster.
+        join: Members' endpoints to join through, tried in turn (the next one when a contact
+            refuses for want of a scheduler or stays silent); empty starts a new cluster. Name
+            several where a contact may be paused or gone (see :func:`parse_join_endpoints`).
         neighbors: Ids of the overlay neighbours wanted at join time. Empty: the node it joins
             through.
         heartbeat_interval_s: Heartbeat period. Lower detects failures sooner at more traffic.
@@ -135,7 +137,7 @@ class DaemonConfig:
 
     node_id: str
     listen: str
-    join: str | None = None
+    join: tuple[str, ...] = ()
     neighbors: tuple[str, ...] = ()
     heartbeat_interval_s: float = 0.5
     failure_timeout_s: float = 1.5
@@ -180,10 +182,7 @@ class DaemonConfig:
                 f"got {self.replication_strategy!r}"
             )
         check_tcp_endpoint(self.listen, "listen endpoint")
-        if self.join is not None:
-            check_tcp_endpoint(self.join, "join endpoint")
-            if self.join == self.listen:
-                raise ConfigError("--join must name another daemon, not this one's --listen")
+        self._check_join()
         if not isinstance(self.neighbors, tuple):
             raise ConfigError("neighbors must be a tuple of node ids")
         for n in self.neighbors:
@@ -228,6 +227,16 @@ class DaemonConfig:
             raise ConfigError(f"keep_probe_memory must be true or false, got {v!r}")
         self._check_consistency()
         self._check_straggler_grace()
+
+    def _check_join(self) -> None:
+        if not isinstance(self.join, tuple):
+            raise ConfigError(f"join must be a tuple of endpoints, got {self.join!r}")
+        for j in self.join:
+            check_tcp_endpoint(j, "join endpoint")
+            if j == self.listen:
+                raise ConfigError("--join must name other daemons, not this one's --listen")
+        if len(set(self.join)) != len(self.join):
+            raise ConfigError(f"--join names an endpoint twice: {', '.join(self.join)}")
 
     def _check_straggler_grace(self) -> None:
         g = self.straggler_grace_s
@@ -436,6 +445,30 @@ def parse_fault_spec(spec: str) -> tuple[str, list[str]]:
     return _parse_fault_spec(spec)
 
 
+def parse_join_endpoints(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The join endpoints of ``--join`` (repeatable) or the ``join`` key: each value may list
+    several endpoints separated by commas.
+
+    Args:
+        value: One string, several, or ``None``.
+
+    Returns:
+        The endpoints in order, blanks dropped (checked by :class:`DaemonConfig`).
+
+    Raises:
+        ConfigError: a value is not a string.
+    """
+    if value is None:
+        return ()
+    values = [value] if isinstance(value, str) else list(value)
+    out: list[str] = []
+    for v in values:
+        if not isinstance(v, str):
+            raise ConfigError(f"join endpoints must be strings, got {v!r}")
+        out += [p.strip() for p in v.split(",") if p.strip()]
+    return tuple(out)
+
+
 _TUPLE_FIELDS = {"neighbors", "faults"}
 _FIELDS = {f.name for f in dataclasses.fields(DaemonConfig)}
 
@@ -464,6 +497,8 @@ def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
     unknown = sorted(set(data) - _FIELDS)
     if unknown:
         raise ConfigError(f"unknown key(s) in {path}: {', '.join(unknown)}")
+    if "join" in data:
+        data["join"] = parse_join_endpoints(data["join"])
     return {
         k: (tuple(v) if k in _TUPLE_FIELDS and isinstance(v, list) else v) for k, v in data.items()
     }

@@ -4,12 +4,19 @@
 join until it is answered, and times both out. The daemon's event loop owns it, as it owns
 :class:`~chaos.daemon.relay.TrainerRelay`, and calls it from its handlers and its housekeeping
 timer. Everything here runs on the loop's thread.
+
+A join is not stuck with one contact: it holds a list of contacts (``--join`` may name several,
+a rejoin adds every member of the last view), sends to one at a time, and moves on to the next
+when the current one refuses for want of a scheduler (``not_scheduler``, ``paused``) or stays
+silent for :data:`SILENT_SENDS` sends. A contact that refuses may list other members' addresses
+(``Refusal.members``), which join the list. All of it within the one ``join_timeout_s``.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Sequence
 from typing import Protocol
 
 from chaos.daemon.config import DaemonConfig
@@ -23,14 +30,24 @@ from chaos.protocol import (
     JoinRequest,
     LeaveRequest,
     Message,
+    NodeState,
     OpResult,
     PolicyAck,
     Reason,
     Refusal,
     encode,
 )
+from chaos.protocol.messages import MAX_JOIN_CONTACTS
 
 log = logging.getLogger("chaos.daemon")
+
+SILENT_SENDS = 2
+"""Join requests a contact may leave unanswered before the joiner tries the next contact (a
+contact that forwards to a working scheduler gets the join admitted well within them)."""
+MAX_CONTACTS = 64
+"""Most contacts a join holds (configured, then learned from refusals)."""
+_RETRY_REASONS = ("not_scheduler", "paused", "overloaded")
+_WRONG_CONTACT = ("not_scheduler", "paused")
 
 
 class MembershipHost(Protocol):
@@ -79,7 +96,9 @@ class Membership:
 
     def __init__(self, host: MembershipHost) -> None:
         self.host = host
-        self._join_contact: str | None = None
+        self._contacts: list[str] = []
+        self._contact_i = 0
+        self._sent_to_contact = 0
         self._join_neighbors: list[str] = []
         self._join_deadline = float("inf")
         self._next_join = float("inf")
@@ -90,23 +109,55 @@ class Membership:
 
     # -- joining ---------------------------------------------------------------------------
 
-    def begin_join(self, now: float, contact: str, neighbors: list[str]) -> None:
-        """Becomes ``joining`` and sends a join request to ``contact``, resent until answered
-        and given up after ``join_timeout_s``."""
+    @property
+    def join_contacts(self) -> list[str]:
+        """The contacts of the join in flight, in the order they are tried."""
+        return list(self._contacts)
+
+    def begin_join(self, now: float, contacts: Sequence[str], neighbors: list[str]) -> None:
+        """Becomes ``joining`` and sends a join request to the first of ``contacts``, resent
+        until answered (moving on to the next contact when one cannot help) and given up after
+        ``join_timeout_s``."""
         h = self.host
         h.set_state(DaemonState.JOINING)
         h.election.disarm()
         h.drop_scheduler_role()
-        self._join_contact = contact
+        self._contacts = []
+        self._contact_i = 0
+        self._sent_to_contact = 0
+        self._learn(contacts)
         self._join_neighbors = neighbors
         self._join_deadline = now + h.cfg.join_timeout_s
         self._send_join(now)
 
+    def _learn(self, addresses: Sequence[str]) -> list[str]:
+        """Appends the new ones of ``addresses`` (not this node's own) to the contacts."""
+        new = []
+        for a in addresses:
+            if len(self._contacts) >= MAX_CONTACTS:
+                break
+            if a != self.host.address and a not in self._contacts:
+                self._contacts.append(a)
+                new.append(a)
+        return new
+
+    def _next_contact(self, why: str) -> None:
+        """Moves on to the next contact (a no-op with one contact)."""
+        if len(self._contacts) < 2:
+            return
+        self._contact_i = (self._contact_i + 1) % len(self._contacts)
+        self._sent_to_contact = 0
+        contact = self._contacts[self._contact_i]
+        log.info("join: trying contact %s (%s)", contact, why)
+        self.host.event("join_contact", contact=contact, why=why)
+
     def _send_join(self, now: float) -> None:
         h = self.host
         self._next_join = now + max(0.5, 2 * h.cfg.heartbeat_interval_s)
-        if self._join_contact is None:
+        if not self._contacts:
             return
+        if self._sent_to_contact >= SILENT_SENDS:
+            self._next_contact("silent")
         req = JoinRequest(
             sender=h.node_id,
             epoch=h.epoch,
@@ -116,7 +167,8 @@ class Membership:
             op_id=uuid.uuid4().hex[:12],
             public_key=h.public_key,
         )
-        h.transport.send_contact(self._join_contact, encode(req))
+        self._sent_to_contact += 1
+        h.transport.send_contact(self._contacts[self._contact_i], encode(req))
 
     def on_admitted(self, msg: ClusterUpdate, now: float) -> None:
         """The first update that lists this joining node: it is a member."""
@@ -131,20 +183,46 @@ class Membership:
 
         A join refused for want of a scheduler (``not_scheduler``, ``paused``) or because the
         scheduler's join budget is spent for now (``overloaded``) is resent at the next join
-        interval, until ``join_timeout_s``; any other reason ends the daemon (exit code 3).
+        interval, until ``join_timeout_s``; any other reason ends the daemon (exit code 3). The
+        members a refusal lists join the contacts, and a refusal for want of a scheduler moves
+        the join on to the next contact (unless nothing was sent to the current one yet: the
+        refusal answered an earlier contact).
         """
         h = self.host
         if h.state != DaemonState.JOINING or msg.ref_type != "join_request":
             return False
-        if msg.reason not in ("not_scheduler", "paused", "overloaded"):
+        if msg.reason not in _RETRY_REASONS:
             log.error("join refused by %s: %s %s", msg.sender or "?", msg.reason, msg.detail)
             h.event("join_failed", reason=msg.reason, detail=msg.detail)
             h.finish(3)
+            return True
+        learned = self._learn(msg.members)
+        if learned:
+            h.event("join_contacts_learned", peer=msg.sender, contacts=learned)
+        if msg.reason in _WRONG_CONTACT and self._sent_to_contact > 0:
+            self._next_contact(f"{msg.reason} from {msg.sender or '?'}")
         return True
+
+    def contacts_for(self, joiner_address: str) -> list[str]:
+        """Other members' addresses this node can suggest to a joiner it cannot admit: every
+        member of its view but itself and the joiner, active ones first (at most
+        :data:`~chaos.protocol.messages.MAX_JOIN_CONTACTS`)."""
+        h = self.host
+        if h.view is None:
+            return []
+        nodes = [n for n in h.view.nodes
+                 if n.id != h.node_id and n.address not in (h.address, joiner_address)]  # fmt: skip
+        nodes.sort(key=lambda n: n.state != NodeState.ACTIVE)
+        out: list[str] = []
+        for n in nodes:
+            if n.address not in out:
+                out.append(n.address)
+        return out[:MAX_JOIN_CONTACTS]
 
     def rejoin(self, view: ClusterView | None, via: str, now: float) -> None:
         """Joins again through ``via`` after the cluster committed a view without this node,
-        asking for the neighbours it had that are still members."""
+        asking for the neighbours it had that are still members; the other members of the
+        views it knows are the next contacts."""
         h = self.host
         nodes = {n.id: n for n in (view.nodes if view else [])}
         contact = nodes[via].address if via in nodes else None
@@ -156,7 +234,9 @@ class Membership:
         mine = old[h.node_id].neighbors if h.node_id in old else []
         nbrs = [n for n in mine if n in nodes] if nodes else []
         h.event("rejoining", via=via, neighbors=nbrs)
-        self.begin_join(now, contact, nbrs)
+        others = [n.address for v in (view, h.view) if v is not None for n in v.nodes
+                  if n.id not in (via, h.node_id)]  # fmt: skip
+        self.begin_join(now, [contact, *others], nbrs)
 
     # -- leaving ---------------------------------------------------------------------------
 

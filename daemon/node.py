@@ -346,9 +346,12 @@ class Daemon:
         """
         now = time.monotonic()
         self.event(
-            "started", address=self.address, ipc=self.transport.ipc_endpoint, join=self.cfg.join
+            "started",
+            address=self.address,
+            ipc=self.transport.ipc_endpoint,
+            join=",".join(self.cfg.join) or None,
         )
-        if self.cfg.join is None:
+        if not self.cfg.join:
             self.set_state(DaemonState.ACTIVE)
             self.succession.become_scheduler(now, bootstrap=True)
         else:
@@ -502,10 +505,11 @@ class Daemon:
             fwd = msgspec.structs.replace(msg, forwarded_by=self.node_id, sender=self.node_id)
             self.send(scheduler, fwd)
             return
-        if msg.forwarded_by is None:
+        if msg.forwarded_by is None:  # the joiner's next contacts: the members this node knows
             reason = Reason.PAUSED if self.paused else Reason.NOT_SCHEDULER
-            ctx = self.dispatcher.context()
-            self.respond(reply, refusal(reason, ctx, "no scheduler", "join_request"))
+            no = refusal(reason, self.dispatcher.context(), "no scheduler", "join_request")
+            others = self.membership.contacts_for(msg.address)
+            self.respond(reply, msgspec.structs.replace(no, members=others))
 
     def _on_request_vote(self, msg: RequestVote, reply: ReplyPath | None, now: float) -> None:
         """A vote request; one marked ``transfer`` skips the stickiness rule only when

@@ -216,7 +216,7 @@ def _validate(
             return Rejected(refusal(Reason.PAUSED, ctx, "no majority", tag))
     if type(msg).MUTATING and ctx.paused:
         return Rejected(refusal(Reason.PAUSED, ctx, "no scheduler with a majority", tag))
-    bad = _trainer_problem(msg)
+    bad = _trainer_problem(msg) or _refusal_problem(msg)
     if bad:
         return Rejected(refusal(Reason.BAD_REQUEST, ctx, bad, tag))
     return msg
@@ -248,6 +248,17 @@ def _attachment_problem(
     if len(attachment) != msg.size:
         return Reason.MALFORMED, f"attachment of {len(attachment)} bytes, declared {msg.size}"
     return None
+
+
+def _refusal_problem(msg: Message) -> str:
+    """A refusal may suggest other members (``members``) only to a joiner, each once."""
+    if not isinstance(msg, Refusal) or not msg.members:
+        return ""
+    if msg.ref_type != "join_request":
+        return f"members suggested in a refusal of {msg.ref_type or 'an unnamed message'!r}"
+    if len(set(msg.members)) != len(msg.members):
+        return "members lists an address twice"
+    return ""
 
 
 def _trainer_problem(msg: Message) -> str:

@@ -56,6 +56,8 @@ every counter exact as a float and far from any fixed-width integer limit: a for
 Counter = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNTER)]
 """A term, an epoch or a step: a bounded non-negative integer (see :data:`MAX_COUNTER`)."""
 Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
+MAX_JOIN_CONTACTS = 16
+"""Most member addresses a join refusal suggests to the joiner (:attr:`Refusal.members`)."""
 
 MAX_STATE_TENSORS = 32_768
 """Most tensors a training state layout may list (keeps a ClusterUpdate well below 1 MiB)."""
@@ -509,6 +511,12 @@ class Refusal(_Base, frozen=True, tag="refusal"):
     ``scheduler`` help the sender find the scheduler) and a donor's shard server (where
     ``req_id`` names the refused request and ``v`` is the replication wire's version, see
     :func:`chaos.replication.wire.refusal`).
+
+    ``members`` (protocol version 4) lists other members' control addresses that a contact
+    which cannot admit a joiner (``not_scheduler``, ``paused``) knows, so that the joiner tries
+    them next; only a refusal of a ``join_request`` may carry it
+    (:func:`chaos.protocol.codec.validate`), with at most :data:`MAX_JOIN_CONTACTS` distinct
+    addresses.
     """
 
     reason: Reason
@@ -517,6 +525,7 @@ class Refusal(_Base, frozen=True, tag="refusal"):
     term: Counter = 0
     scheduler: NodeId | None = None
     req_id: NonNeg = 0
+    members: Annotated[list[Address], msgspec.Meta(max_length=MAX_JOIN_CONTACTS)] = []
 
 
 # ----------------------------------------------------------------------------- client messages
