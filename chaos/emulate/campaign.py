@@ -28,6 +28,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,10 @@ __all__ = ["DEFAULT_WEIGHTS", "Campaign", "CampaignConfig", "format_table", "rep
 LEAVE_TIMEOUT_S = 60.0
 """A leaver still running this long after it was asked to go is killed (and reported)."""
 STATUS_TIMEOUT_S = 5.0
+JOIN_CONTACTS = 3
+"""Contacts a joiner gets: members found running and not paused first, then its neighbours."""
+JOIN_PROBES = 4
+"""Members whose daemon status is asked (at once) before a join, to find its contacts."""
 END_SETTLE_S = 15.0
 """After the last fault: every cut and partition is healed and the cluster trains this long."""
 
@@ -299,14 +304,38 @@ class Campaign:
 
     # -------------------------------------------------------------------- the events
 
+    def _healthy(self, live: list[str]) -> list[str]:
+        """Up to :data:`JOIN_PROBES` members (drawn) whose daemon answers ``status`` as an
+        active member, not paused and following a scheduler: a join's useful contacts."""
+        probe = self.rng.sample(live, min(JOIN_PROBES, len(live)))
+        with ThreadPoolExecutor(max_workers=max(1, len(probe))) as pool:
+            answers = list(pool.map(self._status, probe))
+        healthy = []
+        for name, (code, _took, out) in zip(probe, answers, strict=True):
+            try:
+                st = json.loads(out) if code == 0 else {}
+            except json.JSONDecodeError:
+                continue
+            if st.get("state") == "active" and not st.get("paused") and st.get("scheduler"):
+                healthy.append(name)
+        return sorted(healthy)
+
     def _join(self, ev: PlannedEvent, live: list[str]) -> dict[str, Any]:
+        """A new device: its neighbours are drawn among the members found healthy when two
+        are (else among every member), its contacts are the healthy ones, then its
+        neighbours."""
         r = self.runner
         name = str(ev.node)
-        nbrs = sorted(r.join_rng.sample(live, min(2, len(live))))
+        healthy = self._healthy(live)
+        pool = healthy if len(healthy) >= 2 else live
+        nbrs = sorted(r.join_rng.sample(pool, min(2, len(pool))))
         for n in nbrs:
             r._net.add_link(name, n, r._rate(name, n))
-        rec = self._mark("join", node=name, neighbors=nbrs, label=f"join {name}")
-        r._start_device(name, nbrs)
+        ranked = [n for n in healthy if n in nbrs] + [n for n in healthy if n not in nbrs]
+        contacts = list(dict.fromkeys(ranked[:JOIN_CONTACTS] + nbrs))
+        rec = self._mark("join", node=name, neighbors=nbrs, contacts=contacts,
+                         label=f"join {name}")  # fmt: skip
+        r._start_device(name, nbrs, join=contacts)
         self._joining[name] = rec
         return rec
 

@@ -161,9 +161,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def split_join(args: argparse.Namespace) -> argparse.Namespace:
+    """``--join A,B,...``: the trainer takes the first contact (one endpoint) and its embedded
+    daemon every other one as a further ``--join`` (its contacts, tried in turn)."""
+    contacts = [c for c in (args.join or "").split(",") if c]
+    if len(contacts) < 2:
+        return args
+    rest = [f"--join={','.join(contacts[1:])}"]
+    return argparse.Namespace(**{**vars(args), "join": contacts[0],
+                                 "daemon_arg": [*args.daemon_arg, *rest]})  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the device until it is asked to leave or checkpoint, or is killed."""
-    args = _parse(argv)
+    args = split_join(_parse(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     torch.set_num_threads(1)

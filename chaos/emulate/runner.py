@@ -22,7 +22,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -297,10 +297,12 @@ class Runner:
         self,
         name: str,
         neighbors: list[str],
-        join: str | None = None,
+        join: Sequence[str] = (),
         resume: tuple[Path | str, int] | None = None,
         gate: Path | None = None,
     ) -> Device:
+        """Starts device ``name`` joining through the devices ``join`` (tried in turn; none
+        given: its first neighbour; no neighbour either: it founds the cluster)."""
         sc = self.sc
         old = self.devices.get(name)
         if old is not None:
@@ -318,9 +320,9 @@ class Runner:
         for n in neighbors:
             daemon_args += ["--neighbor", n]
         argv += [f"--daemon-arg={a}" for a in daemon_args]
-        target = join or (neighbors[0] if neighbors else None)
-        if target is not None:
-            argv += ["--join", self._endpoint(target)]
+        contacts = list(join) or neighbors[:1]
+        if contacts:
+            argv += ["--join", ",".join(self._endpoint(c) for c in contacts)]
         if resume is not None:  # a local file, or the store's HOST:PORT
             flag = "--resume" if isinstance(resume[0], Path) else "--resume-from"
             argv += [flag, str(resume[0]), "--wait-world", str(resume[1])]
@@ -489,7 +491,7 @@ class Runner:
             gates[node] = self.out_dir / f"gate-{node}-{len(self.retired)}"
             via = members[0] if i and not mine else None  # its earlier links were removed
             source: Path | str = ckpt if node == store else remote
-            self._start_device(node, mine, join=via, resume=(source, len(members)),
+            self._start_device(node, mine, join=[via] if via else (), resume=(source, len(members)),
                                gate=gates[node])  # fmt: skip
         for node in members:  # a joiner names earlier devices
             gates[node].touch()

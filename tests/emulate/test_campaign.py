@@ -9,6 +9,7 @@ asserted.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -82,6 +83,20 @@ def test_bad_campaign_settings_are_refused() -> None:
 
 
 # ------------------------------------------------------------------------------- the overlay
+
+
+def test_a_device_hands_its_further_join_contacts_to_its_daemon() -> None:
+    from chaos.emulate.device import split_join
+
+    a, b, c = "tcp://10.255.0.1:7000", "tcp://10.255.0.2:7000", "tcp://10.255.0.3:7000"
+    base = argparse.Namespace(join=f"{a},{b},{c}", daemon_arg=["--neighbor=n1"])
+    got = split_join(base)
+    assert got.join == a  # the Trainer takes one endpoint
+    assert got.daemon_arg == ["--neighbor=n1", f"--join={b},{c}"]
+    one = argparse.Namespace(join=a, daemon_arg=[])
+    assert split_join(one) is one
+    none = argparse.Namespace(join=None, daemon_arg=[])
+    assert split_join(none).join is None
 
 
 def test_cut_vertices_and_bridges_of_the_live_overlay() -> None:
@@ -162,8 +177,12 @@ def test_resume_waits_for_every_running_device_that_is_not_paused() -> None:
             "c": _steps(0.0, 1, 10),   # paused after the fault
             "d": _steps(0.0, 1, 10)}  # fmt: skip
     daemon = [{"node": "c", "event": "paused", "ts": 2.0}]
-    life = {"a": (0.0, float("inf")), "b": (0.0, float("inf")), "c": (0.0, float("inf")),
-            "d": (0.0, 1.5)}  # d is the victim's neighbour, killed later at 1.5 s
+    life = {
+        "a": (0.0, float("inf")),
+        "b": (0.0, float("inf")),
+        "c": (0.0, float("inf")),
+        "d": (0.0, 1.5),
+    }  # d is the victim's neighbour, killed later at 1.5 s
     inj = [{"t": 1.2, "kind": "partition", "label": "partition c"},
            {"t": 5.0, "kind": "kill", "node": "b", "label": "kill b"}]  # fmt: skip
     rows = resume_times(inj, devs, daemon, life)
@@ -260,6 +279,8 @@ def test_a_short_loopback_campaign_reports_every_field_and_reaps_its_processes(
     assert doc["injected_faults"] >= 1
     for row in doc["injections"]:
         assert isinstance(row["resumed"], bool)
+    for join in (e for e in doc["harness_events"] if e["kind"] == "join" and "contacts" in e):
+        assert set(join["neighbors"]) <= set(join["contacts"])  # the healthy ones, then these
     assert {"ettr", "useful_steps", "tau_s", "wall_s", "lost_s"} <= set(doc["ettr"])
     assert doc["ettr"]["useful_steps"] > 0
     assert doc["samples"], "no RSS / fd sample"
@@ -315,9 +336,11 @@ def test_run_partitions_a_cut_vertex_side_and_heals_in_namespaces(tmp_path: Path
 
 
 def test_a_device_the_cluster_evicted_is_not_waited_for() -> None:
-    devs = {"a": _steps(0.0, 1, 10) + _steps(3.0, 11, 5),
-            "b": _steps(0.0, 1, 10) + _steps(3.2, 11, 5),
-            "c": _steps(0.0, 1, 10)}  # cut off: evicted, runs elections, never steps again
+    devs = {
+        "a": _steps(0.0, 1, 10) + _steps(3.0, 11, 5),
+        "b": _steps(0.0, 1, 10) + _steps(3.2, 11, 5),
+        "c": _steps(0.0, 1, 10),
+    }  # cut off: evicted, runs elections, never steps again
     daemon = [{"node": "a", "event": "view_installed", "ts": 2.5, "epoch": 7,
                "members": ["a", "b"]},
               {"node": "c", "event": "view_installed", "ts": 0.5, "epoch": 5,
