@@ -271,10 +271,10 @@ class TrainingState:
                 "the donor's state has another layout than this model and optimizer: "
                 + _layout_difference(m, model_specs, _optimizer_class(optimizer), params)
             )
-        optim_tensors = [torch.empty(s.shape, dtype=DTYPES[s.dtype]) for s in m.optim]
+        optim_tensors = [torch.zeros(s.shape, dtype=DTYPES[s.dtype]) for s in m.optim]
         self = cls.__new__(cls)
         self._extra = dict(extra or {})
-        self._extra_tensors = [torch.empty(s.shape, dtype=DTYPES[s.dtype])
+        self._extra_tensors = [torch.zeros(s.shape, dtype=DTYPES[s.dtype])
                                for s in m.extra_tensors]  # fmt: skip
         self._setup(model, optimizer, m, model_tensors, optim_tensors, bytearray(m.runtime_bytes))
         self._donor = False

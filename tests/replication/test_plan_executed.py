@@ -108,7 +108,7 @@ def _pull_with_a_stalled_donor(c: float) -> tuple[int, int]:
         torch.manual_seed(1)
         model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.Linear(256, 64))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        joiner = TrainingState.for_joiner(model, opt, donor.manifest_bytes)
+        joiner = TrainingState.for_joiner(model, opt, donor.manifest_bytes, reuse=False)
         plan, reason = choose_plan(joiner, rep, _neighbors(ids))
         assert reason == "" and plan.per_shard_cost_s == c and plan.assignment["b"]
         stats = pull_state(

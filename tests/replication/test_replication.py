@@ -168,7 +168,8 @@ def _joiner(donor: Donor, hidden: int = 64) -> tuple[TrainingState, Any, Any]:
     model, opt = _build(seed=77, hidden=hidden)
     manifest, step = fetch_manifest(donor.address, EPOCH, None, timeout_s=30.0)
     assert step == STEP
-    return TrainingState.for_joiner(model, opt, manifest), model, opt
+    # the whole state is planned: no chunk the joiner happens to hold is skipped
+    return TrainingState.for_joiner(model, opt, manifest, reuse=False), model, opt
 
 
 def _plan(state: TrainingState, ids: list[str]) -> Plan:

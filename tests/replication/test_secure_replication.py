@@ -112,7 +112,7 @@ def test_a_key_holder_fetches_the_manifest_and_pulls_the_state_bitwise(
     manifest, step = fetch_manifest(server.address, EPOCH, None, timeout_s=20.0, security=joiner)
     assert (manifest, step) == (state.manifest_bytes, STEP)
     model, opt = _build(seed=77)
-    target = TrainingState.for_joiner(model, opt, manifest)
+    target = TrainingState.for_joiner(model, opt, manifest, reuse=False)
     neighbors = [Neighbor(id="d0", prop_s=1e-4, trans_s_per_byte=1e-9)]
     plan = plan_replication(target.tensor_sizes(), neighbors, 1e-5, shard_size=1024)
     stats = pull_state(plan, {"d0": server.address}, target, EPOCH, STEP, 30.0,
@@ -131,7 +131,7 @@ def test_a_pull_with_another_key_drops_the_donor_and_fails(
 ) -> None:
     server, state = donor
     model, opt = _build(seed=77)
-    target = TrainingState.for_joiner(model, opt, state.manifest_bytes)
+    target = TrainingState.for_joiner(model, opt, state.manifest_bytes, reuse=False)
     neighbors = [Neighbor(id="d0", prop_s=1e-4, trans_s_per_byte=1e-9)]
     plan = plan_replication(target.tensor_sizes(), neighbors, 1e-5, shard_size=1024)
     with pytest.raises(ReplicationError) as info:
