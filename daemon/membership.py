@@ -48,6 +48,7 @@ MAX_CONTACTS = 64
 """Most contacts a join holds (configured, then learned from refusals)."""
 _RETRY_REASONS = ("not_scheduler", "paused", "overloaded")
 _WRONG_CONTACT = ("not_scheduler", "paused")
+_NEIGHBOR_GONE = ("unknown_peer", "unreachable")
 
 
 class MembershipHost(Protocol):
@@ -100,6 +101,7 @@ class Membership:
         self._contact_i = 0
         self._sent_to_contact = 0
         self._join_neighbors: list[str] = []
+        self._rejoining = False
         self._join_deadline = float("inf")
         self._next_join = float("inf")
         self._leave_op = ""
@@ -127,6 +129,7 @@ class Membership:
         self._sent_to_contact = 0
         self._learn(contacts)
         self._join_neighbors = neighbors
+        self._rejoining = False
         self._join_deadline = now + h.cfg.join_timeout_s
         self._send_join(now)
 
@@ -186,11 +189,18 @@ class Membership:
         interval, until ``join_timeout_s``; any other reason ends the daemon (exit code 3). The
         members a refusal lists join the contacts, and a refusal for want of a scheduler moves
         the join on to the next contact (unless nothing was sent to the current one yet: the
-        refusal answered an earlier contact).
+        refusal answered an earlier contact). A rejoin whose neighbours are refused
+        (``unknown_peer``, ``unreachable``: one left or failed meanwhile) asks again without
+        them, once.
         """
         h = self.host
         if h.state != DaemonState.JOINING or msg.ref_type != "join_request":
             return False
+        if self._rejoining and self._join_neighbors and msg.reason in _NEIGHBOR_GONE:
+            # a rejoin's neighbours are this node's wish, not the user's: one may have gone
+            h.event("rejoin_neighbors_dropped", reason=msg.reason, neighbors=self._join_neighbors)
+            self._join_neighbors = []
+            return True
         if msg.reason not in _RETRY_REASONS:
             log.error("join refused by %s: %s %s", msg.sender or "?", msg.reason, msg.detail)
             h.event("join_failed", reason=msg.reason, detail=msg.detail)
@@ -237,6 +247,7 @@ class Membership:
         others = [n.address for v in (view, h.view) if v is not None for n in v.nodes
                   if n.id not in (via, h.node_id)]  # fmt: skip
         self.begin_join(now, [contact, *others], nbrs)
+        self._rejoining = True
 
     # -- leaving ---------------------------------------------------------------------------
 

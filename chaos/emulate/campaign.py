@@ -304,13 +304,15 @@ class Campaign:
 
     # -------------------------------------------------------------------- the events
 
-    def _healthy(self, live: list[str]) -> list[str]:
+    def _healthy(self, live: list[str]) -> tuple[list[str], set[str]]:
         """Up to :data:`JOIN_PROBES` members (drawn) whose daemon answers ``status`` as an
-        active member, not paused and following a scheduler: a join's useful contacts."""
+        active member, not paused and following a scheduler (a join's useful contacts), and
+        the members of the view the first of them holds (empty: none answered so)."""
         probe = self.rng.sample(live, min(JOIN_PROBES, len(live)))
         with ThreadPoolExecutor(max_workers=max(1, len(probe))) as pool:
             answers = list(pool.map(self._status, probe))
-        healthy = []
+        healthy: list[str] = []
+        view: set[str] = set()
         for name, (code, _took, out) in zip(probe, answers, strict=True):
             try:
                 st = json.loads(out) if code == 0 else {}
@@ -318,16 +320,18 @@ class Campaign:
                 continue
             if st.get("state") == "active" and not st.get("paused") and st.get("scheduler"):
                 healthy.append(name)
-        return sorted(healthy)
+                view = view or {n.get("id") for n in st.get("nodes", [])}
+        return sorted(healthy), view
 
     def _join(self, ev: PlannedEvent, live: list[str]) -> dict[str, Any]:
         """A new device: its neighbours are drawn among the members found healthy when two
-        are (else among every member), its contacts are the healthy ones, then its
-        neighbours."""
+        are (else among the members of a healthy one's view, else among every member), its
+        contacts are the healthy ones, then its neighbours."""
         r = self.runner
         name = str(ev.node)
-        healthy = self._healthy(live)
-        pool = healthy if len(healthy) >= 2 else live
+        healthy, view = self._healthy(live)
+        in_view = [n for n in live if n in view]
+        pool = healthy if len(healthy) >= 2 else (in_view or live)
         nbrs = sorted(r.join_rng.sample(pool, min(2, len(pool))))
         for n in nbrs:
             r._net.add_link(name, n, r._rate(name, n))
