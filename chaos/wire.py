@@ -43,8 +43,8 @@ STATE_FORMAT_VERSION = 3
 """The canonical training-state stream and its manifest (:mod:`chaos.replication.state`). 2: the
 extra state objects (LR schedulers, a ``GradScaler``, an EMA model): their tensors between the
 optimizer's and the runtime record, their encoded ``state_dict()`` in the manifest. 3: the
-manifest carries a content address (BLAKE2b-128) per chunk of the stream, so a joiner pulls only
-the chunks it does not hold."""
+manifest carries a content address (SHA-256, 128 bits) per chunk of the stream, so a joiner
+pulls only the chunks it does not hold."""
 
 # ----------------------------------------------------------------------------- data plane
 

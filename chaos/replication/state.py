@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -78,6 +80,10 @@ from chaos.replication.runtime import (
 )
 from chaos.replication.staging import HostStaging
 from chaos.wire import STATE_FORMAT_VERSION
+
+PARALLEL_HASH_BYTES = 16 << 20
+"""A state at least this large is hashed (its chunk addresses) on several threads."""
+HASH_THREADS = 4
 
 __all__ = [
     "STATE_FORMAT_VERSION",
@@ -376,8 +382,14 @@ class TrainingState:
     def chunk_addresses(self) -> list[bytes]:
         """The content address of every chunk of the stream as its bytes are now
         (:func:`~chaos.replication.manifest.chunk_ranges`)."""
-        ranges = chunk_ranges(self._sizes, self._manifest.chunk_bytes)
-        return [chunk_address(self.read(off, length)) for off, length in ranges]
+        views = [
+            self.read(off, n) for off, n in chunk_ranges(self._sizes, self._manifest.chunk_bytes)
+        ]
+        workers = min(HASH_THREADS, os.cpu_count() or 1)
+        if self._total < PARALLEL_HASH_BYTES or workers < 2:
+            return [chunk_address(v) for v in views]
+        with ThreadPoolExecutor(max_workers=workers) as pool:  # hashlib lets go of the GIL
+            return list(pool.map(chunk_address, views))
 
     @property
     def total_bytes(self) -> int:

@@ -1,6 +1,6 @@
 """Content-addressed state: a joiner keeps the chunks it already holds and needs only the rest.
 
-The manifest carries a BLAKE2b-128 address per chunk (each stream element cut on its own into
+The manifest carries a 128-bit SHA-256 address per chunk (each stream element cut on its own into
 ``chunk_bytes`` pieces); ``TrainingState.for_joiner`` hashes what the joiner holds and
 ``missing()`` lists only the chunks that differ.
 """
