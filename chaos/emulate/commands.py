@@ -220,6 +220,7 @@ def compare_runs(
             "model": base.model, "state_bytes": r.get("state_bytes"),
             "scale_out_s": r.get("scale_out_s"), "replication_s": r.get("replication_s"),
             "lower_bound_s": r.get("lower_bound_s"), "idle_s": r.get("idle_s"),
+            "pulled_bytes": r.get("pulled_bytes"), "reused_bytes": r.get("reused_bytes"),
             "repeat": repeat, "donors": r.get("donors"), "network": runner.result.network,
             **({"checkpoint_store": r.get("checkpoint_store"), "checkpoint_fetch_s": r["fetch_s"]}
                if "fetch_s" in r else {}),
@@ -230,7 +231,14 @@ def compare_runs(
 @click.command("compare")
 @click.option("--sizes", default="6-12", show_default=True, help="Grow from N to M nodes.")
 @click.option("--model", default="resnet101", show_default=True)
-@click.option("--strategies", default=",".join(COMPARE_STRATEGIES), show_default=True)
+@click.option("--strategies", default=None,
+              help=f"Default: {','.join(COMPARE_STRATEGIES)}; with --rejoin: chaos.")  # fmt: skip
+@click.option("--rejoin", is_flag=True,
+              help="Instead of growing: N devices, then n<N> joins fresh, leaves with its "
+              "state and returns --away seconds later (gpt2-lora: then a fresh device without "
+              "the base joins); reports the bytes each join pulled and reused.")  # fmt: skip
+@click.option("--away", "away_s", type=click.FloatRange(0.0, 3600.0), default=30.0,
+              show_default=True, help="--rejoin: seconds the device stays away.")  # fmt: skip
 @click.option("--bandwidth", default="100-1000", show_default=True, help="Mbit/s range.")
 @click.option("--scale", type=float, default=0.02, show_default=True)
 @click.option("--repeats", type=click.IntRange(1, 20), default=1, show_default=True)
@@ -240,15 +248,19 @@ def compare_runs(
               required=True)  # fmt: skip
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--loopback", is_flag=True, help="Unshaped loopback mode (no root needed).")
-def compare_command(sizes: str, model: str, strategies: str, bandwidth: str, scale: float,
-                    repeats: int, settle: float, json_path: Path, plot_dir: Path | None,
-                    loopback: bool) -> None:  # fmt: skip
-    """Scale-out under each strategy as the cluster grows (the paper's Figs. 7, 10 and 15)."""
+def compare_command(sizes: str, model: str, strategies: str | None, rejoin: bool, away_s: float,
+                    bandwidth: str, scale: float, repeats: int, settle: float, json_path: Path,
+                    plot_dir: Path | None, loopback: bool) -> None:  # fmt: skip
+    """Scale-out under each strategy as the cluster grows (the paper's Figs. 7, 10 and 15);
+    with --rejoin, what content-addressed joins pull: a returning device and fresh ones."""
     lo, hi = _parse_sizes(sizes)
-    chosen = [s.strip() for s in strategies.split(",") if s.strip()]
+    default = "chaos" if rejoin else ",".join(COMPARE_STRATEGIES)
+    chosen = [s.strip() for s in (strategies or default).split(",") if s.strip()]
     bad = [s for s in chosen if s not in _DAEMON_STRATEGY]
     if bad or not chosen:
         raise click.BadParameter(f"unknown strategies {bad}; pick from {list(_DAEMON_STRATEGY)}")
+    if rejoin and "stop-resume" in chosen:
+        raise click.BadParameter("--rejoin measures replication: stop-resume has none")
     low, _, high = bandwidth.partition("-")
     try:
         base = Scenario(name="compare", nodes=lo, model=model, scale=scale, settle_s=settle,
@@ -256,6 +268,9 @@ def compare_command(sizes: str, model: str, strategies: str, bandwidth: str, sca
     except (ConfigError, ValueError) as exc:
         raise click.BadParameter(str(exc)) from exc
     shaped = _shaped(loopback)
+    if rejoin:
+        _compare_rejoin(chosen, lo, base, json_path, shaped, repeats, away_s)
+        return
     runs: list[dict[str, Any]] = []
     links: list[dict[str, Any]] = []
     for rep in range(repeats):
@@ -281,6 +296,30 @@ def compare_command(sizes: str, model: str, strategies: str, bandwidth: str, sca
 
         for path in plot_compare(runs, plot_dir, links):
             click.echo(f"wrote {path}", err=True)
+
+
+def _compare_rejoin(strategies: list[str], nodes: int, base: Scenario, json_path: Path,
+                    shaped: bool, repeats: int, away_s: float) -> None:  # fmt: skip
+    """``compare --rejoin``: the rejoin runs, their table and JSON."""
+    from chaos.emulate.rejoin import print_rejoin_table, rejoin_runs, rejoin_summary
+
+    rows: list[dict[str, Any]] = []
+    doc: dict[str, Any] = {"mode": "rejoin", "model": base.model, "scale": base.scale,
+                           "nodes": nodes, "away_s": away_s}  # fmt: skip
+    for rep in range(repeats):
+        for strategy in strategies:
+            click.echo(f"== rejoin, {strategy}, repeat {rep + 1}/{repeats}", err=True)
+            out = json_path.parent / f"{json_path.stem}-runs" / f"rejoin-{strategy}-{rep}"
+            try:
+                rows += rejoin_runs(_DAEMON_STRATEGY[strategy], nodes, base, out, shaped, rep,
+                                    away_s, _progress_printer())  # fmt: skip
+            except (EmulationError, ChaosError, OSError) as exc:
+                raise click.ClickException(f"rejoin run ({strategy}) failed: {exc}") from exc
+            _write(json_path, {**doc, "joins": rows})
+    summary = rejoin_summary(rows)
+    print_rejoin_table(summary, base.model)
+    network = rows[0]["network"] if rows else None
+    _write(json_path, {**doc, "joins": rows, "summary": summary, "network": network})
 
 
 def _print_connect_link(links: list[dict[str, Any]]) -> None:

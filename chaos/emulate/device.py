@@ -2,12 +2,15 @@
 
 The harness starts one of these per device, inside the device's network namespace. It is a real
 :class:`chaos.trainer.Trainer` with its embedded ``chaos-daemon``; it trains a stand-in model
-whose training state has the byte size of a paper model (times the run's ``--scale``):
+whose training state has the byte size of a paper model (times the run's ``--scale``), in the
+kind the model name picks (:mod:`chaos.emulate.stand_in`):
 
-* a frozen buffer holds the bulk of the state: it is replicated to joiners like any state, but
-  it takes no gradient, so the allreduce and the compute stay small enough for 2 cores;
-* a small trainable MLP head (SGD with momentum) gives real gradients, a real allreduce and a
-  real optimizer step every step, so members must stay bitwise equal.
+* a buffer holds the bulk of the state: it is replicated to joiners like any state, but it takes
+  no gradient, so the allreduce and the compute stay small enough for 2 cores. A fresh device
+  initialises it from its id (a joiner pulls it all); a full fine-tune's drifts every step; a
+  LoRA model's is the frozen base every device holds, beside trainable adapters;
+* a small trainable MLP head gives real gradients, a real allreduce and a real optimizer step
+  every step, so members must stay bitwise equal.
 
 So the harness's figures measure scale-out, replication and the control plane, not training
 throughput; that is stated wherever they are reported.
@@ -16,7 +19,9 @@ The device appends JSON lines to ``--out``: ``ready`` (with the trainer's join a
 events), one ``step`` record per step (its duration and the time spent in ``update``),
 ``stalled`` when ``update`` raised ``TrainingStalled`` (its daemon paused, or it is cut off: it
 keeps its gradients and tries again) and ``left``. The harness steers it through files beside
-``--out``: ``<out>.leave`` asks for a graceful leave at the next step boundary;
+``--out``: ``<out>.leave`` asks for a graceful leave at the next step boundary (when it holds
+``keep``, the device first saves its model and optimizer state dicts to ``<out>``'s
+``.held.pt`` sibling, which ``--load-held`` loads before a later join: a returning device);
 ``<out>.checkpoint`` asks it to save its state to that path's ``.pt`` sibling and exit (the
 stop-resume baseline).
 """
@@ -24,7 +29,6 @@ stop-resume baseline).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import sys
 import time
@@ -33,7 +37,7 @@ from typing import Any, TextIO
 
 import torch
 
-from chaos.models import model_summary
+from chaos.emulate.stand_in import HEAD_IN, HEAD_OUT, StandInConfig, StandInModel, state_digest
 from chaos.trainer import TrainingStalled, capture_exit_event
 from chaos.trainer.worker import (
     EventTail,
@@ -43,64 +47,6 @@ from chaos.trainer.worker import (
     wait_for_world,
     write_record,
 )
-
-HEAD_IN = 32
-HEAD_HIDDEN = 64
-HEAD_OUT = 8
-_MIN_STORE_ELEMS = 1
-
-
-class StandInModel(torch.nn.Module):
-    """A frozen state store of ``store_bytes`` plus a small trainable head.
-
-    Args:
-        store_bytes: Size of the frozen buffer (rounded down to whole fp32 elements).
-    """
-
-    def __init__(self, store_bytes: int) -> None:
-        super().__init__()
-        elems = max(_MIN_STORE_ELEMS, store_bytes // 4)
-        gen = torch.Generator().manual_seed(1234)
-        self.register_buffer("store", torch.rand(elems, generator=gen))
-        self.head = torch.nn.Sequential(
-            torch.nn.Linear(HEAD_IN, HEAD_HIDDEN),
-            torch.nn.ReLU(),
-            torch.nn.Linear(HEAD_HIDDEN, HEAD_OUT),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.head(x)
-        return out
-
-
-def head_state_bytes() -> int:
-    """Bytes of the head's parameters plus its SGD momentum buffers."""
-    params = HEAD_IN * HEAD_HIDDEN + HEAD_HIDDEN + HEAD_HIDDEN * HEAD_OUT + HEAD_OUT
-    return 2 * 4 * params
-
-
-def store_bytes_for(model: str, scale: float) -> int:
-    """Frozen-buffer size that makes the whole state ``scale`` times the model's state size.
-
-    Raises:
-        ValueError: unknown model name or a non-positive scale.
-    """
-    if not scale > 0:
-        raise ValueError(f"scale must be > 0, got {scale}")
-    target = int(model_summary(model)["state_bytes"] * scale)
-    return max(4, target - head_state_bytes())
-
-
-def state_digest(model: StandInModel, opt: torch.optim.Optimizer) -> str:
-    """SHA-256 of the head's parameters and momentum buffers (the part that trains)."""
-    h = hashlib.sha256()
-    for p in model.head.parameters():
-        h.update(p.detach().numpy().tobytes())
-        buf = opt.state.get(p, {}).get("momentum_buffer")
-        if isinstance(buf, torch.Tensor):
-            h.update(buf.numpy().tobytes())
-    return h.hexdigest()[:32]
-
 
 GATE_TIMEOUT_S = 600.0
 
@@ -158,6 +104,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gate", type=Path, default=None,
                     help="load everything, then wait for this file before joining")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--no-base-on-disk",
+        action="store_true",
+        help="gpt2-lora: this device has no base checkpoint (a fresh random base)",
+    )
+    ap.add_argument(
+        "--load-held",
+        type=Path,
+        default=None,
+        help="the model and optimizer state it held when it left; joins with it",
+    )
     return ap.parse_args(argv)
 
 
@@ -179,8 +136,13 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
-    model = StandInModel(store_bytes_for(args.model, args.scale))
-    opt = torch.optim.SGD(model.head.parameters(), lr=0.01, momentum=0.9)
+    model = StandInModel(StandInConfig(args.model, args.scale, args.id,
+                                       base_on_disk=not args.no_base_on_disk))  # fmt: skip
+    opt = model.optimizer()
+    if args.load_held is not None:  # a returning device: what it held when it left
+        held = torch.load(args.load_held, weights_only=True)
+        model.load_state_dict(held["model"])
+        opt.load_state_dict(held["optimizer"])
     xs, ys = local_data(args.id, 512, HEAD_IN, HEAD_OUT, args.seed)  # this device's own data
     started = time.time()
     fetch_s = None
@@ -214,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         write_record(out, {"kind": "ready", "t": time.time(), "started": started,
                            "step": trainer.step, "epoch": trainer.epoch,
                            "events": list(trainer.events),
+                           "held": str(args.load_held) if args.load_held else None,
                            "checkpoint_fetch_s": fetch_s})  # fmt: skip
         return _train(args, trainer, model, opt, xs, ys, out, leave_flag, ckpt_flag,
                       capture_exit_event)  # fmt: skip
@@ -237,12 +200,12 @@ def _train(
         i = trainer.step % 64
         opt.zero_grad()
         x, y = xs[i * 8 : i * 8 + 8], ys[i * 8 : i * 8 + 8]
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss = model.loss(x, y)
         loss.backward()
         time.sleep(args.step_time)  # stands in for the forward/backward pass of the real model
         t1 = time.time()
         try:
-            trainer.update()
+            trainer.update(after_step=model.drift)  # a full fine-tune's store changes too
         except TrainingStalled as exc:  # paused or cut off: wait on (the gradients are intact)
             write_record(out, {"kind": "stalled", "t": time.time(), "step": trainer.step,
                                "error": str(exc)[-300:]})  # fmt: skip
@@ -268,12 +231,24 @@ def _train(
             trainer.close()
             return 0
         if leave_flag.exists() or exit_event():
+            held = _keep_state(leave_flag, model, opt)
             trainer.request_node_exit()
-            write_record(out, {"kind": "left", "t": time.time(), "step": trainer.step})
+            write_record(out, {"kind": "left", "t": time.time(), "step": trainer.step,
+                               "held": held})  # fmt: skip
             return 0
     trainer.request_node_exit()  # asked to leave while stalled
     write_record(out, {"kind": "left", "t": time.time(), "step": trainer.step})
     return 0
+
+
+def _keep_state(leave_flag: Path, model: StandInModel, opt: torch.optim.Optimizer) -> str | None:
+    """Saves the model and optimizer state dicts beside the leave flag when it says ``keep``
+    (the device will come back with them); returns the file, or ``None``."""
+    if not leave_flag.exists() or leave_flag.read_text().strip() != "keep":
+        return None
+    path = leave_flag.with_suffix(".held.pt")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    return str(path)
 
 
 if __name__ == "__main__":

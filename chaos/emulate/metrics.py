@@ -5,7 +5,8 @@
 * **state replication delay**: the part of scale-out spent moving state: the joiner's pull, from
   asking the donors for their manifest to the last shard verified (the trainer's
   ``replication_done``: ``elapsed_s``; ``transfer_s`` excludes the wait for the donors' step
-  boundary).
+  boundary). ``pulled_bytes`` is what it pulled, ``reused_bytes`` what it held already (chunks
+  whose content address equals the donor's).
 * **lower bound**: the water-filling theta over the joiner's donors, from the link parameters
   the daemons measured (the trainer's ``lower_bound_s``).
 * **cluster idle time**: the sum over the other devices of the time each was blocked because of
@@ -66,17 +67,35 @@ def _excess(result: RunResult, node: str, a: float, b: float, base: float) -> li
     return out
 
 
-def _daemon_event(result: RunResult, name: str, peer: str) -> dict[str, Any] | None:
-    hits = [e for e in result.daemon_events if e.get("event") == name and e.get("peer") == peer]
+JOIN_SLACK_S = 1.0
+"""A join's daemon events and ready record are looked for from this long before its mark."""
+
+
+def _daemon_event(
+    result: RunResult, name: str, peer: str, after: float = 0.0
+) -> dict[str, Any] | None:
+    """The first daemon event ``name`` about ``peer`` since ``after`` (less the slack)."""
+    hits = [e for e in result.daemon_events if e.get("event") == name and e.get("peer") == peer
+            and e["ts"] >= after - JOIN_SLACK_S]  # fmt: skip
     return min(hits, key=lambda e: e["ts"]) if hits else None
 
 
-def _trainer_event(result: RunResult, node: str, name: str) -> dict[str, Any] | None:
-    for r in result.devices.get(node, []):
-        if r.get("kind") == "ready":
-            for ev in r.get("events", []):
-                if ev.get("event") == name:
-                    return dict(ev)
+def _incarnations(result: RunResult, node: str) -> list[str]:
+    """The records' keys of every incarnation of ``node`` (``n6``, and a retired ``n6.n6``)."""
+    return [k for k in result.devices if k.split(".")[0] == node]
+
+
+def _trainer_event(
+    result: RunResult, node: str, name: str, after: float = 0.0
+) -> dict[str, Any] | None:
+    """Event ``name`` of the first ``ready`` record of ``node`` since ``after``, of any of its
+    incarnations (a device that left and came back has one per start)."""
+    readies = [r for k in _incarnations(result, node) for r in result.devices[k]
+               if r.get("kind") == "ready" and r["t"] >= after - JOIN_SLACK_S]  # fmt: skip
+    for r in sorted(readies, key=lambda r: r["t"])[:1]:
+        for ev in r.get("events", []):
+            if ev.get("event") == name:
+                return dict(ev)
     return None
 
 
@@ -85,9 +104,9 @@ def join_metrics(
 ) -> dict[str, Any]:
     """Scale-out, replication, lower bound and idle time of one join."""
     node = ev["node"]
-    started = _daemon_event(result, "scale_out_started", node)
-    done = _daemon_event(result, "scale_out_complete", node)
-    rep = _trainer_event(result, node, "replication_done") or {}
+    started = _daemon_event(result, "scale_out_started", node, ev["t"])
+    done = _daemon_event(result, "scale_out_complete", node, ev["t"])
+    rep = _trainer_event(result, node, "replication_done", ev["t"]) or {}
     out: dict[str, Any] = {"node": node, "neighbors": ev.get("neighbors", [])}
     out["scale_out_s"] = done["ts"] - started["ts"] if started and done else None
     out["replication_s"] = rep.get("elapsed_s")
@@ -95,12 +114,14 @@ def join_metrics(
     out["lower_bound_s"] = rep.get("lower_bound_s")
     out["planned_s"] = rep.get("planned_s")
     out["state_bytes"] = rep.get("bytes")
+    out["pulled_bytes"] = rep.get("pulled_bytes")  # what differed from what it held
+    out["reused_bytes"] = rep.get("reused_bytes")
     out["donors"] = sorted((rep.get("donors") or {}).keys())
     a = started["ts"] if started else ev["t"]
     b = done["ts"] if done else ev.get("ready_t", ev["t"])
     idle = 0.0
     for other in result.devices:
-        if other == node:
+        if other.split(".")[0] == node:
             continue
         base = _baseline(result, other, busy)
         if base is not None:

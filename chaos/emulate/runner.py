@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import networkx as nx
 
@@ -160,6 +160,7 @@ class Runner:
         self.pick_rng = random.Random(f"{scenario.seed}:picks")
         self.devices: dict[str, Device] = {}
         self.retired: list[Device] = []  # earlier incarnations (stop-resume restarts)
+        self.device_args: dict[str, list[str]] = {}  # more arguments of a device's next start
         self.result = RunResult(scenario, "tc-shaped netns" if shaped else "loopback (unshaped)",
                                 time.time())  # fmt: skip
         self._net: Any = None
@@ -170,7 +171,7 @@ class Runner:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def __enter__(self) -> Runner:
+    def __enter__(self) -> Self:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         # a run in the same folder before this one left its devices' logs and control files
         # (a leave flag would make the new device leave at once): start from an empty folder
@@ -328,6 +329,7 @@ class Runner:
             argv += [flag, str(resume[0]), "--wait-world", str(resume[1])]
         if gate is not None:
             argv += ["--gate", str(gate)]
+        argv += self.device_args.get(name, [])
         argv += [f"--daemon-arg=--config={self._daemon_toml()}"]
         proc = spawn_worker(argv, log_path=ddir / "device.log", env={"OMP_NUM_THREADS": "1"},
                             popen=functools.partial(self._net.popen, name))  # fmt: skip
