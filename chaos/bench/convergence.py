@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import shutil
 import signal
 import statistics
 import sys
@@ -62,6 +63,9 @@ SCALE_OUT_AT = 0.4
 CHURN = (("join", 0.2), ("leave", 0.4), ("join", 0.6), ("kill", 0.8))
 """A churn run's membership changes, each at a fraction of the steps."""
 WORKER_MODULE = "chaos.bench.convergence_worker"
+LAUNCHER_MARGIN_S = 30.0
+"""How much longer than a worker's own waits the launcher waits, so that a worker that gives
+up first reports why (its last output line becomes the run's error)."""
 
 
 def static_kinds(devices: int) -> tuple[str, str]:
@@ -85,8 +89,10 @@ class ConvergenceConfig:
             work), so that a step's time grows with its samples as on a real device.
         kinds: Run kinds to make (default: all four).
         batch_modes: Batch modes to make (default: both).
-        timeout_s: The limit on each wait of a run: a start, a join, a leave, progress.
-        work_dir: Where the workers' logs go (default: a temporary directory).
+        timeout_s: The limit on each wait of a worker (its start, its join, a stalled step);
+            the launcher allows ``LAUNCHER_MARGIN_S`` more for each of its own waits.
+        work_dir: Where the workers' logs, step records and daemons' logs go (default: a
+            temporary directory).
 
     Raises:
         ConfigError: a value out of range, or an unknown kind or batch mode.
@@ -246,7 +252,8 @@ class _Run:
     def wait(self, pred: Callable[[], object], what: str) -> None:
         procs = {nid: w.proc for nid, w in self.watched.items()}
         try:
-            wait_until(pred, self.cfg.timeout_s, what, poll_s=0.05, watch=procs)
+            timeout_s = self.cfg.timeout_s + LAUNCHER_MARGIN_S
+            wait_until(pred, timeout_s, what, poll_s=0.05, watch=procs)
         except ProcessExited as exc:
             text = self.workers[exc.name].log.read_text(errors="replace").strip().splitlines()
             raise ChaosError(f"worker {exc.name} exited ({exc.code}) while waiting for {what}: "
@@ -283,6 +290,9 @@ class _Run:
     def close(self) -> None:
         try:
             kill_and_reap([w.proc for w in self.workers.values()], group=True)
+            with contextlib.suppress(OSError):  # the daemons' logs and events, beside the rest
+                skip = shutil.ignore_patterns("*.ipc", "torchinductor_*")
+                shutil.copytree(self._sockets.name, self.root / "daemons", ignore=skip)
         finally:
             self._sockets.cleanup()
 
