@@ -320,7 +320,10 @@ class Trainer:
             session.report_pull(self._donor.last_pull)  # the scheduler measures c from it
         self._install(policy)
         elapsed = time.monotonic() - t0
-        self._computing_since = time.monotonic()
+        # the throughput clock starts when the first update() returns: the time from here to the
+        # first update() holds whatever the script does first (waiting for the world, loading
+        # data), not a step's compute
+        self._computing_since = None
         self._event("ready", elapsed_s=elapsed, epoch=self._epoch, step=self._step)
         session.report_ready(elapsed, f"epoch {self._epoch} step {self._step}")
 
