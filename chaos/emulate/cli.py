@@ -5,7 +5,8 @@
 - ``chaos-emulate relay-bench``: measures the latency relay's delay accuracy and its ceiling.
 - ``chaos-emulate cleanup``: removes namespaces left behind by crashed runs.
 - ``chaos-emulate demo``, ``run``, ``compare`` and ``chaos`` (the fault campaign): real
-  clusters, see :mod:`chaos.emulate.commands`.
+  clusters, see :mod:`chaos.emulate.commands` (``compare --rejoin``: what content-addressed
+  joins of a returning and of fresh devices pull, :mod:`chaos.emulate.rejoin`).
 
 Progress goes to stderr, tables to stdout. Without root each command says so and exits with 2.
 """
