@@ -9,7 +9,6 @@ checks, and the refusal field's validation.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -24,15 +23,6 @@ from chaos.protocol.messages import MAX_JOIN_CONTACTS
 from tests.daemon.daemon_helpers import Cluster, Node, wait_until
 
 LISTEN = "tcp://127.0.0.1:5000"
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def _dead_endpoint() -> str:

@@ -4,22 +4,9 @@ ends (``cut_link`` / ``clear``), as often as a bad radio link would."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
 from chaos.daemon.client import DaemonClient
 
 from tests.daemon.daemon_helpers import Cluster, Node, wait_until
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def link_up(node: Node, a: str, b: str) -> bool | None:

@@ -7,23 +7,10 @@ still reach every other; the scheduler must reconnect the parts.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import networkx as nx
-import pytest
 from chaos.daemon.scheduler.healing import candidate_pairs, components
 
 from tests.daemon.daemon_helpers import Cluster, Node, scheduler_of, wait_until
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def line(cluster: Cluster, n: int) -> list[Node]:

@@ -7,24 +7,12 @@ loses every frame from the other, as a real partition would. No timing is assert
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 from chaos.daemon.client import DaemonClient
 
 from tests.daemon.daemon_helpers import Cluster, Node, wait_until
 
 FAULTS = ("--enable-fault-injection",)
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def start(cluster: Cluster, n: int) -> list[Node]:
