@@ -219,6 +219,18 @@ class Communicator:
             raise ValueError("step and after_frames must be >= 0")
         self._sender.fail_at(step, after_frames, before_exit)
 
+    def lose_frames_to(self, peer: str, step: int) -> None:
+        """Fault injection by name: a lossy link. The data frames this node sends to ``peer``
+        in the allreduce of ``step`` are dropped without a word, as a link that loses them
+        would (the connection stays up). For tests only.
+
+        Raises:
+            ValueError: a negative step or an empty peer id.
+        """
+        if step < 0 or not peer:
+            raise ValueError("lose_frames_to needs a peer id and a step >= 0")
+        self._sender.lose_frames_to(peer, step)
+
     # ------------------------------------------------------------------ allreduce
 
     def allreduce(

@@ -42,6 +42,12 @@ class CommunicatorConfig:
             beyond this they are dropped and counted.
         poll_slice_s: Longest single poll, so that a peer reported dead from another thread
             (:meth:`Communicator.report_dead`) is noticed within this time.
+        quiet_probe_s: A round that has heard nothing from the neighbour it waits for in this
+            long asks that neighbour whether it completed the step already (a ``BEHIND``
+            notice), and again every as long; a neighbour a step ahead answers with the step's
+            kept result. It recovers a member that missed a result frame (a lossy link, a cut
+            healed in the middle of a broadcast) long before ``timeout_s``. Lower it for faster
+            recovery; it costs one small notice per interval while a round waits.
         keep_frame_memory: Make glibc keep freed frame buffers mapped for reuse (see
             :mod:`chaos.allocator`; process-wide). Saves the kernel zeroing fresh
             pages for every received frame; turn it off if the process must give memory back
@@ -70,6 +76,7 @@ class CommunicatorConfig:
     io_threads: int = 1
     max_early_frames: int = 4096
     poll_slice_s: float = 0.1
+    quiet_probe_s: float = 2.0
     keep_frame_memory: bool = True
     lanes: bool = True
     lane_min_bytes: int = 4 << 20
@@ -81,7 +88,7 @@ class CommunicatorConfig:
             raise ValueError(f"listen must be a ZeroMQ endpoint, not {self.listen!r}")
         if self.chunk_bytes < 64:
             raise ValueError("chunk_bytes must be >= 64")
-        for name in ("timeout_s", "poll_slice_s"):
+        for name in ("timeout_s", "poll_slice_s", "quiet_probe_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         if self.wire_dtype is not None and self.wire_dtype not in WIRE_NAMES:
@@ -107,6 +114,10 @@ class CollectiveStats:
     dropped_early_overflow: int = 0
     early_buffered: int = 0
     results_sent: int = 0
+    quiet_probes: int = 0
+    """BEHIND notices sent because the neighbour a round waited for stayed quiet."""
+    frames_lost_by_fault: int = 0
+    """Data frames not sent because of :meth:`Communicator.lose_frames_to` (fault injection)."""
     """Kept round results sent to a neighbour that was a step behind (:attr:`Op.RESULT`)."""
     caught_up: int = 0
     """Rounds this node completed with a neighbour's kept result instead of running them."""

@@ -58,6 +58,11 @@ class Inbox:
         :meth:`Communicator.newer_round_seen
         <chaos.collectives.communicator.Communicator.newer_round_seen>`)."""
 
+    def probe(self, peer: str, key: Key) -> None:
+        """Asks ``peer``, quiet for a while in round ``key``, whether it completed that step
+        (see :meth:`PeerNotices.probe <chaos.collectives.notices.PeerNotices.probe>`)."""
+        self._notices.probe(peer, key)
+
     def note_newer(self, epoch: int) -> None:
         """Records that the current step runs (also) under the newer epoch ``epoch``."""
         self.newer_round = max(self.newer_round or 0, epoch)

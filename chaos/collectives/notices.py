@@ -185,6 +185,16 @@ class PeerNotices:
         self._asked.add(peer)
         send_notice(link, Op.BEHIND, key)
 
+    def probe(self, peer: str, key: Key) -> None:
+        """Asks ``peer``, which this node's round ``key`` has heard nothing from for a while,
+        for the result of ``key``'s step: a neighbour that completed it answers with its kept
+        result, any other ignores the notice. The caller paces the probes."""
+        link = self._links.socket(peer)
+        if link is None:
+            return
+        send_notice(link, Op.BEHIND, key)
+        self._stats.quiet_probes += 1
+
     def offer_result(self, peer: str, key: Key) -> None:
         """Sends a neighbour still running ``key`` the kept result of that step (once per
         round; nothing when the kept result is of another step)."""

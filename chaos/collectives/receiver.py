@@ -118,10 +118,15 @@ class Receiver:
         if early is not None:
             return early
         deadline = time.monotonic() + timeout_s
+        probe_at = time.monotonic() + self._config.quiet_probe_s
         while True:
             try:
                 parts = self._peers.recv_nowait()
             except zmq.Again:
+                now = time.monotonic()
+                if now >= probe_at:  # quiet for a while: did that neighbour finish the step?
+                    probe_at = now + self._config.quiet_probe_s
+                    self._inbox.probe(_peer_of(waiting_for), key)
                 lane = self._wait(deadline, waiting_for)
                 if lane is not None:
                     frame = self._read_lane(lane, key, timeout_s, place)
@@ -209,3 +214,8 @@ class Receiver:
                 self._stats.dropped_malformed += 1
             return None
         return self._inbox.route(Frame(peer, header, parts[1], parts[2]), key)
+
+
+def _peer_of(waiting_for: str | Callable[[], str]) -> str:
+    """The neighbour a receive waits for."""
+    return waiting_for if isinstance(waiting_for, str) else waiting_for()

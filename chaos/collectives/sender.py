@@ -38,12 +38,17 @@ class Sender:
         self._lanes = lanes
         self._stats = stats
         self._fault: Fault | None = None
+        self._lose: tuple[str, int] | None = None  # (peer, step) whose frames are lost
         self.step = -1
         """The running (or last) round's step (the fault is counted in its step only)."""
 
     def fail_at(self, step: int, after_frames: int, before_exit: Callable[[], None] | None) -> None:
         """Arms the fault: exit during ``step`` once ``after_frames`` data frames are sent."""
         self._fault = Fault(step, after_frames, before_exit)
+
+    def lose_frames_to(self, peer: str, step: int) -> None:
+        """Arms the lossy-link fault: the data frames of ``step`` to ``peer`` are not sent."""
+        self._lose = (peer, step)
 
     def send(
         self,
@@ -63,6 +68,9 @@ class Sender:
         link = self._peers.link(peer)
         if link is None:
             raise PeerFailure(peer, "no link to this peer in the current topology")
+        if self._lose is not None and self._lose == (peer, self.step):
+            self._stats.frames_lost_by_fault += 1
+            return None
         if self._lanes.send(link.socket, peer, header, payload):
             self._stats.lane_frames_sent += 1
             if self._fault is not None:

@@ -77,6 +77,9 @@ def _worker(name: str, commands: Any, replies: Any, lanes: bool = True) -> None:
                 arg["before_exit"] = lambda s=linger_s: time.sleep(s)
             comm.fail_at(**arg)
             replies.put(("ok", name, None))
+        elif cmd == "lose_frames_to":
+            comm.lose_frames_to(**arg)
+            replies.put(("ok", name, None))
         elif cmd == "interrupt_on_newer_round":  # what the Trainer does while it waits
             comm.set_interrupt(lambda: "newer round" if comm.newer_round_seen() else None, 0.01)
             replies.put(("ok", name, None))
@@ -96,12 +99,21 @@ def _allreduce(comm: Communicator, name: str, spec: dict[str, Any]) -> tuple[str
         return ("interrupted", name, {"newer": comm.newer_round_seen(),
                                       "input_intact": torch.equal(x, before)})  # fmt: skip
     except PeerFailure as exc:
-        info = {"peer": exc.peer, "timed_out": exc.timed_out,
-                "input_intact": torch.equal(x, before), "stale": comm.stats.dropped_stale}
+        info = {
+            "peer": exc.peer,
+            "timed_out": exc.timed_out,
+            "input_intact": torch.equal(x, before),
+            "stale": comm.stats.dropped_stale,
+        }
         return ("failure", name, info)
-    info = {"result": out.float().numpy().copy(), "dtype": str(out.dtype),
-            "input_intact": torch.equal(x, before), "stale": comm.stats.dropped_stale,
-            "caught_up": comm.stats.caught_up, "results_sent": comm.stats.results_sent}
+    info = {
+        "result": out.float().numpy().copy(),
+        "dtype": str(out.dtype),
+        "input_intact": torch.equal(x, before),
+        "stale": comm.stats.dropped_stale,
+        "caught_up": comm.stats.caught_up,
+        "results_sent": comm.stats.results_sent,
+    }
     return ("result", name, info)
 
 
@@ -330,6 +342,38 @@ def test_a_member_that_missed_the_result_catches_up_from_one_that_got_it() -> No
         _check({m: (k, i) for m, (k, _, i) in step2.items()},
                _reference(survivors, numel, 3, "mean", "float32"), 1e-5, 1e-5)  # fmt: skip
         assert step2["n1"][2]["results_sent"] == 1
+
+
+def test_a_member_whose_result_frames_were_lost_asks_the_neighbour_a_step_ahead() -> None:
+    """The root's broadcast of step 1 to n2 is lost (a lossy link: the connection stays up, no
+    one dies). The root and n1 complete step 1 and start step 2; n2 still waits for step 1's
+    result, and nothing will come: the root waits for n2's step 2. n2's round, quiet for
+    ``quiet_probe_s``, asks its parent (a BEHIND notice), which answers with its kept result: n2
+    completes step 1 with the others' bits, then all three run step 2. Without the probe both
+    sides waited on each other's different steps until the timeout."""
+    members = ["n0", "n1", "n2"]
+    numel = 20_000
+    with cluster(3) as c:
+        c.topology(members, "tree", parent={"n0": None, "n1": "n0", "n2": "n0"})
+        spec = {"numel": numel, "op": "mean", "timeout_s": 60.0, "keep": True}
+        _check(c.allreduce(members, seed=1, **spec),
+               _reference(members, numel, 1, "mean", "float32"), 1e-5, 1e-5)  # fmt: skip
+        c.send(["n0"], "lose_frames_to", {"peer": "n2", "step": 1})
+        for m in members:
+            c.commands[m].put(("allreduce", {**spec, "seed": 2}))
+        ahead = {m: c._reply(m) for m in ("n0", "n1")}
+        assert {m: k for m, (k, _, _) in ahead.items()} == {"n0": "result", "n1": "result"}
+        got = ahead["n0"][2]["result"]
+        for m in ("n0", "n1"):
+            c.commands[m].put(("allreduce", {**spec, "seed": 3}))
+        kind, _, info = c._reply("n2")
+        assert kind == "result", info
+        assert info["result"].tobytes() == got.tobytes()  # the step the others applied
+        assert info["caught_up"] == 1 and info["input_intact"]
+        c.commands["n2"].put(("allreduce", {**spec, "seed": 3}))
+        step2 = {m: c._reply(m) for m in members}
+        _check({m: (k, i) for m, (k, _, i) in step2.items()},
+               _reference(members, numel, 3, "mean", "float32"), 1e-5, 1e-5)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- in-process
