@@ -20,7 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main"]
+__all__ = ["ROUND_TIMEOUT_S", "main"]
+
+ROUND_TIMEOUT_S = 10.0
+"""The trainer target's allreduce timeout. Without a key a stranger can send frames under a
+member's id (an abort, a newer epoch): the round fails after at most this long and the members
+start the next one, so the bench waits longer than this for a round after the run."""
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -58,7 +63,7 @@ def _train(ready: Path, stats: Path, stop: threading.Event) -> None:
 
     def member(node_id: str) -> Communicator:
         cfg = CommunicatorConfig(
-            node_id=node_id, chunk_bytes=1 << 16, timeout_s=10.0, lane_min_bytes=0
+            node_id=node_id, chunk_bytes=1 << 16, timeout_s=ROUND_TIMEOUT_S, lane_min_bytes=0
         )
         return Communicator(cfg)
 

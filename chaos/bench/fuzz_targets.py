@@ -24,6 +24,7 @@ import msgspec
 import psutil
 import zmq
 
+from chaos.bench.fuzz_children import ROUND_TIMEOUT_S
 from chaos.bench.fuzz_frames import (
     Mutator,
     control_examples,
@@ -447,7 +448,10 @@ def _fuzz_trainer(
         t.alive = proc.poll() is None
         try:
             wait_until(
-                progressed, 2 * ANSWER_TIMEOUT_S, "another allreduce round", watch={"trainer": proc}
+                progressed,
+                ROUND_TIMEOUT_S + 2 * ANSWER_TIMEOUT_S,
+                "another allreduce round",
+                watch={"trainer": proc},
             )
             still = True
         except ChaosError:
