@@ -324,9 +324,15 @@ def cleanup_command(prefix: str, force: bool) -> None:
 
 
 def _register_run_commands() -> None:
-    from chaos.emulate.commands import chaos_command, compare_command, demo_command, run_command
+    from chaos.emulate.commands import (
+        chaos_command,
+        compare_command,
+        compare_plot_command,
+        demo_command,
+        run_command,
+    )
 
-    for cmd in (demo_command, run_command, compare_command, chaos_command):
+    for cmd in (demo_command, run_command, compare_command, compare_plot_command, chaos_command):
         main.add_command(cmd)
 
 

@@ -25,8 +25,12 @@ from chaos.emulate.scenario import Event, Scenario, demo_scenario, load_scenario
 from chaos.errors import ChaosError, ConfigError
 
 COMPARE_STRATEGIES = ("stop-resume", "single-source", "multi-source", "chaos")
+"""``compare``'s strategies when ``--strategies`` is not given."""
 _DAEMON_STRATEGY = {"single-source": "single-source", "multi-source": "multi-source",
                     "chaos": "chaos", "even": "even", "stop-resume": "chaos"}  # fmt: skip
+STRATEGY_CHOICES = tuple(_DAEMON_STRATEGY)
+"""Every strategy ``compare --strategies`` accepts: the defaults and ``even`` (an equal shard
+split over the joiner's neighbours, the daemon's ``--replication-strategy even``)."""
 
 
 def _progress_printer() -> Any:
@@ -232,7 +236,8 @@ def compare_runs(
 @click.option("--sizes", default="6-12", show_default=True, help="Grow from N to M nodes.")
 @click.option("--model", default="resnet101", show_default=True)
 @click.option("--strategies", default=None,
-              help=f"Default: {','.join(COMPARE_STRATEGIES)}; with --rejoin: chaos.")  # fmt: skip
+              help=f"Comma-separated, from {','.join(STRATEGY_CHOICES)}. Default: "
+              f"{','.join(COMPARE_STRATEGIES)}; with --rejoin: chaos.")  # fmt: skip
 @click.option("--rejoin", is_flag=True,
               help="Instead of growing: N devices, then n<N> joins fresh, leaves with its "
               "state and returns --away seconds later (gpt2-lora: then a fresh device without "
@@ -254,13 +259,7 @@ def compare_command(sizes: str, model: str, strategies: str | None, rejoin: bool
     """Scale-out under each strategy as the cluster grows (the paper's Figs. 7, 10 and 15);
     with --rejoin, what content-addressed joins pull: a returning device and fresh ones."""
     lo, hi = _parse_sizes(sizes)
-    default = "chaos" if rejoin else ",".join(COMPARE_STRATEGIES)
-    chosen = [s.strip() for s in (strategies or default).split(",") if s.strip()]
-    bad = [s for s in chosen if s not in _DAEMON_STRATEGY]
-    if bad or not chosen:
-        raise click.BadParameter(f"unknown strategies {bad}; pick from {list(_DAEMON_STRATEGY)}")
-    if rejoin and "stop-resume" in chosen:
-        raise click.BadParameter("--rejoin measures replication: stop-resume has none")
+    chosen = parse_strategies(strategies, rejoin)
     low, _, high = bandwidth.partition("-")
     try:
         base = Scenario(name="compare", nodes=lo, model=model, scale=scale, settle_s=settle,
@@ -296,6 +295,57 @@ def compare_command(sizes: str, model: str, strategies: str | None, rejoin: bool
 
         for path in plot_compare(runs, plot_dir, links):
             click.echo(f"wrote {path}", err=True)
+
+
+def parse_strategies(text: str | None, rejoin: bool = False) -> list[str]:
+    """``compare --strategies``: the strategies to run, in the order given.
+
+    Args:
+        text: The option's comma-separated value, or None for the default.
+        rejoin: Whether ``--rejoin`` is given (default ``chaos``; stop-resume is refused).
+
+    Returns:
+        The chosen strategies, each one of :data:`STRATEGY_CHOICES`.
+
+    Raises:
+        click.BadParameter: If a name is unknown, none is given, or stop-resume with rejoin.
+    """
+    default = "chaos" if rejoin else ",".join(COMPARE_STRATEGIES)
+    chosen = [s.strip() for s in (text or default).split(",") if s.strip()]
+    bad = [s for s in chosen if s not in STRATEGY_CHOICES]
+    if bad or not chosen:
+        raise click.BadParameter(f"unknown strategies {bad}; pick from {list(STRATEGY_CHOICES)}",
+                                 param_hint="--strategies")  # fmt: skip
+    if rejoin and "stop-resume" in chosen:
+        raise click.BadParameter("--rejoin measures replication: stop-resume has none")
+    return chosen
+
+
+@click.command("compare-plot")
+@click.argument("json_files", nargs=-1, required=True,
+                type=click.Path(exists=True, dir_okay=False, path_type=Path))  # fmt: skip
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              required=True, help="Folder for the PNGs.")  # fmt: skip
+@click.option("--name", default="compare_models.png", show_default=True,
+              help="Several files: the PNG of the scale-out delay per model.")  # fmt: skip
+def compare_plot_command(json_files: tuple[Path, ...], out_dir: Path, name: str) -> None:
+    """Plots ``compare --json`` documents again. One file: compare's plots (the scale-out
+    delay, the replication delay per strategy, chaos's lower bound, connect-link). Several
+    files, one model each: the chaos scale-out delay per model and cluster size (Fig. 8)."""
+    from chaos.emulate.plots import plot_compare, plot_models
+
+    try:
+        docs = [json.loads(p.read_text()) for p in json_files]
+    except (OSError, ValueError) as exc:
+        raise click.BadParameter(str(exc), param_hint="JSON_FILES") from exc
+    if any("runs" not in d for d in docs):
+        raise click.BadParameter("not a compare --json document (no 'runs')")
+    if len(docs) == 1:
+        paths = plot_compare(docs[0]["runs"], out_dir, docs[0].get("connect_link"))
+    else:
+        paths = [plot_models(docs, out_dir / name)]
+    for path in paths:
+        click.echo(f"wrote {path}", err=True)
 
 
 def _compare_rejoin(strategies: list[str], nodes: int, base: Scenario, json_path: Path,
@@ -335,6 +385,19 @@ def _median(xs: list[float | None]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+_Medians = dict[str, dict[str, float | None]]
+
+
+def _ratios(other: _Medians, chaos: _Medians, metric: str) -> dict[str, float]:
+    """Per size, ``other``'s median ``metric`` over chaos's (sizes where chaos has one)."""
+    out = {}
+    for k, v in chaos.items():
+        base = v[metric]
+        if base and k in other:
+            out[k] = (other[k][metric] or 0) / base
+    return out
+
+
 def compare_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over repeats per strategy and size, and the headline ratios of the results."""
     table: dict[str, dict[str, dict[str, float | None]]] = {}
@@ -350,12 +413,12 @@ def compare_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"median": table}
     chaos = table.get("chaos", {})
     ratios: dict[str, Any] = {}
-    for other in ("stop-resume", "single-source", "multi-source"):
+    for other in ("stop-resume", "single-source", "multi-source", "even"):
         if other in table:
-            ratios[f"{other}/chaos"] = {
-                k: (table[other][k]["scale_out_s"] or 0) / v["scale_out_s"]
-                for k, v in chaos.items() if v["scale_out_s"] and k in table[other]
-            }  # fmt: skip
+            ratios[f"{other}/chaos"] = _ratios(table[other], chaos, "scale_out_s")
+    ratios["replication"] = {f"{other}/chaos": _ratios(table[other], chaos, "replication_s")
+                             for other in ("single-source", "multi-source", "even")
+                             if other in table}  # fmt: skip
     gaps = [v["replication_s"] / v["lower_bound_s"] - 1 for v in chaos.values()
             if v["replication_s"] and v["lower_bound_s"]]  # fmt: skip
     ratios["chaos_replication_over_lower_bound_median"] = (
@@ -372,9 +435,12 @@ def print_compare_table(summary: dict[str, Any]) -> None:
     for strategy, per in table.items():
         cells = "".join(f"{_fmt(per.get(k, {}).get('scale_out_s'), ''):>10}" for k in keys)
         click.echo(f"{strategy:<16}{cells}")
+    click.echo(f"{'replication (s)':<16}")
+    for strategy, per in table.items():
+        if strategy != "stop-resume":
+            click.echo(f"{'  ' + strategy:<16}" + "".join(
+                f"{_fmt(per.get(k, {}).get('replication_s'), ''):>10}" for k in keys))
     if "chaos" in table:
-        click.echo(f"{'chaos repl.':<16}" + "".join(
-            f"{_fmt(table['chaos'].get(k, {}).get('replication_s'), ''):>10}" for k in keys))
         click.echo(f"{'lower bound':<16}" + "".join(
             f"{_fmt(table['chaos'].get(k, {}).get('lower_bound_s'), ''):>10}" for k in keys))
     click.echo(json.dumps(summary["ratios"], indent=1))

@@ -70,11 +70,145 @@ def _series(
     return xs, ys
 
 
+Spread = tuple[int, float, float, float]
+"""One point of a series: the cluster size before the join, and the median, minimum and maximum
+of a metric over the repeats."""
+
+
+def spread_by(runs: list[dict[str, Any]], group: str, metric: str) -> dict[str, list[Spread]]:
+    """A metric's median, minimum and maximum over repeats, per group and cluster size.
+
+    Args:
+        runs: Compare rows (``compare --json``'s ``runs``), each with ``from_nodes``, the field
+            ``group`` and the field ``metric``.
+        group: The field that names a line of the plot: ``strategy`` or ``model``.
+        metric: The measured field, e.g. ``replication_s`` or ``scale_out_s``.
+
+    Returns:
+        For each group, its points ``(from_nodes, median, min, max)`` by cluster size; rows whose
+        metric is missing are left out, and a size without any value has no point.
+    """
+    vals: dict[str, dict[int, list[float]]] = {}
+    for r in runs:
+        if r.get(metric) is not None:
+            vals.setdefault(r[group], {}).setdefault(r["from_nodes"], []).append(r[metric])
+    return {
+        g: [(k, statistics.median(v), min(v), max(v)) for k, v in sorted(per.items())]
+        for g, per in sorted(vals.items())
+    }
+
+
+FIG15_STRATEGIES = ("even", "single-source", "multi-source", "chaos")
+"""The replication strategies of Fig. 15; stop-resume pulls no state (its ``replication_s`` is
+the checkpoint save and read), so it has no line there."""
+PAPER_REPLICATION = ("paper, Fig. 15: the state replication delay of one join under "
+                     "single-source, multi-source and multi-neighbor (Chaos) replication.\nThis "
+                     "run: links and state x scale; even: an equal split over the joiner's "
+                     "neighbours.")  # fmt: skip
+PAPER_MODELS = ("paper, Fig. 8: scale-out delay of Chaos grows linearly with the GPT-2 model's "
+                "size and stays stable as the cluster grows.\nThis run: links and state x scale.")
+
+
+def _plot_spread(ax: Any, points: dict[str, list[Spread]], styles: dict[str, Any]) -> None:
+    """One line per group through the medians, with min-max error bars."""
+    for g, pts in points.items():
+        color, marker = styles.get(g, (None, "o"))
+        ax.errorbar([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker,
+                    capsize=3, label=g, yerr=[[p[1] - p[2] for p in pts],
+                                              [p[3] - p[1] for p in pts]])  # fmt: skip
+    sizes = sorted({p[0] for pts in points.values() for p in pts})
+    ax.set_xticks(sizes, [f"{k}→{k + 1}" for k in sizes])
+    ax.set_xlabel("cluster size (join)")
+
+
+def _save(fig: Any, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_replication(runs: list[dict[str, Any]], path: Path) -> Path:
+    """Fig. 15: the state replication delay per strategy against the cluster size (medians over
+    repeats, min-max error bars); stop-resume and other strategies are left out.
+
+    Args:
+        runs: Compare rows (``compare --json``'s ``runs``).
+        path: The PNG to write.
+
+    Returns:
+        ``path``.
+    """
+    rows = [r for r in runs if r["strategy"] in FIG15_STRATEGIES]
+    points = spread_by(rows, "strategy", "replication_s")
+    points = {s: points[s] for s in FIG15_STRATEGIES if s in points}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    _plot_spread(ax, points, _STYLE)
+    ax.set_ylabel("state replication delay (s, median)")
+    model = rows[0]["model"] if rows else "?"
+    ax.set_title(f"state replication delay per strategy ({model})")
+    ax.legend()
+    _paper_note(fig, PAPER_REPLICATION)
+    return _save(fig, path)
+
+
+def plot_models(docs: list[dict[str, Any]], path: Path, strategy: str = "chaos") -> Path:
+    """Fig. 8: the scale-out delay per model against the cluster size, one line per model
+    (medians over repeats, min-max error bars), from several ``compare --json`` documents.
+
+    Args:
+        docs: ``compare`` JSON documents, one model each (rows of another strategy are left out).
+        path: The PNG to write.
+        strategy: The strategy whose rows are plotted.
+
+    Returns:
+        ``path``.
+    """
+    rows = [r for d in docs for r in d["runs"] if r["strategy"] == strategy]
+    points = spread_by(rows, "model", "scale_out_s")
+    state = {r["model"]: r["state_bytes"] for r in rows if r.get("state_bytes")}
+    points = dict(sorted(points.items(), key=lambda kv: state.get(kv[0], 0)))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    _plot_spread(ax, {f"{m} ({state.get(m, 0) / 2**20:.1f} MiB)": p for m, p in points.items()},
+                 {})  # fmt: skip
+    ax.set_ylabel("scale-out delay (s, median)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{strategy}: scale-out delay per model")
+    ax.legend(fontsize=8)
+    _paper_note(fig, PAPER_MODELS)
+    return _save(fig, path)
+
+
+def _plot_lower_bound(runs: list[dict[str, Any]], path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for metric, style in (("replication_s", "-o"), ("lower_bound_s", "--"), ("idle_s", ":s")):
+        xs, ys = _series(runs, "chaos", metric)
+        ax.plot(xs, ys, style, label=f"chaos {metric[:-2].replace('_', ' ')}")
+    ax.set_xlabel("cluster size")
+    ax.set_ylabel("seconds (median)")
+    ax.set_title("chaos replication vs its lower bound, and cluster idle time")
+    ax.legend()
+    _paper_note(fig, PAPER_IDLE)
+    return _save(fig, path)
+
+
 def plot_compare(
     runs: list[dict[str, Any]], out_dir: Path, links: list[dict[str, Any]] | None = None
 ) -> list[Path]:
-    """Fig. 7/10-style scale-out delay per strategy, Fig. 15-style replication vs bound, and
-    Fig. 9-style connect-link delay as the cluster grows."""
+    """``compare --plot``'s figures: Fig. 7/10-style scale-out delay per strategy
+    (``compare_scale_out.png``), Fig. 15's replication delay per strategy
+    (``compare_replication.png``), chaos's replication vs its lower bound and the idle time
+    (``compare_lower_bound.png``), and Fig. 9-style connect-link delay as the cluster grows
+    (``compare_connect_link.png``, with ``links`` only).
+
+    Args:
+        runs: Compare rows (``compare --json``'s ``runs``).
+        out_dir: The folder to write the PNGs into.
+        links: The connect-link rows (``connect_link``), if any.
+
+    Returns:
+        The paths written.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -88,21 +222,11 @@ def plot_compare(
     ax.set_title(f"scale-out delay ({runs[0]['model']}, network: {runs[0]['network']})")
     ax.legend()
     _paper_note(fig, PAPER_SCALE_OUT)
-    paths.append(out_dir / "compare_scale_out.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for metric, style in (("replication_s", "-o"), ("lower_bound_s", "--"), ("idle_s", ":s")):
-        xs, ys = _series(runs, "chaos", metric)
-        ax.plot(xs, ys, style, label=f"chaos {metric[:-2].replace('_', ' ')}")
-    ax.set_xlabel("cluster size")
-    ax.set_ylabel("seconds (median)")
-    ax.set_title("chaos replication vs its lower bound, and cluster idle time")
-    ax.legend()
-    _paper_note(fig, PAPER_IDLE)
-    paths.append(out_dir / "compare_replication.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    paths.append(_save(fig, out_dir / "compare_scale_out.png"))
+    if any(r["strategy"] in FIG15_STRATEGIES for r in runs):
+        paths.append(plot_replication(runs, out_dir / "compare_replication.png"))
+    if any(r["strategy"] == "chaos" for r in runs):
+        paths.append(_plot_lower_bound(runs, out_dir / "compare_lower_bound.png"))
     if links:
         fig, ax = plt.subplots(figsize=(7, 4))
         for metric, style in (("control_s", "-o"), ("stall_s", "--s")):
@@ -114,9 +238,7 @@ def plot_compare(
         ax.set_title("connect-link: control path and training-step stall")
         ax.legend()
         _paper_note(fig, PAPER_CONNECT)
-        paths.append(out_dir / "compare_connect_link.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(_save(fig, out_dir / "compare_connect_link.png"))
     return paths
 
 
