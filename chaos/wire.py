@@ -27,17 +27,21 @@ BYTE_ORDER = "<"
 
 # ----------------------------------------------------------------------------- control plane
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """The control plane's messages (:mod:`chaos.protocol.messages`), daemon to daemon, CLI and
 trainer to daemon. 3: one :class:`~chaos.protocol.messages.Refusal` for every msgpack channel
 (``req_id``, the shard server's reason codes). 4: a join's refusal may list other members'
-addresses for the joiner to try (``Refusal.members``)."""
+addresses for the joiner to try (``Refusal.members``). 5: catch-up joins (a registration's
+``catch_up``, a replication plan's snapshot step ``at_step``, the trainer event
+``caught_up``)."""
 
 # ----------------------------------------------------------------------------- replication
 
-REPLICATION_VERSION = 2
+REPLICATION_VERSION = 3
 """A donor's shard server and a joiner (:mod:`chaos.replication.wire`). 2: refusals are the
-control plane's :class:`~chaos.protocol.messages.Refusal`."""
+control plane's :class:`~chaos.protocol.messages.Refusal`. 3: the step log of a catch-up join
+(``StepLogRequest``, ``StepLogReply``: the averaged gradients and hyperparameters of the steps
+a joiner replays)."""
 
 STATE_FORMAT_VERSION = 3
 """The canonical training-state stream and its manifest (:mod:`chaos.replication.state`). 2: the

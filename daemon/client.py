@@ -208,6 +208,7 @@ class DaemonClient:
         tensor_sizes: list[int] | None = None,
         timeout_s: float | None = None,
         state_digest: str = "",
+        catch_up: bool = False,
     ) -> OpResult:
         """Registers this node's training process with the scheduler (through the daemon).
 
@@ -221,6 +222,8 @@ class DaemonClient:
             state_digest: Hex SHA-256 of a state restored from a checkpoint (stop-resume):
                 with ``has_state``, a trainer whose digest equals the first trainer's joins
                 a training cluster without replication.
+            catch_up: Without ``has_state``: join by catching up (the members train on while
+                this trainer pulls a snapshot and replays the steps it missed).
 
         Returns:
             The scheduler's result; ``epoch`` is the epoch whose policy includes this trainer.
@@ -239,6 +242,7 @@ class DaemonClient:
             pid=os.getpid(),  # the daemon watches this process: its exit ends the registration
             # with a cluster key, the data plane's frames are accepted only from this key
             public_key=self._security.public_key if self._security.enabled else "",
+            catch_up=catch_up,
         )
         return _checked(self.op(msg, timeout_s))
 

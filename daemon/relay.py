@@ -127,6 +127,7 @@ class TrainerRelay:
             op_id=op_id,
             state_digest=msg.state_digest,
             data_key=msg.public_key,
+            catch_up=msg.catch_up,
         )
         self.host.relay(reply, info, op_id)
 

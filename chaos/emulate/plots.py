@@ -145,6 +145,7 @@ def plot_replication(runs: list[dict[str, Any]], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     _plot_spread(ax, points, _STYLE)
     ax.set_ylabel("state replication delay (s, median)")
+    ax.set_ylim(bottom=0)
     model = rows[0]["model"] if rows else "?"
     ax.set_title(f"state replication delay per strategy ({model})")
     ax.legend()

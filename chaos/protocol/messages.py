@@ -112,7 +112,7 @@ class Reason(str, enum.Enum):
 ApplyAt = Literal["after_allreduce", "before_next_allreduce"]
 FaultName = Literal["drop_to", "drop_from", "cut_link", "partition", "clear"]
 TrainerEventKind = Literal[
-    "ready", "replication_done", "step_failed", "gone", "progress", "throughput"
+    "ready", "replication_done", "step_failed", "gone", "progress", "throughput", "caught_up"
 ]
 MAX_ELAPSED_S = 1e9
 """Longest duration a trainer's progress report may state (about 31 years)."""
@@ -237,6 +237,11 @@ class ReplicationWire(msgspec.Struct, kw_only=True, frozen=True):
     per_shard_cost_s: Seconds = 0.0
     """The per-shard cost c the plan used (the monitor's measured value, or the configured
     prior before any pull was measured); a joiner's re-plans use it too."""
+    at_step: Counter | None = None
+    """A catch-up join's snapshot step: the donors serve a copy of their state at this step
+    and train on, logging each later step for the joiner to replay. ``None``: the donors serve
+    their live state at the step boundary where they install the policy (the joiner is in its
+    data plane, so nobody steps until it has pulled)."""
 
 
 MAX_PULL_RANGES = 4096
@@ -434,6 +439,8 @@ class TrainerInfo(_Base, frozen=True, tag="trainer_info"):
     state_digest: StateDigest = ""
     data_key: PublicKey = ""
     """The trainer's CURVE public key (from its registration; empty: no cluster key)."""
+    catch_up: bool = False
+    """The joiner catches up (see :class:`TrainerRegister`)."""
 
 
 class ClusterUpdate(_Base, frozen=True, tag="cluster_update"):
@@ -615,6 +622,10 @@ class TrainerRegister(_Base, frozen=True, tag="trainer_register"):
     public_key: PublicKey = ""
     """The trainer's CURVE public key, the client key of its data-plane connections (empty:
     no cluster key)."""
+    catch_up: bool = False
+    """A joiner (``has_state`` false) that joins by catching up: it pulls a snapshot while the
+    members train on, replays the steps it missed, and enters the allreduce afterwards
+    (``TrainerConfig.join_mode``)."""
 
 
 class TrainerEvent(_Base, frozen=True, tag="trainer_event"):

@@ -26,6 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 from chaos.errors import ChaosTimeout, ConfigError
 from chaos.protocol.messages import Reason, Refusal
 from chaos.replication.state import TrainingState
+from chaos.replication.steplog import StepLog
 from chaos.replication.wire import (
     WIRE_ENCODER,
     ManifestReply,
@@ -33,6 +34,7 @@ from chaos.replication.wire import (
     Reply,
     ShardReply,
     ShardRequest,
+    StepLogRequest,
     manifest_digest,
     refusal,
     shard_checksum,
@@ -181,6 +183,7 @@ class ShardServer:
         self.security.authenticate(self._ctx)
         self._lock = threading.Lock()
         self._snapshot: _Snapshot | None = None
+        self._step_log: StepLog | None = None
         self._stats = ServerStats()
         self._corrupt_counts: dict[int, int] = {}
         self._stalled = False
@@ -232,6 +235,12 @@ class ShardServer:
             self._snapshot = replace(snap, epoch=max(snap.epoch, epoch),
                                      epochs=snap.epochs | {epoch})  # fmt: skip
         return True
+
+    def set_step_log(self, log: StepLog | None) -> None:
+        """Serves ``log`` to a catching-up joiner (``None``: no log; requests are refused as
+        ``not_published``)."""
+        with self._lock:
+            self._step_log = log
 
     def retire(self) -> None:
         """Stops serving the snapshot; later requests are refused as ``not_published``."""
@@ -320,6 +329,13 @@ class ShardServer:
             frames.append(payload)
         self._sock.send_multipart(frames, copy=False)
 
+    def _send_many(self, ident: bytes, header: Reply, payload: list[Any]) -> None:
+        """Sends a reply header and several payload frames (a step log), zero-copy."""
+        with self._lock:
+            if isinstance(header, Refusal):
+                self._stats.refusals[header.reason] = self._stats.refusals.get(header.reason, 0) + 1
+        self._sock.send_multipart([ident, WIRE_ENCODER.encode(header), *payload], copy=False)
+
     def _handle(self, frames: list[bytes]) -> None:
         """Answers one request (``[routing id, body]``), counting what was sent."""
         if self._stalled:
@@ -335,9 +351,16 @@ class ShardServer:
         reply: Reply
         payload: Any = None
         with self._lock:
-            snap = self._snapshot
+            snap, step_log = self._snapshot, self._step_log
         if isinstance(req, Refusal):
             reply = req
+        elif isinstance(req, StepLogRequest):
+            if step_log is None:
+                reply = refusal(req.req_id, Reason.NOT_PUBLISHED, "no step log")
+            else:
+                reply, frames_out = step_log.answer(req)
+                self._send_many(ident, reply, frames_out)
+                return
         elif isinstance(req, ManifestRequest):
             refused = self._check_snapshot(snap, req)
             if refused is not None or snap is None:

@@ -412,6 +412,13 @@ class TrainingState:
         """Hash of the names, shapes and dtypes of every tensor and of the optimizer layout."""
         return self._manifest.fingerprint
 
+    def freeze(self) -> None:
+        """Copies a donor's stream into memory of its own (its chunk addresses first): from
+        then on it no longer reads the live tensors, so the donor may step on while a joiner
+        pulls it (a catch-up join's snapshot). Costs one copy of the state."""
+        _ = self.manifest
+        self._view_cache = [memoryview(bytearray(v)) for v in self._views]
+
     # -- stream access
 
     @property

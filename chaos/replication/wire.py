@@ -24,6 +24,9 @@ __all__ = [
     "ManifestRequest",
     "ShardReply",
     "ShardRequest",
+    "StepEntry",
+    "StepLogReply",
+    "StepLogRequest",
     "manifest_digest",
     "shard_checksum",
     "validate_request",
@@ -105,8 +108,46 @@ class ShardReply(WireMessage, frozen=True, tag="shard"):
     checksum: NonNeg
 
 
-Request = Union[ManifestRequest, ShardRequest]
-Reply = Union[ManifestReply, ShardReply, Refusal]
+MAX_LOG_ENTRIES = 64
+"""Most steps one :class:`StepLogRequest` may ask for."""
+
+
+class StepLogRequest(WireMessage, frozen=True, tag="steplog_req"):
+    """A catching-up joiner asks for the logged steps from ``from_step`` on (at most
+    ``max_entries``; the reply may hold fewer, see :class:`StepLogReply`)."""
+
+    from_step: Counter
+    max_entries: Annotated[int, msgspec.Meta(ge=1, le=MAX_LOG_ENTRIES)] = 8
+
+
+class StepEntry(msgspec.Struct, kw_only=True, frozen=True):
+    """One logged step: the allreduce's result of ``step`` (its payload frame: ``nbytes``
+    bytes, the gradient buffer a member installs, weight last) and the optimizer's
+    hyperparameters that step ran with (msgpack of its param groups without ``params``)."""
+
+    step: Counter
+    nbytes: NonNeg
+    hypers: Annotated[bytes, msgspec.Meta(max_length=65536)]
+
+
+class StepLogReply(WireMessage, frozen=True, tag="steplog"):
+    """Header of a step-log reply; one payload frame per entry follows.
+
+    ``head`` is the step the log would log next (entries exist for ``[start, head)``);
+    ``closed_at`` the step at which the donor put the joiner into its data plane (it logs no
+    further: the joiner replays up to that step, then pulls what still differs)."""
+
+    start: Counter
+    head: Counter
+    closed_at: Counter | None = None
+    stopped: bool = False
+    """The donor stopped logging before the joiner entered (its log reached its byte limit, or
+    it skipped a step): the joiner stops replaying and pulls what differs when it enters."""
+    entries: list[StepEntry] = []
+
+
+Request = Union[ManifestRequest, ShardRequest, StepLogRequest]
+Reply = Union[ManifestReply, ShardReply, StepLogReply, Refusal]
 
 UNREADABLE: tuple[type[Exception], ...] = (msgspec.DecodeError, RecursionError, UnicodeDecodeError)
 """What msgspec raises on bytes it cannot read: malformed or mistyped msgpack, nesting deeper

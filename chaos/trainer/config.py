@@ -77,6 +77,20 @@ class TrainerConfig:
             throughput, and :attr:`Trainer.local_batch_size` says this member's part. Every
             member must set the same value, and pass ``num_samples`` to ``update()``. ``None``
             (the default): off, each script picks its own batch.
+        join_mode: How a joiner gets the state. ``"catch-up"`` (the default): the members
+            train on while it pulls a snapshot from its donors; in its first ``update()`` it
+            replays the steps it missed from the donors' step logs (the averaged gradients and
+            the hyperparameters of each step), then enters the allreduce at a step boundary,
+            pulling only what still differs from the members' state (see ``docs/state.md``).
+            ``"barrier"``: it enters the data plane at once and every member waits at its next
+            allreduce until the joiner has pulled the state. The scheduler falls back to a
+            barrier join while it has not measured the donors' step period.
+        catch_up_log_bytes: Most gradient bytes a donor logs for a catching-up joiner (one
+            step logs about the model's size). A joiner that is still behind when a donor's log
+            is full enters and pulls what differs, as in a barrier join. Raise it for slow
+            joiner links with fast steps; lower it where memory is short.
+        catch_up_timeout_s: Longest time a joiner spends replaying before it asks to enter
+            whatever its lag (it then pulls what differs).
 
     Raises:
         ConfigError: a non-positive timeout or interval, a bad ``data_ports`` range, or a
@@ -102,6 +116,9 @@ class TrainerConfig:
     restored: bool = False
     cluster_key: str | None = None
     global_batch: int | None = None
+    join_mode: str = "catch-up"
+    catch_up_log_bytes: int = 1 << 30
+    catch_up_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         for name in (
@@ -111,6 +128,7 @@ class TrainerConfig:
             "replication_timeout_s",
             "poll_interval_s",
             "stall_progress_s",
+            "catch_up_timeout_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -122,6 +140,12 @@ class TrainerConfig:
         if not isinstance(self.daemon_args, tuple):
             raise ConfigError("daemon_args must be a tuple of strings")
         check_data_ports(self.data_ports)
+        if self.join_mode not in JOIN_MODES:
+            raise ConfigError(f"join_mode must be one of {', '.join(JOIN_MODES)}, "
+                              f"got {self.join_mode!r}")  # fmt: skip
+        lb = self.catch_up_log_bytes
+        if isinstance(lb, bool) or not isinstance(lb, int) or lb < 0:
+            raise ConfigError(f"catch_up_log_bytes must be an int >= 0, got {lb!r}")
         gb = self.global_batch
         if gb is not None and (isinstance(gb, bool) or not isinstance(gb, int)
                                or not 1 <= gb <= MAX_GLOBAL_BATCH):  # fmt: skip
@@ -132,6 +156,10 @@ class TrainerConfig:
             if not isinstance(self.cluster_key, (str, os.PathLike)):
                 raise ConfigError(f"cluster_key must be a file path, got {self.cluster_key!r}")
             ClusterKey.load(self.cluster_key)  # a ConfigError that says what is wrong with it
+
+
+JOIN_MODES = ("catch-up", "barrier")
+"""Values of :attr:`TrainerConfig.join_mode`."""
 
 
 def check_data_ports(ports: object) -> None:

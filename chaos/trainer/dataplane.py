@@ -22,6 +22,7 @@ from chaos.collectives import Communicator, CommunicatorConfig, Topology
 from chaos.errors import ConfigError
 from chaos.replication.server import ShardServer, ShardServerConfig
 from chaos.replication.state import TrainingState
+from chaos.replication.steplog import StepLog
 from chaos.security import Security
 
 __all__ = ["DataPlane"]
@@ -225,6 +226,10 @@ class DataPlane:
     def retire(self) -> None:
         """Stops serving the snapshot (the state is about to change)."""
         self._server.retire()
+
+    def set_step_log(self, log: StepLog | None) -> None:
+        """Serves a catch-up join's step log (``None``: none)."""
+        self._server.set_step_log(log)
 
     def close(self) -> None:
         """Closes the shard server, then the communicator (best effort)."""

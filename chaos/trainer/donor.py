@@ -14,6 +14,7 @@ import hashlib
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -30,6 +31,7 @@ from chaos.replication.state import (
     extra_digest,
     extra_tensor_count,
 )
+from chaos.replication.steplog import StepLog, encode_hypers
 from chaos.scheduling import Neighbor, Plan
 from chaos.scheduling.bounds import lower_bound
 from chaos.security import Security
@@ -41,6 +43,9 @@ log = logging.getLogger("chaos.trainer")
 
 class SnapshotServer(Protocol):
     """Where a donor publishes the snapshot joiners pull (a shard server)."""
+
+    def set_step_log(self, log: StepLog | None) -> None:
+        """Serves ``log`` to a catching-up joiner (``None``: none)."""
 
     def publish(self, state: TrainingState, epoch: int, step: int) -> None:
         """Serves ``state`` as the snapshot of ``(epoch, step)``."""
@@ -82,6 +87,7 @@ class Donor:
         poll_interval_s: Pause between two manifest requests.
         replication_timeout_s: Limit on pulling the whole state.
         pull_window: Outstanding shard requests per donor.
+        catch_up_log_bytes: Most gradient bytes a donor logs for a catching-up joiner.
         security: The cluster key the joiner's pulls connect with (default: none, plain).
         extra: Extra state objects by name (``state_dict()``/``load_state_dict()``) that travel
             with the training state.
@@ -99,6 +105,7 @@ class Donor:
         poll_interval_s: float,
         replication_timeout_s: float,
         pull_window: int,
+        catch_up_log_bytes: int = 1 << 30,
         security: Security | None = None,
         extra: ExtraState | None = None,
     ) -> None:
@@ -119,6 +126,11 @@ class Donor:
         self.last_pull: PullReport | None = None
         """What the last pull executed (``None`` before one), for the scheduler."""
         self._published: tuple[int, int] | None = None
+        self._frozen = False  # the published snapshot is a copy (a catch-up join's)
+        self._log_bytes = catch_up_log_bytes
+        self._catch_up: tuple[str, int, int] | None = None  # (joiner, snapshot step, epoch)
+        self.step_log: StepLog | None = None
+        """The log of the steps since a catch-up snapshot (``None``: no catch-up served)."""
 
     # ------------------------------------------------------------------ layout
 
@@ -186,21 +198,86 @@ class Donor:
             step: The step the state is at.
         """
         rep = replication
+        log_ = self.step_log
+        if log_ is not None and (rep is None or rep.target != log_.target):
+            self._end_catch_up()  # the joiner entered (or is gone): its log is done
+        elif log_ is not None and rep is not None and rep.at_step is None:
+            log_.close(step)  # the joiner enters the data plane at this step
         if rep is None or rep.target == self.node_id or self.node_id not in rep.donor_addresses:
             return
+        if rep.at_step is not None:
+            if self._catch_up is None or self._catch_up[0] != rep.target:
+                self._end_catch_up()
+                self._catch_up = (rep.target, rep.at_step, epoch)
+            self.at_boundary(step)
+            return
+        self._catch_up = None
         key = (epoch, step)
-        if self._published is None or self._published[1] != step:
+        if self._published is None or self._published[1] != step or self._frozen:
             self._snapshots.publish(self._capture_for_serving(step, epoch), *key)
-            self._published = key
+            self._published, self._frozen = key, False
             self._event("serving", joiner=rep.target, epoch=epoch, step=step)
         elif epoch != self._published[0] and self._snapshots.also_serve(epoch, step):
             self._event("serving", joiner=rep.target, epoch=epoch, step=step, same_snapshot=True)
 
     def retire(self) -> None:
-        """Stops serving the published snapshot, if any (the state is about to change)."""
-        if self._published is not None:
+        """Stops serving the published snapshot, if any (the state is about to change); a
+        catch-up snapshot (a copy) stays, and a closed step log is dropped (its joiner has
+        entered)."""
+        if self.step_log is not None and self.step_log.closed_at is not None:
+            self._end_catch_up()
+        if self._published is not None and not self._frozen:
             self._snapshots.retire()
             self._published = None
+
+    # ------------------------------------------------------------------ catch-up joins
+
+    def at_boundary(self, step: int) -> None:
+        """At a step boundary (``step``: the state's step): publishes the catch-up snapshot
+        once the state reaches the planned step, and starts its step log. A donor that
+        installed the plan late snapshots the step it is at (the joiner pulls from the donors
+        that serve the step the first one to answer serves)."""
+        cu = self._catch_up
+        if cu is None or self.step_log is not None or step < cu[1]:
+            return
+        joiner, at, epoch = cu
+        if self._published is not None and not self._frozen:
+            self._snapshots.retire()
+        state = self._capture_for_serving(step, epoch)
+        state.freeze()
+        self._snapshots.publish(state, epoch, step)
+        self._published, self._frozen = (epoch, step), True
+        self.step_log = StepLog(joiner, step, self._log_bytes)
+        self._snapshots.set_step_log(self.step_log)
+        self._event("serving", joiner=joiner, epoch=epoch, step=step, catch_up=True,
+                    planned_step=at)  # fmt: skip
+
+    @property
+    def logging(self) -> bool:
+        """A step log for a catching-up joiner is growing (call :meth:`log_step`)."""
+        log_ = self.step_log
+        return log_ is not None and log_.closed_at is None and not log_.stopped
+
+    def log_step(self, step: int, grads: torch.Tensor) -> None:
+        """Logs step ``step`` for a catching-up joiner: ``grads``, the gradient buffer this
+        member installed (weight last), and the hyperparameters now (call it right before the
+        optimizer step)."""
+        log_ = self.step_log
+        if log_ is None or log_.closed_at is not None or log_.stopped:
+            return
+        if not log_.append(step, grads, encode_hypers(self.optimizer)):
+            self._event("catch_up_log_stopped", joiner=log_.target, step=step,
+                        reason=log_.stopped, bytes=log_.nbytes)  # fmt: skip
+
+    def _end_catch_up(self) -> None:
+        """Drops the step log and the catch-up snapshot."""
+        self._catch_up = None
+        if self.step_log is not None:
+            self.step_log = None
+            self._snapshots.set_step_log(None)
+        if self._frozen:
+            self._snapshots.retire()
+            self._published, self._frozen = None, False
 
     def _capture_for_serving(self, step: int, epoch: int) -> TrainingState:
         """The state a donor serves. Every donor must serve the same bytes, but each device's
@@ -222,12 +299,21 @@ class Donor:
 
     # ------------------------------------------------------------------ joining
 
-    def pull(self, replication: ReplicationWire | None, epoch: int) -> int:
+    def pull(
+        self,
+        replication: ReplicationWire | None,
+        epoch: int,
+        prepare: Callable[[int], None] | None = None,
+    ) -> int:
         """Pulls the state from the donors a policy names and loads it (the joiner's side).
+
+        Only the chunks this trainer does not hold already are pulled (content addressing).
 
         Args:
             replication: The policy's replication part.
             epoch: The policy's epoch.
+            prepare: Called with the step of the donors' snapshot before this trainer's state
+                is compared with it (a catching-up joiner replays up to that step there).
 
         Returns:
             The step of the state pulled.
@@ -252,6 +338,8 @@ class Donor:
         )
         t_manifest = time.monotonic()
         step = next(iter(keys.values()))[1]
+        if prepare is not None:
+            prepare(step)
         state = TrainingState.for_joiner(self.model, self.optimizer, manifest, self.extra)
         # every donor that answered has published: its allreduce round is over (tau_sync 0)
         neighbors = [Neighbor(d.id, d.prop_s, d.trans_s_per_byte, 0.0) for d in rep.donors

@@ -80,6 +80,13 @@ class GradientPacker:
         buf[n] = weight
         return buf
 
+    def zeros(self) -> torch.Tensor:
+        """A buffer as :meth:`pack` makes, all zeros: no gradient and weight 0 (a joiner that
+        enters the allreduce with gradients computed on an older state)."""
+        n = sum(p.numel() for p in self._params)
+        dtype = self._params[0].dtype if self._params else torch.float32
+        return torch.zeros(n + 1, dtype=dtype)
+
     def install(self, reduced: torch.Tensor) -> None:
         """Writes the sample-weighted mean, ``sum(N_i * g_i) / sum(N_i)``, into the gradients.
 

@@ -81,13 +81,14 @@ class DaemonLink(Protocol):
         tensor_sizes: list[int] | None = None,
         timeout_s: float | None = None,
         state_digest: str = "",
+        catch_up: bool = False,
     ) -> object:
         """Registers the trainer with the scheduler."""
         ...
 
     def trainer_event(
         self,
-        kind: Literal["ready", "step_failed"],
+        kind: Literal["ready", "step_failed", "caught_up"],
         elapsed_s: float = 0.0,
         detail: str = "",
         timeout_s: float | None = None,
@@ -331,6 +332,7 @@ class DaemonSession:
         tensor_sizes: list[int] | None,
         timeout_s: float,
         state_digest: str = "",
+        catch_up: bool = False,
     ) -> None:
         """Registers the trainer's endpoints and state layout with the scheduler.
 
@@ -343,6 +345,7 @@ class DaemonSession:
                 (no answer, ``timeout``, ``paused``, ``not_scheduler``) is sent again, within
                 ``max(timeout_s, _RETRY_TOTAL_S)`` in all.
             state_digest: The digest of a restored state (stop-resume), else ``""``.
+            catch_up: A joiner that catches up (see ``TrainerConfig.join_mode``).
 
         Raises:
             ChaosTimeout: no answer in time.
@@ -357,6 +360,7 @@ class DaemonSession:
                 tensor_sizes=tensor_sizes,
                 timeout_s=t,
                 state_digest=state_digest,
+                catch_up=catch_up,
             ),
             timeout_s,
         )
@@ -400,6 +404,22 @@ class DaemonSession:
             if deadline - time.monotonic() < 0.5:
                 raise error
             log.info("%s not answered (%s); trying again", what, error)
+
+    def report_caught_up(self, step: int, lag: int, detail: str) -> None:
+        """Tells the scheduler this catching-up joiner is ready to enter the data plane
+        (``caught_up``): it replayed up to ``step``, ``lag`` steps behind the donors' logs.
+
+        Raises:
+            ChaosTimeout: no answer in time.
+            ProtocolError: refused.
+        """
+        self._retrying(
+            "catch-up report",
+            lambda t: self._client.trainer_event(
+                "caught_up", 0.0, f"step {step}, {lag} behind: {detail}"[:200], timeout_s=t
+            ),
+            _ATTEMPT_S,
+        )
 
     def report_pull(self, report: PullReport | None) -> None:
         """Tells the scheduler what the joiner's pull executed (``replication_done``), from

@@ -37,7 +37,9 @@ import torch
 from chaos import ops
 from chaos.errors import ChaosError, ConfigError, DaemonGone, PeerFailure, RoundInterrupted
 from chaos.launch import free_tcp_address
+from chaos.replication.steplog import LoggedStep, decode_hypers
 from chaos.security import Security
+from chaos.trainer.catch_up import CatchUpState, StepSource, replay
 from chaos.trainer.config import TrainerConfig, check_extra_state, check_num_samples
 from chaos.trainer.dataplane import DataPlane
 from chaos.trainer.donor import Donor
@@ -55,6 +57,12 @@ log = logging.getLogger("chaos.trainer")
 
 THROUGHPUT_SMOOTHING = 0.3
 """Weight of the newest step in the trainer's measured throughput (an exponential average)."""
+
+
+_Hooks = tuple[
+    "Callable[[], object] | None", "Callable[[], object] | None", "Callable[[], object] | None"
+]
+"""``update()``'s ``before_step``, ``step_fn`` and ``after_step``."""
 
 
 class _Rejoined(Exception):
@@ -160,6 +168,7 @@ class Trainer:
         self._samples_per_s: float | None = None  # measured throughput (samples / compute s)
         self._computing_since: float | None = None  # when the last update() returned
         self.events: list[dict[str, Any]] = []
+        self._catching: CatchUpState | None = None  # a catching-up joiner, until it enters
         self._embedded: EmbeddedDaemon | None = None
         t0 = time.monotonic()
         try:
@@ -238,6 +247,7 @@ class Trainer:
             poll_interval_s=cfg.poll_interval_s,
             replication_timeout_s=cfg.replication_timeout_s,
             pull_window=cfg.pull_window,
+            catch_up_log_bytes=cfg.catch_up_log_bytes,
             security=self._security,
             extra=self.extra_state,
         )
@@ -302,6 +312,7 @@ class Trainer:
         if restored:
             joining = False
         session, plane = self._session, self._plane
+        catch_up = joining and self.config.join_mode == "catch-up"
         session.register(
             plane.address,
             plane.shard_address,
@@ -309,12 +320,17 @@ class Trainer:
             tensor_sizes=self._donor.initial_layout(has_state=not joining),
             timeout_s=self.config.join_timeout_s,
             state_digest=self._donor.restored_digest() if restored else "",
+            catch_up=catch_up,
         )
         policy = session.wait(
-            lambda p: self.node_id in p.members and p.topology is not None,
+            lambda p: (self.node_id in p.members and p.topology is not None)
+            or (catch_up and self._snapshot_planned(p)),
             self.config.join_timeout_s,
             "the scheduler to add this trainer to the sync policy",
         )
+        if catch_up and policy.topology is None:
+            self._pull_snapshot(policy, t0)
+            return
         if joining:
             self._step = self._donor.pull(policy.replication, policy.epoch)
             session.report_pull(self._donor.last_pull)  # the scheduler measures c from it
@@ -326,6 +342,94 @@ class Trainer:
         self._computing_since = None
         self._event("ready", elapsed_s=elapsed, epoch=self._epoch, step=self._step)
         session.report_ready(elapsed, f"epoch {self._epoch} step {self._step}")
+
+    def _snapshot_planned(self, p: Policy) -> bool:
+        """Whether ``p`` plans a catch-up snapshot for this trainer."""
+        rep = p.replication
+        return rep is not None and rep.target == self.node_id and rep.at_step is not None
+
+    def _pull_snapshot(self, policy: Policy, t0: float) -> None:
+        """A catching-up joiner pulls the donors' snapshot; the members train on. It enters the
+        data plane in its first :meth:`update` (:meth:`_catch_up_and_enter`)."""
+        rep = policy.replication
+        if rep is None:
+            raise ChaosError(f"the policy of epoch {policy.epoch} plans no snapshot")
+        self._step = self._donor.pull(rep, policy.epoch)
+        self._session.report_pull(self._donor.last_pull)
+        self._catching = CatchUpState(dict(rep.donor_addresses), policy.epoch, t0, self._step)
+        self._computing_since = None
+        self._event("snapshot_pulled", epoch=policy.epoch, step=self._step,
+                    planned_step=rep.at_step, elapsed_s=time.monotonic() - t0)  # fmt: skip
+
+    def _catch_up_and_enter(self, hooks: _Hooks) -> None:
+        """Replays the steps the members took since the snapshot, asks the scheduler to enter
+        (``caught_up``), and once the policy includes this trainer replays up to the step the
+        donors serve and pulls only what still differs; then installs the policy (ready).
+
+        Raises:
+            ChaosTimeout: no policy with this trainer within ``join_timeout_s``, or the pull
+                did not finish in time.
+            ReplicationError: the state could not be pulled from any neighbour.
+        """
+        cu = self._catching
+        if cu is None:
+            return
+        cfg, session = self.config, self._session
+        source = StepSource(cu.donors, self._grads.zeros(), self._security)
+
+        def apply(entry: LoggedStep) -> None:
+            self._replay_step(entry, hooks)
+
+        t0 = time.monotonic()
+        first = replay(source, self._step, apply, until=None,
+                       deadline=t0 + cfg.catch_up_timeout_s,
+                       poll_interval_s=cfg.poll_interval_s)  # fmt: skip
+        self._event("caught_up", step=self._step, replayed=first.steps, lag=first.lag,
+                    why=first.why, elapsed_s=time.monotonic() - t0)  # fmt: skip
+        session.report_caught_up(self._step, first.lag, first.why)
+        policy = session.wait(
+            lambda p: self.node_id in p.members and p.topology is not None,
+            cfg.join_timeout_s,
+            "the scheduler to put this catching-up trainer into the sync policy",
+        )
+        tail: list[int] = []
+
+        def to_snapshot(step: int) -> None:
+            before = self._step
+            last = replay(source, self._step, apply, until=step,
+                          deadline=time.monotonic() + cfg.catch_up_timeout_s,
+                          poll_interval_s=cfg.poll_interval_s)  # fmt: skip
+            tail.extend((before, step, last.steps))
+
+        self._step = self._donor.pull(policy.replication, policy.epoch, prepare=to_snapshot)
+        session.report_pull(self._donor.last_pull)
+        self._catching = None
+        self._install(policy)
+        pull = self._donor.last_pull
+        self._event("entered", epoch=self._epoch, step=self._step,
+                    replayed=first.steps + (tail[2] if tail else 0),
+                    pulled_bytes=sum(d.bytes for d in pull.donors) if pull else None,
+                    state_bytes=pull.state_bytes if pull else None,
+                    log_failures=source.failures)  # fmt: skip
+        elapsed = time.monotonic() - cu.started
+        self._event("ready", elapsed_s=elapsed, epoch=self._epoch, step=self._step)
+        session.report_ready(elapsed, f"epoch {self._epoch} step {self._step} (caught up)")
+
+    def _replay_step(self, entry: LoggedStep, hooks: _Hooks) -> None:
+        """Runs one logged step as the members ran it: their gradient buffer, their
+        hyperparameters, this script's hooks."""
+        before_step, step_fn, after_step = hooks
+        self._grads.install(entry.grads)
+        decode_hypers(entry.hypers, self.optimizer)
+        if before_step is not None:
+            before_step()
+        if step_fn is not None:
+            step_fn()
+        else:
+            self.optimizer.step()
+        if after_step is not None:
+            after_step()
+        self._step += 1
 
     def wait_world(self, size: int, timeout_s: float) -> None:
         """Blocks until the sync policy holds at least ``size`` members (stop-resume restarts).
@@ -479,10 +583,16 @@ class Trainer:
                 is a :class:`~chaos.errors.ChaosTimeout`.
         """
         check_num_samples(num_samples)
-        self._measure(num_samples)
         session = self._session
+        if self._catching is not None:
+            # a catching-up joiner: its gradients were computed on the snapshot, steps ago;
+            # it enters with weight 0 (the others' sample-weighted mean is the step's average)
+            self._catch_up_and_enter((before_step, step_fn, after_step))
+            flat = self._grads.zeros()
+        else:
+            self._measure(num_samples)
+            flat = self._grads.pack(num_samples)
         session.step_started(self._step)  # the step progress the scheduler finds stragglers by
-        flat = self._grads.pack(num_samples)
         try:
             reduced = self._allreduce(flat)
         except _Rejoined:  # this trainer was evicted and joined again: its gradients are stale
@@ -492,6 +602,9 @@ class Trainer:
         if reduced is not None:
             self._grads.install(reduced)
         self._donor.retire()  # the state is about to change
+        if self._donor.logging:  # a catching-up joiner replays this step from the log
+            self._donor.log_step(self._step, reduced if reduced is not None else
+                                 self._grads.pack(None))  # fmt: skip
         if before_step is not None:
             before_step()
         if step_fn is not None:
@@ -502,6 +615,7 @@ class Trainer:
             after_step()
         self._step += 1
         session.step_done(self._step)
+        self._donor.at_boundary(self._step)  # a catch-up snapshot planned for this step
         self._maybe_reregister()
         self._computing_since = time.monotonic()
 

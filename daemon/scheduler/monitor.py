@@ -121,6 +121,9 @@ class ClusterMonitor:
         """The smoothed per-shard cost c measured from pulls (``None``: none measured yet)."""
         self.pulls_measured = 0
         """How many pulls the per-shard cost was fitted to."""
+        self.catching_up: set[str] = set()
+        """Joiners pulling a catch-up snapshot and replaying: left out of the sync policy
+        until they ask to enter (``caught_up``)."""
 
     # -- measured replication inputs ---------------------------------------------------------
 
@@ -140,6 +143,16 @@ class ClusterMonitor:
             self.clocks[node] = RoundClock(step, boundary, None, now)
         else:
             clock.observe(step, boundary, now)
+
+    def step_now(self, node: str, now: float, max_age_s: float) -> tuple[int, float] | None:
+        """``node``'s step at ``now`` extrapolated from its last boundary and period, with the
+        period; ``None`` when unknown (no period measured, or no report for ``max_age_s``)."""
+        clock = self.clocks.get(node)
+        if clock is None or clock.period_s is None or clock.period_s <= 0.0:
+            return None
+        if now - clock.heard_at > max_age_s:
+            return None
+        return clock.step + int(max(0.0, now - clock.boundary_at) / clock.period_s), clock.period_s
 
     def tau_sync_s(self, node: str, now: float, max_age_s: float) -> float | None:
         """When ``node``'s trainer finishes the step it is in, from ``now`` (seconds): the

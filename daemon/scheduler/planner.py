@@ -49,7 +49,7 @@ def sync_policy(
         The policy (a ``"single"`` policy when at most one member has a trainer, with no node
         when none has).
     """
-    members = monitor.trainer_members()
+    members = [m for m in monitor.trainer_members() if m not in monitor.catching_up]
     if not members:  # no trainer registered (yet), or the last one left
         return SyncPolicy("single", (), None, (), (), 0.0, 0.0, 0.0, 0.0, True)
     links = monitor.sync_links(members)

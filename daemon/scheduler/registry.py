@@ -11,9 +11,11 @@ for. Each member's side, which forwards its trainer's messages here, is
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any, Protocol
 
+import msgspec
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.scheduler.batch_split import BatchSplitter
 from chaos.daemon.scheduler.monitor import ClusterMonitor, PullSample
@@ -32,6 +34,11 @@ from chaos.protocol import (
 )
 from chaos.protocol.messages import PullReport, merge_ranges
 from chaos.protocol.states import NodeState, TrainerState
+
+SNAPSHOT_LEAD_STEPS = 2
+"""Steps past the donors' current step at which a catch-up snapshot is planned..."""
+SNAPSHOT_LEAD_S = 0.3
+"""... plus the steps the donors take in this long (the commit's way to them)."""
 
 
 def _merged(assignment: dict[str, list[tuple[int, int]]]) -> dict[str, list[tuple[int, int]]]:
@@ -139,6 +146,12 @@ class TrainerRegistry:
         if repl.skipped:
             self._answer(reply, msg.op_id, Reason.BAD_REQUEST, repl.skipped)
             return
+        at_step = self._snapshot_step(list(repl.donor_addresses), now) if msg.catch_up else None
+        if at_step is not None:
+            repl = msgspec.structs.replace(repl, at_step=at_step)
+            mon.catching_up.add(n)
+        else:
+            mon.catching_up.discard(n)
         mon.set_trainer(n, TrainerState.SYNCING, msg.data_address, msg.shard_address)
         mon.set_data_key(n, msg.data_key)
         self.registered_at[n] = now
@@ -154,10 +167,37 @@ class TrainerRegistry:
             per_shard_cost_s=repl.per_shard_cost_s,
             sync_s={d.id: d.sync_s for d in repl.donors},
             assignment=_merged(repl.assignment),
+            at_step=at_step,
+            catch_up_asked=msg.catch_up,
         )
         self._registered(n, "syncing", msg, reply)
-        self.commits.commit("trainer_scale_out", now, replication=repl)
+        cause = "trainer_catch_up" if at_step is not None else "trainer_scale_out"
+        self.commits.commit(cause, now, replication=repl)
         self._answer(reply, msg.op_id)
+
+    def _snapshot_step(self, donors: list[str], now: float) -> int | None:
+        """The step a catch-up snapshot is planned at: a few steps past the donors' step now,
+        far enough that every donor installs the plan before it gets there
+        (:data:`SNAPSHOT_LEAD_S` plus :data:`SNAPSHOT_LEAD_STEPS`). ``None`` (a barrier join)
+        while no donor's step period is measured."""
+        max_age = 3 * self.cfg.heartbeat_interval_s
+        known = [x for d in donors if (x := self.monitor.step_now(d, now, max_age)) is not None]
+        if not known:
+            return None
+        step = max(s for s, _ in known)
+        period = min(p for _, p in known)
+        return step + SNAPSHOT_LEAD_STEPS + math.ceil(SNAPSHOT_LEAD_S / period)
+
+    def _on_caught_up(self, n: str, now: float) -> None:
+        """A catching-up joiner asks to enter: the sync policy takes it in (a new structure,
+        applied after the members' current allreduce) with a plan for what still differs."""
+        if n not in self.monitor.catching_up:
+            return  # a retry, or a scheduler that never left it out (after an election)
+        self.monitor.catching_up.discard(n)
+        repl = self._plan(n, now)
+        self.pending[n] = repl
+        self.host.event("catch_up_entering", peer=n, donors=sorted(repl.donor_addresses))
+        self.commits.commit("trainer_scale_out", now, replication=repl)
 
     def _register_state(
         self, msg: TrainerInfo, cur: TrainerState, reply: ReplyPath | None, now: float
@@ -285,6 +325,8 @@ class TrainerRegistry:
             return
         if msg.kind == "replication_done" and msg.pull is not None:
             self._on_pull(n, msg.pull)
+        if msg.kind == "caught_up" and cur == TrainerState.SYNCING:
+            self._on_caught_up(n, now)
         if msg.kind == "ready" and cur == TrainerState.SYNCING:
             mon.set_trainer(
                 n,
@@ -450,6 +492,7 @@ class TrainerRegistry:
     def forget(self, node: str) -> None:
         """Drops what is known about a node that left or failed."""
         self.commits.batches.forget(node)
+        self.monitor.catching_up.discard(node)
         self.registered_at.pop(node, None)
         self.pending.pop(node, None)
         self.restarted.pop(node, None)

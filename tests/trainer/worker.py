@@ -25,6 +25,18 @@ from chaos.trainer.worker import (
 )
 
 
+_RECORDED = {
+    "waiting": ("waited_s", "paused"),
+    "evicted": (),
+    "rejoined": (),
+    "snapshot_pulled": ("step", "planned_step", "t"),
+    "caught_up": ("step", "replayed", "lag", "why", "t"),
+    "entered": ("step", "replayed", "pulled_bytes", "state_bytes", "t"),
+    "serving": ("joiner", "step", "catch_up", "t"),
+}
+"""The trainer events a worker records, with the fields it keeps."""
+
+
 def _parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     add_member_arguments(ap)
@@ -42,6 +54,10 @@ def _parse_args() -> argparse.Namespace:
     )
     ap.add_argument(
         "--die-after", type=int, default=None, help="kill -9 mid-allreduce, N steps after joining"
+    )
+    ap.add_argument("--join-mode", choices=["catch-up", "barrier"], default="catch-up")
+    ap.add_argument(
+        "--catch-up-log-bytes", type=int, default=1 << 30, help="TrainerConfig.catch_up_log_bytes"
     )
     return ap.parse_args()
 
@@ -64,7 +80,8 @@ def main() -> int:
     xs, ys = local_data(args.id, 256, 16, 4)  # this device's local data
     trainer = start_member(args, model, opt, step_timeout_s=20.0, daemon_dir=args.daemon_dir,
                            stall_progress_s=args.stall_progress,
-                           cluster_key=args.cluster_key)  # fmt: skip
+                           cluster_key=args.cluster_key, join_mode=args.join_mode,
+                           catch_up_log_bytes=args.catch_up_log_bytes)  # fmt: skip
     seen = 0
     if args.die_after is not None:
         trainer.fail_at(trainer.step + args.die_after)
@@ -81,8 +98,8 @@ def main() -> int:
             trainer.update()
             trainer.check_state_replication()
             for e in trainer.events[seen:]:
-                if e["event"] in ("waiting", "evicted", "rejoined"):
-                    kept = {k: v for k, v in e.items() if k in ("waited_s", "paused")}
+                if e["event"] in _RECORDED:
+                    kept = {k: v for k, v in e.items() if k in _RECORDED[e["event"]]}
                     write_record(out, {"event": e["event"], **kept})
             seen = len(trainer.events)
             write_record(out, step_record(trainer, model, opt, loss=float(loss.detach())))

@@ -1,0 +1,106 @@
+"""Catch-up joins with real trainer processes on loopback (``TrainerConfig.join_mode``).
+
+Four members: ``a``, ``b``, ``c`` train; ``d`` joins through ``c`` (its only neighbour, so its
+only donor). In catch-up mode the members keep stepping while ``d`` pulls the snapshot and
+replays the logged steps; ``d`` then enters and pulls only what still differs, and ends bitwise
+equal. A donor whose step log is full makes the joiner fall back to pulling what differs (all of
+it); a barrier join still works. No timing is asserted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.trainer.trainer_cluster import Cluster, Member, assert_equal_from, world
+
+WIDTH = ("--width", "512")  # parameters and momentum well above the runtime record's size
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    with contextlib.closing(Cluster(tmp_path)) as c:  # reaped even when the test fails
+        yield c
+
+
+def _event(m: Member, name: str) -> dict[str, Any] | None:
+    return next((r for r in m.records() if r.get("event") == name), None)
+
+
+def _three(cluster: Cluster) -> tuple[Member, Member, Member]:
+    a = cluster.start("a", None, *WIDTH)
+    cluster.wait(lambda: a.last().get("step", 0) >= 3, "a to train")
+    b = cluster.start("b", a, *WIDTH)
+    cluster.wait(lambda: world(a, 2) and world(b, 2), "b to join")
+    c = cluster.start("c", b, *WIDTH)
+    cluster.wait(lambda: all(world(m, 3) for m in (a, b, c)), "c to join")
+    # the scheduler plans a catch-up once it measured the donors' step period
+    cluster.wait(lambda: c.last().get("step", 0) >= a.last()["step"] - 1 >= 0, "c to train")
+    return a, b, c
+
+
+def _joined(cluster: Cluster, members: list[Member], d: Member) -> int:
+    cluster.wait(lambda: _event(d, "entered") is not None and d.digests(), "d to enter")
+    first = min(d.digests())
+    cluster.wait(lambda: all(world(m, 4, first + 5) for m in (*members, d)), "four to train")
+    assert assert_equal_from([*members, d], first) >= 5
+    return first
+
+
+def test_members_train_on_while_a_joiner_catches_up(cluster: Cluster) -> None:
+    a, b, c = _three(cluster)
+    # d computes its first step for 0.5 s (a slow device): the members step on meanwhile
+    d = cluster.start("d", c, *WIDTH, "--step-time", "0.5")
+    _joined(cluster, [a, b, c], d)
+    pulled, entered = _event(d, "snapshot_pulled"), _event(d, "entered")
+    assert pulled is not None and entered is not None, d.log()
+    s0, s_enter = pulled["step"], entered["step"]
+    # a and b are not donors (d's only neighbour is c): they stepped between the snapshot and
+    # d's entry, in a three-member world
+    assert s_enter > s0
+    for m in (a, b):
+        during = [r for r in m.records() if "digest" in r and s0 < r["step"] <= s_enter]
+        assert during and all(r["world"] == 3 for r in during), m.id
+    caught = _event(d, "caught_up")
+    assert caught is not None and entered["replayed"] > 0
+    # the replay was exact: at entry d pulled only what the replay does not reproduce (the
+    # runtime record), not the parameters or the optimizer state
+    assert entered["pulled_bytes"] < 0.25 * entered["state_bytes"], entered
+    def served_d(m: Member) -> list[dict[str, Any]]:
+        return [r for r in m.records() if r.get("event") == "serving" and r["joiner"] == "d"]
+
+    assert any(r.get("catch_up") for r in served_d(c)), "the donor served a catch-up snapshot"
+    assert not served_d(a) and not served_d(b)
+
+
+def test_a_full_step_log_falls_back_to_pulling_what_differs(cluster: Cluster) -> None:
+    a = cluster.start("a", None, *WIDTH, "--catch-up-log-bytes", "0")
+    cluster.wait(lambda: a.last().get("step", 0) >= 3, "a to train")
+    b = cluster.start("b", a, *WIDTH, "--catch-up-log-bytes", "0")
+    cluster.wait(lambda: world(a, 2, 10) and world(b, 2, 10), "b to join")
+    c = cluster.start("c", b, *WIDTH, "--step-time", "0.5")  # the members step on meanwhile
+    cluster.wait(lambda: _event(c, "entered") is not None and c.digests(), "c to enter")
+    first = min(c.digests())
+    cluster.wait(lambda: all(world(m, 3, first + 5) for m in (a, b, c)), "three to train")
+    assert assert_equal_from([a, b, c], first) >= 5
+    entered = _event(c, "entered")
+    assert entered is not None
+    # nothing was logged: the joiner replayed nothing and pulled the trained chunks again
+    pulled = _event(c, "snapshot_pulled")
+    assert pulled is not None and entered["step"] > pulled["step"]
+    assert entered["replayed"] == 0
+    assert entered["pulled_bytes"] > 0.5 * entered["state_bytes"], entered
+
+
+def test_barrier_join_still_works(cluster: Cluster) -> None:
+    a, b, c = _three(cluster)
+    d = cluster.start("d", c, *WIDTH, "--join-mode", "barrier")
+    cluster.wait(lambda: d.digests(), "d to train")
+    first = min(d.digests())
+    cluster.wait(lambda: all(world(m, 4, first + 5) for m in (a, b, c, d)), "four to train")
+    assert assert_equal_from([a, b, c, d], first) >= 5
+    assert _event(d, "entered") is None and _event(d, "snapshot_pulled") is None
