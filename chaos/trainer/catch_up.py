@@ -17,10 +17,20 @@ from dataclasses import dataclass
 import torch
 
 from chaos.errors import ChaosTimeout, ReplicationError
-from chaos.replication.steplog import LoggedStep, fetch_steps
+from chaos.replication.steplog import LoggedStep, decode_hypers, fetch_steps
 from chaos.security import Security
+from chaos.trainer.gradients import GradientPacker
+from chaos.trainer.session import Policy
 
-__all__ = ["CatchUpState", "Replayed", "StepSource", "replay"]
+__all__ = [
+    "CatchUpState",
+    "Hooks",
+    "Replayed",
+    "StepSource",
+    "plans_snapshot",
+    "replay",
+    "run_logged_step",
+]
 
 log = logging.getLogger("chaos.trainer")
 
@@ -30,6 +40,36 @@ ENTRIES_PER_FETCH = 16
 """Steps asked for in one request."""
 ENTER_LAG = 1
 """A joiner at most this many steps behind a donor's log asks to enter the data plane."""
+
+
+Hooks = tuple[
+    "Callable[[], object] | None", "Callable[[], object] | None", "Callable[[], object] | None"
+]
+"""``update()``'s ``before_step``, ``step_fn`` and ``after_step``."""
+
+
+def plans_snapshot(p: Policy, node_id: str) -> bool:
+    """Whether ``p`` plans a catch-up snapshot for ``node_id``."""
+    rep = p.replication
+    return rep is not None and rep.target == node_id and rep.at_step is not None
+
+
+def run_logged_step(
+    entry: LoggedStep, packer: GradientPacker, optimizer: torch.optim.Optimizer, hooks: Hooks
+) -> None:
+    """Runs one logged step as the members ran it: their gradient buffer, their
+    hyperparameters, this script's hooks (the caller counts the step)."""
+    before_step, step_fn, after_step = hooks
+    packer.install(entry.grads)
+    decode_hypers(entry.hypers, optimizer)
+    if before_step is not None:
+        before_step()
+    if step_fn is not None:
+        step_fn()
+    else:
+        optimizer.step()
+    if after_step is not None:
+        after_step()
 
 
 @dataclass
@@ -115,6 +155,7 @@ def replay(
     until: int | None,
     deadline: float,
     poll_interval_s: float,
+    stop: Callable[[], bool] | None = None,
 ) -> Replayed:
     """Replays logged steps from ``step`` on.
 
@@ -126,6 +167,8 @@ def replay(
             most :data:`ENTER_LAG` steps behind.
         deadline: Stop at this time (monotonic) whatever the lag.
         poll_interval_s: Pause when the logs hold no new step yet.
+        stop: Asked before each fetch: ``True`` ends the replay (the scheduler put the joiner
+            into the data plane without waiting for it).
 
     Returns:
         How it ended (the caller compares states afterwards: a replay that stopped early only
@@ -133,6 +176,8 @@ def replay(
     """
     done, lag = 0, -1
     while until is None or step < until:
+        if stop is not None and stop():
+            return Replayed(done, lag, "the policy took this trainer in")
         got = source.fetch(step)
         if got is None:
             return Replayed(done, lag, "no donor serves the step log")

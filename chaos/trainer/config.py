@@ -4,6 +4,7 @@ made, and the checks of the values a script passes to the Trainer besides it."""
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,3 +207,32 @@ def check_num_samples(num_samples: object) -> None:
         raise TypeError(f"num_samples must be an int or None, got {type(num_samples).__name__}")
     if num_samples < 1:
         raise ValueError(f"num_samples must be at least 1, got {num_samples}")
+
+
+def default_node_id() -> str:
+    """``HOSTNAME-PID``, with the characters a node id cannot hold replaced and the host name
+    cut so that the id stays within 64 characters."""
+    from chaos.protocol.ids import node_id_from
+
+    host = node_id_from(socket.gethostname(), max_len=48)
+    return f"{host}-{os.getpid()}"
+
+
+def check_endpoints(
+    join: str | None, daemon: str | None, node_id: str | None, listen: str | None
+) -> None:
+    """Rejects malformed endpoints and node ids before a daemon is started or dialled.
+
+    Raises:
+        ConfigError: one of them is malformed.
+    """
+    from chaos.protocol.ids import check_daemon_endpoint, check_node_id, check_tcp_endpoint
+
+    if node_id is not None:
+        check_node_id(node_id)
+    if join is not None:
+        check_tcp_endpoint(join, "join endpoint")
+    if listen is not None:
+        check_tcp_endpoint(listen, "listen endpoint")
+    if daemon is not None:
+        check_daemon_endpoint(daemon)

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import socket
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -37,10 +35,23 @@ import torch
 from chaos import ops
 from chaos.errors import ChaosError, ConfigError, DaemonGone, PeerFailure, RoundInterrupted
 from chaos.launch import free_tcp_address
-from chaos.replication.steplog import LoggedStep, decode_hypers
+from chaos.replication.steplog import LoggedStep
 from chaos.security import Security
-from chaos.trainer.catch_up import CatchUpState, StepSource, replay
-from chaos.trainer.config import TrainerConfig, check_extra_state, check_num_samples
+from chaos.trainer.catch_up import (
+    CatchUpState,
+    Hooks,
+    StepSource,
+    plans_snapshot,
+    replay,
+    run_logged_step,
+)
+from chaos.trainer.config import (
+    TrainerConfig,
+    check_endpoints,
+    check_extra_state,
+    check_num_samples,
+    default_node_id,
+)
 from chaos.trainer.dataplane import DataPlane
 from chaos.trainer.donor import Donor
 from chaos.trainer.embedded import EmbeddedDaemon
@@ -59,12 +70,6 @@ THROUGHPUT_SMOOTHING = 0.3
 """Weight of the newest step in the trainer's measured throughput (an exponential average)."""
 
 
-_Hooks = tuple[
-    "Callable[[], object] | None", "Callable[[], object] | None", "Callable[[], object] | None"
-]
-"""``update()``'s ``before_step``, ``step_fn`` and ``after_step``."""
-
-
 class _Rejoined(Exception):
     """The scheduler had evicted this trainer (a straggler); it joined again inside
     ``update()``, pulling the current state, so the step's gradients are stale: the step is
@@ -72,35 +77,6 @@ class _Rejoined(Exception):
 
 
 # ----------------------------------------------------------------------------- the trainer
-
-
-def _default_node_id() -> str:
-    """``HOSTNAME-PID``, with the characters a node id cannot hold replaced and the host name
-    cut so that the id stays within 64 characters."""
-    from chaos.protocol.ids import node_id_from
-
-    host = node_id_from(socket.gethostname(), max_len=48)
-    return f"{host}-{os.getpid()}"
-
-
-def _check_endpoints(
-    join: str | None, daemon: str | None, node_id: str | None, listen: str | None
-) -> None:
-    """Rejects malformed endpoints and node ids before a daemon is started or dialled.
-
-    Raises:
-        ConfigError: one of them is malformed.
-    """
-    from chaos.protocol.ids import check_daemon_endpoint, check_node_id, check_tcp_endpoint
-
-    if node_id is not None:
-        check_node_id(node_id)
-    if join is not None:
-        check_tcp_endpoint(join, "join endpoint")
-    if listen is not None:
-        check_tcp_endpoint(listen, "listen endpoint")
-    if daemon is not None:
-        check_daemon_endpoint(daemon)
 
 
 class Trainer:
@@ -146,7 +122,7 @@ class Trainer:
             self.config = TrainerConfig(**options)
         except TypeError as exc:
             raise ConfigError(f"unknown Trainer option: {exc}") from exc
-        _check_endpoints(join, daemon, node_id, listen)
+        check_endpoints(join, daemon, node_id, listen)
         self.extra_state: dict[str, Any] = check_extra_state(extra_state)
         self._security = Security.from_key_file(self.config.cluster_key)
         install_exit_handlers()
@@ -157,7 +133,7 @@ class Trainer:
         self.optimizer = optimizer
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._grads = GradientPacker(self._params)
-        self.node_id = node_id if node_id is not None else _default_node_id()
+        self.node_id = node_id if node_id is not None else default_node_id()
         self._step = 0
         self._epoch = -1
         self._round_started = 0.0  # when the allreduce in progress began (wait reports)
@@ -324,7 +300,7 @@ class Trainer:
         )
         policy = session.wait(
             lambda p: (self.node_id in p.members and p.topology is not None)
-            or (catch_up and self._snapshot_planned(p)),
+            or (catch_up and plans_snapshot(p, self.node_id)),
             self.config.join_timeout_s,
             "the scheduler to add this trainer to the sync policy",
         )
@@ -343,11 +319,6 @@ class Trainer:
         self._event("ready", elapsed_s=elapsed, epoch=self._epoch, step=self._step)
         session.report_ready(elapsed, f"epoch {self._epoch} step {self._step}")
 
-    def _snapshot_planned(self, p: Policy) -> bool:
-        """Whether ``p`` plans a catch-up snapshot for this trainer."""
-        rep = p.replication
-        return rep is not None and rep.target == self.node_id and rep.at_step is not None
-
     def _pull_snapshot(self, policy: Policy, t0: float) -> None:
         """A catching-up joiner pulls the donors' snapshot; the members train on. It enters the
         data plane in its first :meth:`update` (:meth:`_catch_up_and_enter`)."""
@@ -361,7 +332,7 @@ class Trainer:
         self._event("snapshot_pulled", epoch=policy.epoch, step=self._step,
                     planned_step=rep.at_step, elapsed_s=time.monotonic() - t0)  # fmt: skip
 
-    def _catch_up_and_enter(self, hooks: _Hooks) -> None:
+    def _catch_up_and_enter(self, hooks: Hooks) -> None:
         """Replays the steps the members took since the snapshot, asks the scheduler to enter
         (``caught_up``), and once the policy includes this trainer replays up to the step the
         donors serve and pulls only what still differs; then installs the policy (ready).
@@ -378,13 +349,22 @@ class Trainer:
         source = StepSource(cu.donors, self._grads.zeros(), self._security)
 
         def apply(entry: LoggedStep) -> None:
-            self._replay_step(entry, hooks)
+            run_logged_step(entry, self._grads, self.optimizer, hooks)
+            self._step += 1
+
+        seen = [cu.epoch]
+
+        def taken_in() -> bool:  # a new scheduler (after an election) made it a barrier join
+            p = session.poll(seen[0])
+            if p is not None:
+                seen[0] = p.epoch
+            return p is not None and self.node_id in p.members and p.topology is not None
 
         t0 = time.monotonic()
         first = replay(source, self._step, apply, until=None,
                        deadline=t0 + cfg.catch_up_timeout_s,
-                       poll_interval_s=cfg.poll_interval_s)  # fmt: skip
-        self._event("caught_up", step=self._step, replayed=first.steps, lag=first.lag,
+                       poll_interval_s=cfg.poll_interval_s, stop=taken_in)  # fmt: skip
+        self._event("replayed", step=self._step, replayed=first.steps, lag=first.lag,
                     why=first.why, elapsed_s=time.monotonic() - t0)  # fmt: skip
         session.report_caught_up(self._step, first.lag, first.why)
         policy = session.wait(
@@ -414,22 +394,6 @@ class Trainer:
         elapsed = time.monotonic() - cu.started
         self._event("ready", elapsed_s=elapsed, epoch=self._epoch, step=self._step)
         session.report_ready(elapsed, f"epoch {self._epoch} step {self._step} (caught up)")
-
-    def _replay_step(self, entry: LoggedStep, hooks: _Hooks) -> None:
-        """Runs one logged step as the members ran it: their gradient buffer, their
-        hyperparameters, this script's hooks."""
-        before_step, step_fn, after_step = hooks
-        self._grads.install(entry.grads)
-        decode_hypers(entry.hypers, self.optimizer)
-        if before_step is not None:
-            before_step()
-        if step_fn is not None:
-            step_fn()
-        else:
-            self.optimizer.step()
-        if after_step is not None:
-            after_step()
-        self._step += 1
 
     def wait_world(self, size: int, timeout_s: float) -> None:
         """Blocks until the sync policy holds at least ``size`` members (stop-resume restarts).

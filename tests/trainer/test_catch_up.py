@@ -65,7 +65,7 @@ def test_members_train_on_while_a_joiner_catches_up(cluster: Cluster) -> None:
     for m in (a, b):
         during = [r for r in m.records() if "digest" in r and s0 < r["step"] <= s_enter]
         assert during and all(r["world"] == 3 for r in during), m.id
-    caught = _event(d, "caught_up")
+    caught = _event(d, "replayed")
     assert caught is not None and entered["replayed"] > 0
     # the replay was exact: at entry d pulled only what the replay does not reproduce (the
     # runtime record), not the parameters or the optimizer state

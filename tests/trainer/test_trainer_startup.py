@@ -84,10 +84,10 @@ def test_the_default_node_id_is_valid_whatever_the_host_name(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from chaos.protocol.ids import check_node_id
-    from chaos.trainer.trainer import _default_node_id
+    from chaos.trainer.config import default_node_id
 
     monkeypatch.setattr(socket, "gethostname", lambda: "x" * 70 + ".my host")
-    node_id = _default_node_id()
+    node_id = default_node_id()
     assert check_node_id(node_id) == node_id and node_id.endswith(f"-{os.getpid()}")
 
 

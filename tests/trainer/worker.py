@@ -24,13 +24,12 @@ from chaos.trainer.worker import (
     write_record,
 )
 
-
 _RECORDED = {
     "waiting": ("waited_s", "paused"),
     "evicted": (),
     "rejoined": (),
     "snapshot_pulled": ("step", "planned_step", "t"),
-    "caught_up": ("step", "replayed", "lag", "why", "t"),
+    "replayed": ("step", "replayed", "lag", "why", "t"),
     "entered": ("step", "replayed", "pulled_bytes", "state_bytes", "t"),
     "serving": ("joiner", "step", "catch_up", "t"),
 }
