@@ -179,6 +179,7 @@ def shard_examples() -> list[Any]:
             offset=0,
             length=64,
         ),
+        wire.StepLogRequest(req_id=4, from_step=0, max_entries=8),
         wire.ManifestReply(req_id=1, epoch=1, step=0, digest="cd" * 32),
         wire.ShardReply(req_id=3, epoch=1, step=0, offset=0, length=64, checksum=2**64 - 1),
         wire.refusal(3, m.Reason.OUT_OF_RANGE, "past the end"),

@@ -37,11 +37,19 @@ REQUESTS = [
         offset=4096,
         length=1 << 20,
     ),
+    wire.StepLogRequest(req_id=4, from_step=9, max_entries=16),
 ]
 REPLIES = [
     wire.ManifestReply(req_id=1, epoch=3, step=9, digest="cd" * 32),
     wire.ShardReply(req_id=3, epoch=3, step=9, offset=4096, length=1 << 20, checksum=2**64 - 1),
     wire.refusal(3, Reason.OUT_OF_RANGE, "past the end"),
+    wire.StepLogReply(
+        req_id=4,
+        start=9,
+        head=12,
+        closed_at=12,
+        entries=[wire.StepEntry(step=9, nbytes=1 << 20, hypers=b"\x91\x81\xa2lr\xcb?\xb9")],
+    ),
 ]
 _FRAMES = [wire.WIRE_ENCODER.encode(x) for x in [*REQUESTS, *REPLIES]]
 _MAPS: list[dict[str, Any]] = [msgspec.msgpack.decode(f) for f in _FRAMES]
@@ -55,7 +63,7 @@ def _check(frame: bytes) -> None:
         # the refusal the server answers with must be readable by the joiner
         assert wire.REPLY_DECODER.decode(wire.WIRE_ENCODER.encode(got)) == got
     else:
-        assert isinstance(got, (wire.ManifestRequest, wire.ShardRequest))
+        assert isinstance(got, (wire.ManifestRequest, wire.ShardRequest, wire.StepLogRequest))
     try:
         wire.REPLY_DECODER.decode(frame)
     except msgspec.DecodeError:
