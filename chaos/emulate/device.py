@@ -104,6 +104,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gate", type=Path, default=None,
                     help="load everything, then wait for this file before joining")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--join-mode", choices=["catch-up", "barrier"], default="catch-up",
+                    help="TrainerConfig.join_mode")  # fmt: skip
     ap.add_argument(
         "--no-base-on-disk",
         action="store_true",
@@ -166,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         policy_timeout_s=30.0,
         join_timeout_s=300.0,
         restored=args.resume is not None or args.resume_from is not None,
+        join_mode=args.join_mode,
     )
     if args.resume is not None or args.resume_from is not None:
         trainer.load_state_dict(state)  # the checkpoint's step and RNG

@@ -120,14 +120,55 @@ def join_metrics(
     a = started["ts"] if started else ev["t"]
     b = done["ts"] if done else ev.get("ready_t", ev["t"])
     idle = 0.0
+    rates: dict[str, float] = {}
     for other in result.devices:
         if other.split(".")[0] == node:
             continue
         base = _baseline(result, other, busy)
         if base is not None:
             idle += sum(_excess(result, other, a, b, base))
+            rate = _rate_ratio(result, other, a, b, base)
+            if rate is not None and other.split(".")[0] not in out["donors"]:
+                rates[other] = rate
     out["idle_s"] = idle
+    out["join_mode"] = ev.get("join_mode")
+    out["non_donor_rate"] = rates  # each non-donor's step rate during the join / its steady one
+    out["non_donor_rate_min"] = min(rates.values()) if rates else None
+    out.update(_catch_up_figures(result, node, ev["t"]))
     return out
+
+
+def _rate_ratio(result: RunResult, node: str, a: float, b: float, base: float) -> float | None:
+    """``node``'s step rate over the steps that overlap ``[a, b]`` against its steady rate
+    (``base``: its median step duration outside events); ``None`` without such a step."""
+    durs = [r["dur_s"] for r in _steps(result, node) if r["t"] - r["dur_s"] < b and r["t"] > a]
+    if not durs or base <= 0:
+        return None
+    return base / statistics.mean(durs)
+
+
+def _catch_up_figures(result: RunResult, node: str, after: float) -> dict[str, Any]:
+    """A catching-up joiner's figures from its trainer events: the snapshot's step, the steps
+    it replayed, the step it entered at and the bytes it pulled then (``None`` for a barrier
+    join)."""
+    events = {
+        r.get("event"): r
+        for k in _incarnations(result, node)
+        for r in result.devices[k]
+        if r.get("kind") == "trainer_event" and r.get("t", 0.0) >= after - JOIN_SLACK_S
+    }
+    ready = [r for k in _incarnations(result, node) for r in result.devices[k]
+             if r.get("kind") == "ready" and r["t"] >= after - JOIN_SLACK_S]  # fmt: skip
+    for r in ready[:1]:
+        for e in r.get("events", []):
+            events.setdefault(e.get("event"), e)
+    snap, entered = events.get("snapshot_pulled"), events.get("entered")
+    if snap is None or entered is None:
+        return {"snapshot_step": None, "entered_step": None, "replayed": None,
+                "entry_pulled_bytes": None}  # fmt: skip
+    return {"snapshot_step": snap.get("step"), "entered_step": entered.get("step"),
+            "replayed": entered.get("replayed"),
+            "entry_pulled_bytes": entered.get("pulled_bytes")}  # fmt: skip
 
 
 def stall_metrics(

@@ -301,6 +301,7 @@ class Runner:
         join: Sequence[str] = (),
         resume: tuple[Path | str, int] | None = None,
         gate: Path | None = None,
+        join_mode: str | None = None,
     ) -> Device:
         """Starts device ``name`` joining through the devices ``join`` (tried in turn; none
         given: its first neighbour; no neighbour either: it founds the cluster)."""
@@ -316,7 +317,8 @@ class Runner:
                 "--listen", self._endpoint(name), "--host", self._net.address(name),
                 "--model", sc.model, "--scale", str(sc.scale), "--out", str(out),
                 "--step-time", str(sc.step_time_s), "--daemon-dir", str(ddir),
-                "--cluster-key", str(self.cluster_key)]  # fmt: skip
+                "--cluster-key", str(self.cluster_key),
+                "--join-mode", join_mode or sc.join_mode]  # fmt: skip
         daemon_args = [*DAEMON_ARGS, "--replication-strategy", sc.strategy]
         for n in neighbors:
             daemon_args += ["--neighbor", n]
@@ -382,8 +384,9 @@ class Runner:
         nbrs = sorted(self.join_rng.sample(sorted(live), min(self.sc.degree, len(live))))
         for n in nbrs:
             self._net.add_link(name, n, self._rate(name, n))
-        rec.update(node=name, neighbors=nbrs, label=f"join {name}")
-        self._start_device(name, nbrs)
+        mode = ev.join_mode or self.sc.join_mode
+        rec.update(node=name, neighbors=nbrs, label=f"join {name}", join_mode=mode)
+        self._start_device(name, nbrs, join_mode=mode)
         ready = self._wait_ready(name)
         rec["ready_t"] = ready["t"]
 

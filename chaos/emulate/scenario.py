@@ -12,6 +12,7 @@ A scenario file (see ``examples/scenarios/``)::
     latency_s = 0.0               # one-way, per link (netem, else the TUN delay relay)
     step_time_s = 0.05            # emulated compute per training step
     strategy = "chaos"            # replication strategy of the daemons
+    join_mode = "catch-up"        # how joiners get the state: catch-up | barrier
     settle_s = 5                  # keep running this long after the last event
     seed = 0
 
@@ -19,6 +20,7 @@ A scenario file (see ``examples/scenarios/``)::
     at_s = 5                      # seconds after the cluster is up
     kind = "join"                 # join | leave | kill | link_add | link_remove | link_cut
                                   # | partition | heal
+    join_mode = "barrier"         # optional, a join's own mode (default: the scenario's)
     [[events]]
     at_s = 15
     kind = "kill"
@@ -57,6 +59,7 @@ from pathlib import Path
 from typing import Any, Literal, cast
 
 from chaos.errors import ConfigError
+from chaos.trainer.config import JOIN_MODES
 
 EventKind = Literal[
     "join", "leave", "kill", "link_add", "link_remove", "link_cut", "partition", "heal"
@@ -85,6 +88,7 @@ class Event:
         b: The other end.
         nodes: A partition's side: these devices are cut off from every other device
             (``None``: the runner draws a random minority).
+        join_mode: A join's ``TrainerConfig.join_mode`` (``None``: the scenario's).
     """
 
     at_s: float
@@ -93,8 +97,14 @@ class Event:
     a: str | None = None
     b: str | None = None
     nodes: tuple[str, ...] | None = None
+    join_mode: str | None = None
 
     def __post_init__(self) -> None:
+        if self.join_mode is not None and (self.kind != "join" or self.join_mode not in JOIN_MODES):
+            raise ConfigError(
+                f"join_mode is for join events, one of {', '.join(JOIN_MODES)}: "
+                f"{self.kind} with {self.join_mode!r}"
+            )
         if self.kind not in EVENT_KINDS:
             raise ConfigError(f"event kind must be one of {', '.join(EVENT_KINDS)}: {self.kind}")
         if not isinstance(self.at_s, (int, float)) or not 0 <= self.at_s < 1e6:
@@ -141,6 +151,7 @@ class Scenario:
     latency_s: float = 0.0
     step_time_s: float = 0.05
     strategy: str = "chaos"
+    join_mode: str = "catch-up"
     settle_s: float = 5.0
     seed: int = 0
     events: tuple[Event, ...] = field(default_factory=tuple)
@@ -161,6 +172,8 @@ class Scenario:
                 raise ConfigError(f"{name} must be in [{low}, {high}], got {v!r}")
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"strategy must be one of {', '.join(STRATEGIES)}: {self.strategy}")
+        if self.join_mode not in JOIN_MODES:
+            raise ConfigError(f"join_mode must be one of {', '.join(JOIN_MODES)}: {self.join_mode}")
         from chaos.models import model_summary
 
         try:
@@ -257,7 +270,7 @@ def scenario_from_dict(doc: dict[str, Any]) -> Scenario:
     for raw in doc.get("events", []):
         if not isinstance(raw, dict):
             raise ConfigError("each [[events]] entry must be a table")
-        bad = set(raw) - {"at_s", "kind", "node", "a", "b", "nodes"}
+        bad = set(raw) - {"at_s", "kind", "node", "a", "b", "nodes", "join_mode"}
         if bad:
             raise ConfigError(f"unknown event keys: {', '.join(sorted(bad))}")
         if "nodes" in raw:
