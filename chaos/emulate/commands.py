@@ -270,31 +270,46 @@ def compare_command(sizes: str, model: str, strategies: str | None, rejoin: bool
     if rejoin:
         _compare_rejoin(chosen, lo, base, json_path, shaped, repeats, away_s)
         return
+    _compare_grow(chosen, lo, hi, base, json_path, shaped, repeats, plot_dir)
+
+
+def _compare_grow(strategies: list[str], lo: int, hi: int, base: Scenario, json_path: Path,
+                  shaped: bool, repeats: int, plot_dir: Path | None) -> None:  # fmt: skip
+    """``compare`` without ``--rejoin``: every strategy's growth per repeat, the table, JSON and
+    plots. A run that fails is recorded under ``failed`` (strategy, repeat, error; the joins it
+    had measured are lost) and the others go on; the command then exits with an error."""
     runs: list[dict[str, Any]] = []
     links: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
+    doc: dict[str, Any] = {"scale": base.scale, "sizes": [lo, hi]}
     for rep in range(repeats):
-        for strategy in chosen:
+        for strategy in strategies:
             click.echo(f"== {strategy}, repeat {rep + 1}/{repeats}", err=True)
             out = json_path.parent / f"{json_path.stem}-runs" / f"{strategy}-{rep}"
             try:
                 got = compare_runs(strategy, lo, hi, base, out, shaped, rep)
             except (EmulationError, ChaosError, OSError) as exc:
-                raise click.ClickException(f"{strategy} run failed: {exc}") from exc
+                click.echo(f"error: {strategy} run (repeat {rep + 1}) failed: {exc}", err=True)
+                failed.append({"strategy": strategy, "repeat": rep, "error": str(exc)})
+                got = []
             runs += [r for r in got if r.get("kind") != "connect_link"]
             links += [r for r in got if r.get("kind") == "connect_link"]
-            _write(json_path, {"runs": runs, "connect_link": links, "scale": scale,
-                               "sizes": [lo, hi]})  # fmt: skip
+            _write(json_path, {"runs": runs, "connect_link": links, "failed": failed, **doc})
     summary = compare_summary(runs)
     print_compare_table(summary)
     _print_connect_link(links)
     network = runs[0]["network"] if runs else None
-    _write(json_path, {"runs": runs, "summary": summary, "connect_link": links, "scale": scale,
-                       "sizes": [lo, hi], "network": network})  # fmt: skip
-    if plot_dir is not None:
+    _write(json_path, {"runs": runs, "summary": summary, "connect_link": links, "failed": failed,
+                       **doc, "network": network})  # fmt: skip
+    if plot_dir is not None and runs:
         from chaos.emulate.plots import plot_compare
 
         for path in plot_compare(runs, plot_dir, links):
             click.echo(f"wrote {path}", err=True)
+    if failed:
+        raise click.ClickException(f"{len(failed)} run(s) failed: "
+                                   + "; ".join(f"{f['strategy']} repeat {f['repeat'] + 1}"
+                                               for f in failed))  # fmt: skip
 
 
 def parse_strategies(text: str | None, rejoin: bool = False) -> list[str]:

@@ -101,3 +101,25 @@ def test_models_plot_and_the_compare_plot_command(tmp_path: Path) -> None:
     res = CliRunner().invoke(main, ["compare-plot", str(files[0]), "--out", str(tmp_path / "p")])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "p" / "compare_replication.png").exists()
+
+
+def test_a_failed_run_is_recorded_and_the_others_go_on(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import chaos.emulate.commands as commands
+    from chaos.emulate.runner import EmulationError
+
+    def fake_runs(strategy: str, lo: int, hi: int, *_: Any) -> list[dict[str, Any]]:
+        if strategy == "even":
+            raise EmulationError("device n7 not ready after 300.0 s")
+        return [_row(strategy, lo, 0, 2.0, 2.5)]
+
+    monkeypatch.setattr(commands, "compare_runs", fake_runs)
+    out = tmp_path / "c.json"
+    res = CliRunner().invoke(main, ["compare", "--loopback", "--sizes", "6-7", "--strategies",
+                                    "even,chaos", "--json", str(out), "--plot", str(tmp_path)])
+    assert res.exit_code == 1 and "even repeat 1" in res.output
+    doc = json.loads(out.read_text())
+    assert doc["failed"] == [{"strategy": "even", "repeat": 0,
+                              "error": "device n7 not ready after 300.0 s"}]  # fmt: skip
+    assert [r["strategy"] for r in doc["runs"]] == ["chaos"]
+    assert (tmp_path / "compare_replication.png").exists()
