@@ -168,10 +168,11 @@ def plot_models(docs: list[dict[str, Any]], path: Path, strategy: str = "chaos")
     rows = [r for d in docs for r in d["runs"] if r["strategy"] == strategy]
     points = spread_by(rows, "model", "scale_out_s")
     state = {r["model"]: r["state_bytes"] for r in rows if r.get("state_bytes")}
+    scale = {r["model"]: d.get("scale") for d in docs for r in d["runs"]}
     points = dict(sorted(points.items(), key=lambda kv: state.get(kv[0], 0)))
     fig, ax = plt.subplots(figsize=(7, 4))
-    _plot_spread(ax, {f"{m} ({state.get(m, 0) / 2**20:.1f} MiB)": p for m, p in points.items()},
-                 {})  # fmt: skip
+    _plot_spread(ax, {f"{m}: state {state.get(m, 0) / 2**20:.1f} MiB (x{scale.get(m)})": p
+                      for m, p in points.items()}, {})  # fmt: skip
     ax.set_ylabel("scale-out delay (s, median)")
     ax.set_ylim(bottom=0)
     ax.set_title(f"{strategy}: scale-out delay per model")
