@@ -206,9 +206,13 @@ class Donor:
         if rep is None or rep.target == self.node_id or self.node_id not in rep.donor_addresses:
             return
         if rep.at_step is not None:
-            if self._catch_up is None or self._catch_up[0] != rep.target:
-                self._end_catch_up()
+            cu = self._catch_up
+            if cu is None or cu[:2] != (rep.target, rep.at_step):
+                self._end_catch_up()  # a new plan (the joiner registered again): start over
                 self._catch_up = (rep.target, rep.at_step, epoch)
+            elif self._frozen and self._published is not None:
+                # a later commit carries the same plan: its epoch names the same snapshot
+                self._snapshots.also_serve(epoch, self._published[1])
             self.at_boundary(step)
             return
         self._catch_up = None

@@ -39,6 +39,10 @@ SNAPSHOT_LEAD_STEPS = 2
 """Steps past the donors' current step at which a catch-up snapshot is planned..."""
 SNAPSHOT_LEAD_S = 0.3
 """... plus the steps the donors take in this long (the commit's way to them)."""
+SNAPSHOT_CLOCK_AGE_S = 30.0
+"""A donor's step clock counts for planning a snapshot while its last progress report is at
+most this old (its step is extrapolated with its period; a busy device reports late). A donor
+that reaches the planned step before the plan serves the next boundary's state instead."""
 
 
 def _merged(assignment: dict[str, list[tuple[int, int]]]) -> dict[str, list[tuple[int, int]]]:
@@ -180,8 +184,8 @@ class TrainerRegistry:
         far enough that every donor installs the plan before it gets there
         (:data:`SNAPSHOT_LEAD_S` plus :data:`SNAPSHOT_LEAD_STEPS`). ``None`` (a barrier join)
         while no donor's step period is measured."""
-        max_age = 3 * self.cfg.heartbeat_interval_s
-        known = [x for d in donors if (x := self.monitor.step_now(d, now, max_age)) is not None]
+        known = [x for d in donors
+                 if (x := self.monitor.step_now(d, now, SNAPSHOT_CLOCK_AGE_S)) is not None]  # fmt: skip
         if not known:
             return None
         step = max(s for s, _ in known)

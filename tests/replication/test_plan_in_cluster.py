@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -97,9 +98,11 @@ def test_the_joiner_executes_the_schedulers_plan_past_step_128(procs: _Procs) ->
     # (the daemon's own join plans nothing: its trainer had not said its state's size yet)
     planned = [e for e in procs.events("a")
                if e["event"] == "replication_planned" and not e["skipped"]]  # fmt: skip
-    assert [e["peer"] for e in planned] == ["b"] and [e["peer"] for e in executed] == ["b"]
+    assert [e["peer"] for e in planned] == ["b"] and {e["peer"] for e in executed} == {"b"}
     ready = next(r for r in procs.records("b") if r.get("ready"))
     assert ready["step"] >= 140, "the pull was not past step 128"
+    # a catch-up join pulls twice: the snapshot (this plan) and, when it enters, the chunks that
+    # still differ (planned afresh: its executed ranges differ by the chunks held, said so)
     plan, done = planned[0], executed[0]
     # the assignment b pulled is the one the scheduler issued, byte range for byte range
     assert done["assignment"] == plan["assignment"] and plan["assignment"]
@@ -115,4 +118,4 @@ def test_the_joiner_executes_the_schedulers_plan_past_step_128(procs: _Procs) ->
     )
     assert res.returncode == 0, res.stderr
     notes = json.loads(res.stdout)["notes"]
-    assert any("measured over 1 pulls" in n for n in notes), notes
+    assert any(re.search(r"measured over [12] pulls", n) for n in notes), notes

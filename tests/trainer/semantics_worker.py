@@ -159,8 +159,11 @@ def main() -> int:
             time.sleep(args.step_time + args.sample_time * size)  # a longer forward/backward
             before = [p.detach().clone() for p in model.parameters()]
             weighted = args.weighted or args.global_batch is not None
+            entries = sum(1 for e in trainer.events if e["event"] == "entered")
             trainer.update(num_samples=size if weighted else None, **hooks)
-            stepped = trainer.step == step + 1
+            # a catching-up joiner's first update enters with weight 0: not its own gradient
+            entered = sum(1 for e in trainer.events if e["event"] == "entered") > entries
+            stepped = trainer.step == step + 1 and not entered
             if (stepped and args.dump_dir is not None and dumped < args.dump_count
                     and trainer.world_size == args.dump_world):  # fmt: skip
                 dumped += 1
