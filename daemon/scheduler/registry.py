@@ -184,8 +184,8 @@ class TrainerRegistry:
         far enough that every donor installs the plan before it gets there
         (:data:`SNAPSHOT_LEAD_S` plus :data:`SNAPSHOT_LEAD_STEPS`). ``None`` (a barrier join)
         while no donor's step period is measured."""
-        known = [x for d in donors
-                 if (x := self.monitor.step_now(d, now, SNAPSHOT_CLOCK_AGE_S)) is not None]  # fmt: skip
+        age = SNAPSHOT_CLOCK_AGE_S
+        known = [x for d in donors if (x := self.monitor.step_now(d, now, age)) is not None]
         if not known:
             return None
         step = max(s for s, _ in known)
