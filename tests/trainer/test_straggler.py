@@ -177,8 +177,9 @@ def test_a_stopped_trainer_is_evicted_the_others_go_on_and_it_rejoins(cluster: C
         lambda: all(_trains_with(m, 3, resumed_at + 5) for m in (a, b, c)),
         "training to go on with all three",
     )
-    rejoined = c.events("replication_done")
+    rejoined = c.events("ready")
     assert len(rejoined) == 2, rejoined  # its first join, and the join after its eviction
+    assert c.events("replication_done")  # each join pulled the state
     assert _equal_at_common_steps([a, b, c], resumed_at) >= 3
 
 
