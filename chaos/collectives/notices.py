@@ -197,10 +197,15 @@ class PeerNotices:
 
     def offer_result(self, peer: str, key: Key) -> None:
         """Sends a neighbour still running ``key`` the kept result of that step (once per
-        round; nothing when the kept result is of another step)."""
-        link = self._links.socket(peer)
+        round; nothing when the kept result is of another step). A member that is no longer a
+        neighbour (the topology changed right after the step) gets it through a notice-only
+        socket."""
         kept = self._kept
-        if kept is None or kept[0] != key[1] or link is None or peer in self._offered:
+        if kept is None or kept[0] != key[1] or peer in self._offered:
+            return
+        # a former neighbour (the topology changed right after the step) has no data link
+        link = self._links.socket(peer) or self._notice_socket(self._addresses.get(peer))
+        if link is None:
             return
         self._offered.add(peer)
         flat = kept[1].contiguous().reshape(-1)

@@ -48,6 +48,12 @@ _NOBLOCK = int(zmq.NOBLOCK)
 _NO_KEY = "it has no or a different cluster key"
 
 
+FLUSH_ON_CLOSE_S = 2.0
+"""A link that a new topology removes keeps sending what it has queued for up to this long (its
+socket closes in the background): the last round's result frames to a former neighbour still
+reach it. Dropped at once, they left that neighbour a step behind the others, every side
+waiting on another step."""
+
 class PeerSockets:
     """The data endpoint and the links to the current neighbours.
 
@@ -157,11 +163,11 @@ class PeerSockets:
         self.poller.register(monitor, zmq.POLLIN)
         return Link(peer, address, sock, monitor)
 
-    def _close_link(self, link: Link) -> None:
+    def _close_link(self, link: Link, flush_s: float = FLUSH_ON_CLOSE_S) -> None:
         self.poller.unregister(link.monitor)
         link.socket.disable_monitor()
         link.monitor.close(linger=0)
-        link.socket.close(linger=0)
+        link.socket.close(linger=int(flush_s * 1000))
 
     # ------------------------------------------------------------------ failures
 
@@ -315,7 +321,7 @@ class PeerSockets:
         """Closes every link (``on_close(peer)`` is called just before each)."""
         for link in self._links.values():
             on_close(link.peer)
-            self._close_link(link)
+            self._close_link(link, flush_s=0.0)  # closing for good: nothing waits on it
         self._links.clear()
 
     def close(self) -> None:

@@ -49,8 +49,10 @@ from chaos.replication.wire import (
     WIRE_ENCODER,
     ManifestReply,
     ManifestRequest,
+    Reply,
     ShardReply,
     ShardRequest,
+    StepLogRequest,
     manifest_digest,
     shard_checksum,
 )
@@ -266,13 +268,24 @@ def gather_manifests(
     return manifest, keys
 
 
-def _manifest_exchange(
+def donor_request(
     address: str,
-    req: ManifestRequest,
+    req: ManifestRequest | StepLogRequest,
     timeout_s: float,
-    context: zmq.Context | None,
+    *,
+    context: zmq.Context | None = None,
     security: Security | None = None,
-) -> tuple[bytes, ManifestReply]:
+    what: str = "manifest",
+) -> tuple[Reply, list[bytes]]:
+    """Sends one request to a donor's shard server and reads its reply: the decoded header and
+    every frame (the header first).
+
+    Raises:
+        ChaosTimeout: no reply within ``timeout_s``.
+        DonorUnreachable: the donor's address refuses connections, or the CURVE handshake.
+        ReplicationError: the donor refused (``what`` names the request) or sent a header that
+            cannot be read.
+    """
     _check_timeout(timeout_s)
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
@@ -293,9 +306,18 @@ def _manifest_exchange(
     except msgspec.DecodeError as exc:
         raise ReplicationError(f"donor {address} sent a malformed reply: {exc}") from exc
     if isinstance(head, Refusal):
-        raise ReplicationError(
-            f"donor {address} refused the manifest: {head.reason}: {head.detail}"
-        )
+        raise ReplicationError(f"donor {address} refused the {what}: {head.reason}: {head.detail}")
+    return head, frames
+
+
+def _manifest_exchange(
+    address: str,
+    req: ManifestRequest,
+    timeout_s: float,
+    context: zmq.Context | None,
+    security: Security | None = None,
+) -> tuple[bytes, ManifestReply]:
+    head, frames = donor_request(address, req, timeout_s, context=context, security=security)
     if not isinstance(head, ManifestReply) or len(frames) != 2:
         raise ReplicationError(f"donor {address} answered a manifest request with {head!r}")
     if manifest_digest(frames[1]) != head.digest:

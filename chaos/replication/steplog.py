@@ -22,13 +22,10 @@ from typing import Any
 
 import msgspec
 import torch
-import zmq
 
-from chaos.errors import ChaosTimeout, ReplicationError
+from chaos.errors import ReplicationError
 from chaos.protocol.messages import Reason, Refusal
 from chaos.replication.wire import (
-    REPLY_DECODER,
-    WIRE_ENCODER,
     StepEntry,
     StepLogReply,
     StepLogRequest,
@@ -200,28 +197,10 @@ def fetch_steps(
         ChaosTimeout: no answer in time.
         ReplicationError: refused, malformed, or entries of another size.
     """
+    from chaos.replication.pull import donor_request  # pull imports the state; lazily
+
     req = StepLogRequest(req_id=2, from_step=from_step, max_entries=max_entries)
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    if security is not None:
-        security.client(sock)
-    try:
-        sock.connect(address)
-        sock.send(WIRE_ENCODER.encode(req))
-        if not sock.poll(max(1, int(timeout_s * 1000))):
-            raise ChaosTimeout(f"donor {address} sent no step log within {timeout_s} s")
-        frames = sock.recv_multipart()
-    finally:
-        sock.close(linger=0)
-    try:
-        head = REPLY_DECODER.decode(frames[0])
-    except msgspec.DecodeError as exc:
-        raise ReplicationError(f"donor {address} sent a malformed step log: {exc}") from exc
-    if isinstance(head, Refusal):
-        raise ReplicationError(
-            f"donor {address} refused the step log: {head.reason}: {head.detail}"
-        )
+    head, frames = donor_request(address, req, timeout_s, security=security, what="step log")
     if not isinstance(head, StepLogReply) or len(frames) != 1 + len(head.entries):
         raise ReplicationError(f"donor {address} answered a step-log request with {head!r}")
     nbytes = like.numel() * like.element_size()

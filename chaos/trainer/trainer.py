@@ -33,7 +33,15 @@ from typing import Any
 import torch
 
 from chaos import ops
-from chaos.errors import ChaosError, ConfigError, DaemonGone, PeerFailure, RoundInterrupted
+from chaos.errors import (
+    ChaosError,
+    ChaosTimeout,
+    ConfigError,
+    DaemonGone,
+    PeerFailure,
+    ReplicationError,
+    RoundInterrupted,
+)
 from chaos.launch import free_tcp_address
 from chaos.replication.steplog import LoggedStep
 from chaos.security import Security
@@ -325,7 +333,14 @@ class Trainer:
         rep = policy.replication
         if rep is None:
             raise ChaosError(f"the policy of epoch {policy.epoch} plans no snapshot")
-        self._step = self._donor.pull(rep, policy.epoch)
+        try:
+            self._step = self._donor.pull(rep, policy.epoch)
+        except (ReplicationError, ChaosTimeout) as exc:  # e.g. the donors are cut off for now
+            self._event("snapshot_failed", epoch=policy.epoch, error=str(exc)[:300])
+            log.warning("%s: no catch-up snapshot (%s); it enters pulling the whole state",
+                        self.node_id, exc)  # fmt: skip
+            self._catching = CatchUpState({}, policy.epoch, t0, self._step)
+            return
         self._session.report_pull(self._donor.last_pull)
         self._catching = CatchUpState(dict(rep.donor_addresses), policy.epoch, t0, self._step)
         self._computing_since = None

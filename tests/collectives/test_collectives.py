@@ -344,6 +344,20 @@ def test_a_member_that_missed_the_result_catches_up_from_one_that_got_it() -> No
         assert step2["n1"][2]["results_sent"] == 1
 
 
+def _step_one_lost_to_n2(c: Cluster, members: list[str], spec: dict[str, Any]) -> Any:
+    """A tree rooted at n0 runs step 0; the root's broadcast of step 1 to n2 is lost; n0 and n1
+    complete step 1 (n2 still waits in it). Returns the root's result of step 1."""
+    c.topology(members, "tree", parent={"n0": None, "n1": "n0", "n2": "n0"})
+    _check(c.allreduce(members, seed=1, **spec),
+           _reference(members, spec["numel"], 1, "mean", "float32"), 1e-5, 1e-5)  # fmt: skip
+    c.send(["n0"], "lose_frames_to", {"peer": "n2", "step": 1})
+    for m in members:
+        c.commands[m].put(("allreduce", {**spec, "seed": 2}))
+    ahead = {m: c._reply(m) for m in ("n0", "n1")}
+    assert {m: k for m, (k, _, _) in ahead.items()} == {"n0": "result", "n1": "result"}
+    return ahead["n0"][2]["result"]
+
+
 def test_a_member_whose_result_frames_were_lost_asks_the_neighbour_a_step_ahead() -> None:
     """The root's broadcast of step 1 to n2 is lost (a lossy link: the connection stays up, no
     one dies). The root and n1 complete step 1 and start step 2; n2 still waits for step 1's
@@ -354,22 +368,45 @@ def test_a_member_whose_result_frames_were_lost_asks_the_neighbour_a_step_ahead(
     members = ["n0", "n1", "n2"]
     numel = 20_000
     with cluster(3) as c:
-        c.topology(members, "tree", parent={"n0": None, "n1": "n0", "n2": "n0"})
         spec = {"numel": numel, "op": "mean", "timeout_s": 60.0, "keep": True}
-        _check(c.allreduce(members, seed=1, **spec),
-               _reference(members, numel, 1, "mean", "float32"), 1e-5, 1e-5)  # fmt: skip
-        c.send(["n0"], "lose_frames_to", {"peer": "n2", "step": 1})
-        for m in members:
-            c.commands[m].put(("allreduce", {**spec, "seed": 2}))
-        ahead = {m: c._reply(m) for m in ("n0", "n1")}
-        assert {m: k for m, (k, _, _) in ahead.items()} == {"n0": "result", "n1": "result"}
-        got = ahead["n0"][2]["result"]
+        got = _step_one_lost_to_n2(c, members, spec)
         for m in ("n0", "n1"):
             c.commands[m].put(("allreduce", {**spec, "seed": 3}))
         kind, _, info = c._reply("n2")
         assert kind == "result", info
         assert info["result"].tobytes() == got.tobytes()  # the step the others applied
         assert info["caught_up"] == 1 and info["input_intact"]
+        c.commands["n2"].put(("allreduce", {**spec, "seed": 3}))
+        step2 = {m: c._reply(m) for m in members}
+        _check({m: (k, i) for m, (k, _, i) in step2.items()},
+               _reference(members, numel, 3, "mean", "float32"), 1e-5, 1e-5)  # fmt: skip
+
+
+def test_a_former_neighbour_whose_result_was_lost_gets_it_after_the_topology_changed() -> None:
+    """The root's broadcast of step 1 to n2 is lost, and the root and n1 move on to a new
+    topology in which n2 hangs off n1: the root is no longer n2's neighbour. n2, still in step 1
+    of the old epoch, asks its old parent (a BEHIND notice); the root answers through a
+    notice-only socket with its kept result; n2 completes step 1, takes the new topology and all
+    three run step 2. Before, the root had no link to answer on (and closing the removed link
+    dropped what was still queued to n2): n2 stayed a step behind, every side waiting on
+    another step until the timeout."""
+    members = ["n0", "n1", "n2"]
+    numel = 20_000
+    with cluster(3) as c:
+        spec = {"numel": numel, "op": "mean", "timeout_s": 60.0, "keep": True}
+        got = _step_one_lost_to_n2(c, members, spec)
+        c.epoch += 1
+        arg = {"kind": "tree", "members": tuple(members), "epoch": c.epoch,
+               "addresses": {m: c.addresses[m] for m in members},
+               "parent": {"n0": None, "n1": "n0", "n2": "n1"}}  # fmt: skip
+        assert all(k == "ok" for k, _ in c.send(["n0", "n1"], "topology", arg).values())
+        for m in ("n0", "n1"):
+            c.commands[m].put(("allreduce", {**spec, "seed": 3}))
+        kind, _, info = c._reply("n2")  # n2 completes step 1 with the root's kept result
+        assert kind == "result", info
+        assert info["result"].tobytes() == got.tobytes()
+        assert info["caught_up"] == 1
+        assert c.send(["n2"], "topology", arg)["n2"][0] == "ok"
         c.commands["n2"].put(("allreduce", {**spec, "seed": 3}))
         step2 = {m: c._reply(m) for m in members}
         _check({m: (k, i) for m, (k, _, i) in step2.items()},
