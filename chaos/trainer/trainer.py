@@ -71,11 +71,10 @@ from chaos.trainer.exit_signals import request_exit as request_exit
 from chaos.trainer.gradients import GradientPacker
 from chaos.trainer.session import DaemonSession, Policy, StepBeacon
 from chaos.trainer.session import TrainingStalled as TrainingStalled  # part of this API
+from chaos.trainer.throughput import ThroughputMeter
 
 log = logging.getLogger("chaos.trainer")
 
-THROUGHPUT_SMOOTHING = 0.3
-"""Weight of the newest step in the trainer's measured throughput (an exponential average)."""
 
 
 class _Rejoined(Exception):
@@ -149,8 +148,7 @@ class Trainer:
         self._next_wait_report = math.inf
         self._policy: Policy | None = None
         self._batch_sizes: dict[str, int] = {}  # the global batch's split in force
-        self._samples_per_s: float | None = None  # measured throughput (samples / compute s)
-        self._computing_since: float | None = None  # when the last update() returned
+        self._meter = ThroughputMeter()  # samples per second of this member's compute
         self.events: list[dict[str, Any]] = []
         self._catching: CatchUpState | None = None  # a catching-up joiner, until it enters
         self._embedded: EmbeddedDaemon | None = None
@@ -282,7 +280,7 @@ class Trainer:
     def samples_per_s(self) -> float | None:
         """This member's measured throughput: samples per second of compute between two
         ``update()`` calls (allreduce waits excluded), smoothed; ``None`` before two steps."""
-        return self._samples_per_s
+        return self._meter.samples_per_s
 
     @property
     def neighbors(self) -> list[str]:
@@ -323,7 +321,7 @@ class Trainer:
         # the throughput clock starts when the first update() returns: the time from here to the
         # first update() holds whatever the script does first (waiting for the world, loading
         # data), not a step's compute
-        self._computing_since = None
+        self._meter.stop()
         self._event("ready", elapsed_s=elapsed, epoch=self._epoch, step=self._step)
         session.report_ready(elapsed, f"epoch {self._epoch} step {self._step}")
 
@@ -343,7 +341,7 @@ class Trainer:
             return
         self._session.report_pull(self._donor.last_pull)
         self._catching = CatchUpState(dict(rep.donor_addresses), policy.epoch, t0, self._step)
-        self._computing_since = None
+        self._meter.stop()
         self._event("snapshot_pulled", epoch=policy.epoch, step=self._step,
                     planned_step=rep.at_step, elapsed_s=time.monotonic() - t0)  # fmt: skip
 
@@ -578,7 +576,7 @@ class Trainer:
             reduced = self._allreduce(flat)
         except _Rejoined:  # this trainer was evicted and joined again: its gradients are stale
             session.step_done(self._step)
-            self._computing_since = time.monotonic()
+            self._meter.computing()
             return
         if reduced is not None:
             self._grads.install(reduced)
@@ -598,24 +596,16 @@ class Trainer:
         session.step_done(self._step)
         self._donor.at_boundary(self._step)  # a catch-up snapshot planned for this step
         self._maybe_reregister()
-        self._computing_since = time.monotonic()
+        self._meter.computing()
 
     def _measure(self, num_samples: int | None) -> None:
-        """Measures this step's throughput, samples over the seconds since the last
-        ``update()`` returned (the script's compute: no allreduce wait is in it), and with a
-        global batch reports it to the daemon with the step progress."""
-        now = time.monotonic()
-        since, self._computing_since = self._computing_since, None
-        gb = self.config.global_batch
+        """Measures this step's throughput (see :mod:`chaos.trainer.throughput`); with a global
+        batch, reports it to the daemon with the step progress."""
         samples = num_samples if num_samples is not None else self.local_batch_size
-        if since is None or samples is None or now <= since:
-            return
-        rate = samples / (now - since)
-        old = self._samples_per_s
-        a = THROUGHPUT_SMOOTHING
-        self._samples_per_s = rate if old is None else (1 - a) * old + a * rate
-        if gb is not None:
-            self._session.report_throughput(self._samples_per_s, gb)
+        rate = self._meter.measure(samples)
+        gb = self.config.global_batch
+        if rate is not None and gb is not None:
+            self._session.report_throughput(rate, gb)
 
     def _allreduce(self, flat: torch.Tensor) -> torch.Tensor | None:
         plane = self._plane
