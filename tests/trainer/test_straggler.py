@@ -146,10 +146,14 @@ def _three(cluster: Cluster, *c_args: str) -> tuple[Member, Member, Member]:
     return a, b, c
 
 
+def _common_steps(members: list[Member], first_step: int) -> list[int]:
+    steps = [{r["step"] for r in m.steps()} for m in members]
+    return sorted(s for s in set.intersection(*steps) if s >= first_step)
+
+
 def _equal_at_common_steps(members: list[Member], first_step: int) -> int:
     digests = [{r["step"]: r["digest"] for r in m.steps()} for m in members]
-    common = sorted(set.intersection(*(set(d) for d in digests)))
-    common = [s for s in common if s >= first_step]
+    common = _common_steps(members, first_step)
     for s in common:
         assert len({d[s] for d in digests}) == 1, f"members differ at step {s}"
     return len(common)
@@ -177,9 +181,13 @@ def test_a_stopped_trainer_is_evicted_the_others_go_on_and_it_rejoins(cluster: C
         lambda: all(_trains_with(m, 3, resumed_at + 5) for m in (a, b, c)),
         "training to go on with all three",
     )
+    # its first join, and the join after its eviction; a thread copies the events, so wait for it
+    cluster.wait(lambda: len(c.events("ready")) >= 2, "c's ready event of its rejoin")
     rejoined = c.events("ready")
-    assert len(rejoined) == 2, rejoined  # its first join, and the join after its eviction
+    assert len(rejoined) == 2, rejoined
     assert c.events("replication_done")  # each join pulled the state
+    # the rejoiner records steps from its entry on: wait until all three share a few
+    cluster.wait(lambda: len(_common_steps([a, b, c], resumed_at)) >= 3, "3 steps in common")
     assert _equal_at_common_steps([a, b, c], resumed_at) >= 3
 
 
