@@ -8,6 +8,7 @@ directory; the trainer talks to it over its IPC endpoint like to any other local
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -32,7 +33,9 @@ class EmbeddedDaemon:
         listen: The daemon's control endpoint (``tcp://HOST:PORT``).
         join: A member's endpoint to join through, or ``None`` to start a new cluster.
         extra_args: More ``chaos-daemon start`` arguments (e.g. ``--heartbeat-interval 0.2``).
-        run_dir: Run directory (IPC socket, event log); a fresh temporary one by default.
+        run_dir: Run directory (IPC socket, event log); a fresh temporary one by default, which
+            :meth:`stop` removes once the daemon has left cleanly (exit code 0) and keeps, with
+            the daemon's log, otherwise.
         cluster_key: The cluster key file the daemon starts with (``--cluster-key``); ``None``:
             none (the daemon then listens on loopback only).
     """
@@ -48,6 +51,7 @@ class EmbeddedDaemon:
     ) -> None:
         self.node_id = node_id
         self.listen = listen
+        self._temporary = run_dir is None
         self.run_dir = run_dir or tempfile.mkdtemp(prefix=f"chaos-{node_id}-")
         Path(self.run_dir).mkdir(parents=True, exist_ok=True)
         self.endpoint = ipc_endpoint_for(self.run_dir)
@@ -118,6 +122,9 @@ class EmbeddedDaemon:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self._temporary and self.proc.returncode == 0:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            self._temporary = False
         return self.proc.returncode
 
     def wait_exit(self, timeout_s: float) -> int | None:

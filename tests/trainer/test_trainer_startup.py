@@ -4,7 +4,10 @@ daemon process, no open data-plane sockets."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -119,3 +122,44 @@ def test_a_request_to_a_daemon_that_exits_fails_at_once(tmp_path: Path) -> None:
     finally:
         silent.close()
         ctx.term()
+
+
+@pytest.fixture
+def short_tempdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """``tempfile``'s directory for this test: a short one (IPC socket paths are limited)."""
+    root = Path(tempfile.mkdtemp(prefix="ct-", dir="/tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _daemon_children() -> list[psutil.Process]:
+    kids = psutil.Process().children(recursive=True)
+    return [p for p in kids if any("chaos" in part for part in p.cmdline())]
+
+
+def test_the_temporary_run_directory_goes_after_a_clean_exit(short_tempdir: Path) -> None:
+    """Without ``daemon_dir`` the embedded daemon runs in a temporary directory; a trainer that
+    closes normally removes it, so repeated runs leave nothing behind."""
+    trainer = Trainer(*_model(), node_id="solo", join_timeout_s=30.0)
+    try:
+        made = list(short_tempdir.glob("chaos-solo-*"))
+        assert len(made) == 1 and (made[0] / "daemon.log").exists(), made
+    finally:
+        trainer.close()
+    assert list(short_tempdir.glob("chaos-solo-*")) == []
+
+
+def test_the_temporary_run_directory_stays_when_the_daemon_failed(short_tempdir: Path) -> None:
+    """An embedded daemon that did not exit cleanly (here: killed) leaves its run directory,
+    with its log, for the post-mortem."""
+    trainer = Trainer(*_model(), node_id="solo", join_timeout_s=30.0)
+    try:
+        for proc in _daemon_children():
+            proc.kill()
+    finally:
+        trainer.close()
+    made = list(short_tempdir.glob("chaos-solo-*"))
+    assert len(made) == 1 and (made[0] / "daemon.log").exists(), made
