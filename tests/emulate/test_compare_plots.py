@@ -52,6 +52,8 @@ def test_summary_has_even_and_the_replication_ratios() -> None:
     assert set(repl) == {"single-source/chaos", "multi-source/chaos", "even/chaos"}
     assert repl["single-source/chaos"]["7->8"] == pytest.approx(2.0)
     assert repl["even/chaos"]["6->7"] == pytest.approx(1.5)
+    # each row's lower bound is 0.9 x its replication delay
+    assert summary["ratios"]["chaos_replication_over_lower_bound_median"] == pytest.approx(1 / 0.9)
 
 
 def test_strategies_option_accepts_even_and_refuses_unknown_names() -> None:
