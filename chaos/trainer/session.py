@@ -45,7 +45,7 @@ _ATTEMPT_S = 5.0
 _RETRY_TOTAL_S = 15.0
 """A registration or ``ready`` report lost to a scheduler change is tried again within this long
 in all (or the caller's own timeout, if longer): a failover takes a few seconds."""
-_TRANSIENT = ("timeout", "paused", "not_scheduler", "unknown_peer")
+_TRANSIENT = ("timeout", "paused", "not_scheduler", "unknown_peer", "overloaded")
 """Refusals that a scheduler change, or the local daemon joining again (``unknown_peer``: it
 is not a member yet, e.g. a minority daemon after a partition heals), explains: the request
 is tried again."""
@@ -378,16 +378,23 @@ class DaemonSession:
             _ATTEMPT_S,
         )
 
-    def _retrying(self, what: str, attempt: Callable[[float], object], attempt_s: float) -> None:
+    def _retrying(
+        self,
+        what: str,
+        attempt: Callable[[float], object],
+        attempt_s: float,
+        total_s: float = _RETRY_TOTAL_S,
+    ) -> None:
         """Runs ``attempt(timeout_s)`` again after a failure that a scheduler change explains
-        (no answer, ``timeout``, ``paused``, ``not_scheduler``, ``unknown_peer``), until it
-        succeeds or ``max(attempt_s, _RETRY_TOTAL_S)`` has passed in all.
+        (no answer, ``timeout``, ``paused``, ``not_scheduler``, ``unknown_peer``) or a busy
+        scheduler (``overloaded``: another joiner is entering), until it succeeds or
+        ``max(attempt_s, total_s)`` has passed in all.
 
         Raises:
             ChaosTimeout: the last attempt got no answer in time.
             ProtocolError: refused for another reason, or the last attempt was refused.
         """
-        deadline = time.monotonic() + max(attempt_s, _RETRY_TOTAL_S)
+        deadline = time.monotonic() + max(attempt_s, total_s)
         while True:
             left = deadline - time.monotonic()
             try:
@@ -405,9 +412,16 @@ class DaemonSession:
                 raise error
             log.info("%s not answered (%s); trying again", what, error)
 
-    def report_caught_up(self, step: int, lag: int, detail: str) -> None:
+    def report_caught_up(self, step: int, lag: int, detail: str, timeout_s: float) -> None:
         """Tells the scheduler this catching-up joiner is ready to enter the data plane
         (``caught_up``): it replayed up to ``step``, ``lag`` steps behind the donors' logs.
+
+        Args:
+            step: The step its state is at.
+            lag: Steps behind the donors' logs.
+            detail: Why it stopped replaying.
+            timeout_s: How long it asks again in all while the scheduler is busy with another
+                joiner's entry (``overloaded``) or changing.
 
         Raises:
             ChaosTimeout: no answer in time.
@@ -419,6 +433,7 @@ class DaemonSession:
                 "caught_up", 0.0, f"step {step}, {lag} behind: {detail}"[:200], timeout_s=t
             ),
             _ATTEMPT_S,
+            timeout_s,
         )
 
     def report_pull(self, report: PullReport | None) -> None:

@@ -379,7 +379,7 @@ class Trainer:
                        poll_interval_s=cfg.poll_interval_s, stop=taken_in)  # fmt: skip
         self._event("replayed", step=self._step, replayed=first.steps, lag=first.lag,
                     why=first.why, elapsed_s=time.monotonic() - t0)  # fmt: skip
-        session.report_caught_up(self._step, first.lag, first.why)
+        session.report_caught_up(self._step, first.lag, first.why, cfg.join_timeout_s)
         policy = session.wait(
             lambda p: self.node_id in p.members and p.topology is not None,
             cfg.join_timeout_s,

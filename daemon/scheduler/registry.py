@@ -39,6 +39,14 @@ SNAPSHOT_LEAD_STEPS = 2
 """Steps past the donors' current step at which a catch-up snapshot is planned..."""
 SNAPSHOT_LEAD_S = 0.3
 """... plus the steps the donors take in this long (the commit's way to them)."""
+ENTRY_EXCLUSIVE_S = 120.0
+"""One joiner enters the data plane at a time: while one's entry (a commit that puts it into the
+sync policy with a plan for its state) waits for its ``ready``, another joiner's registration or
+``caught_up`` is refused ``overloaded`` and its trainer asks again. A later plan would replace the
+entering joiner's in the commits that follow, so donors that skip its epoch never serve it, and
+the members would wait in an allreduce for a joiner that waits for them. An entry older than
+this no longer holds the others back (its joiner is stuck; the failure detector or the
+straggler rule deals with it)."""
 SNAPSHOT_CLOCK_AGE_S = 30.0
 """A donor's step clock counts for planning a snapshot while its last progress report is at
 most this old (its step is extrapolated with its period; a busy device reports late). A donor
@@ -113,6 +121,8 @@ class TrainerRegistry:
         self.state_digest = ""  # the first trainer's restored-state digest (stop-resume)
         self.registered_at: dict[str, float] = {}
         self.pending: dict[str, ReplicationWire] = {}
+        # per joiner whose entry into the sync policy waits for its ready: when it was committed
+        self.entering: dict[str, float] = {}
         # per blamed peer: the structure epoch of the last restart it caused, and when
         self.restarted: dict[str, tuple[int, float]] = {}
         # per blamed peer: a restart held back (when it is due, the failed epoch it answers)
@@ -146,6 +156,9 @@ class TrainerRegistry:
             why = "no trainer registered the state layout" if training else "no member trains"
             self._answer(reply, msg.op_id, Reason.NO_STATE_SOURCE, why)
             return
+        if (busy := self._other_entry(n, now)) is not None:
+            self._answer(reply, msg.op_id, Reason.OVERLOADED, busy)
+            return
         repl = self._plan(n, now)
         if repl.skipped:
             self._answer(reply, msg.op_id, Reason.BAD_REQUEST, repl.skipped)
@@ -176,8 +189,17 @@ class TrainerRegistry:
         )
         self._registered(n, "syncing", msg, reply)
         cause = "trainer_catch_up" if at_step is not None else "trainer_scale_out"
+        if at_step is None:
+            self.entering[n] = now
         self.commits.commit(cause, now, replication=repl)
         self._answer(reply, msg.op_id)
+
+    def _other_entry(self, n: str, now: float) -> str | None:
+        """Why ``n`` must wait: another joiner's entry in flight (:data:`ENTRY_EXCLUSIVE_S`)."""
+        for m, since in self.entering.items():
+            if m != n and self.monitor.has(m) and now - since < ENTRY_EXCLUSIVE_S:
+                return f"{m} is entering the data plane; ask again once it is ready"
+        return None
 
     def _snapshot_step(self, donors: list[str], now: float) -> int | None:
         """The step a catch-up snapshot is planned at: a few steps past the donors' step now,
@@ -200,6 +222,7 @@ class TrainerRegistry:
         self.monitor.catching_up.discard(n)
         repl = self._plan(n, now)
         self.pending[n] = repl
+        self.entering[n] = now
         self.host.event("catch_up_entering", peer=n, donors=sorted(repl.donor_addresses))
         self.commits.commit("trainer_scale_out", now, replication=repl)
 
@@ -224,6 +247,7 @@ class TrainerRegistry:
             self.state_digest = msg.state_digest
         self.registered_at.pop(n, None)
         self.pending.pop(n, None)
+        self.entering.pop(n, None)
         self._registered(n, "training", msg, reply)
         if cur != TrainerState.TRAINING:
             self.commits.commit("trainer_registered", now)
@@ -330,6 +354,9 @@ class TrainerRegistry:
         if msg.kind == "replication_done" and msg.pull is not None:
             self._on_pull(n, msg.pull)
         if msg.kind == "caught_up" and cur == TrainerState.SYNCING:
+            if (busy := self._other_entry(n, now)) is not None:
+                self._answer(reply, msg.op_id, Reason.OVERLOADED, busy)
+                return
             self._on_caught_up(n, now)
         if msg.kind == "ready" and cur == TrainerState.SYNCING:
             mon.set_trainer(
@@ -338,6 +365,7 @@ class TrainerRegistry:
                 mon.node_attr(n, "data_address"),
                 mon.node_attr(n, "shard_address"),
             )
+            self.entering.pop(n, None)
             arrived = self.registered_at.pop(n, None)
             repl = self.pending.pop(n, None)
             donors = sorted(repl.donor_addresses) if repl is not None else []
@@ -499,6 +527,7 @@ class TrainerRegistry:
         self.monitor.catching_up.discard(node)
         self.registered_at.pop(node, None)
         self.pending.pop(node, None)
+        self.entering.pop(node, None)
         self.restarted.pop(node, None)
         self.held.pop(node, None)
         self.repeats.pop(node, None)

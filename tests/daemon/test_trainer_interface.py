@@ -344,6 +344,17 @@ def test_multi_hop_donors_carried_plans_and_restarts() -> None:
     assert host.updates[-1].replication.donor_addresses == {"a": "ipc:///tmp/a-2"}
 
 
+def _join_one_by_one(role: Any, nodes: str, t0: float) -> None:
+    """Each node's trainer joins without state and reports ready before the next registers (one
+    joiner enters the data plane at a time)."""
+    from chaos.protocol import TrainerEvent
+
+    for t, n in enumerate(nodes):
+        role.trainers.on_info(_info(n, False), None, t0 + t)
+        ready = TrainerEvent(sender=n, node_id=n, kind="ready", elapsed_s=0.1, op_id=f"r-{n}")
+        role.trainers.on_event(ready, None, t0 + t + 0.5)
+
+
 def _step_failed(role: Any, host: RoleHost, node: str, peer: str, epoch: int, now: float) -> None:
     """``node``'s trainer reports a failed step of ``epoch`` blaming ``peer``; it is answered."""
     msg = TrainerEvent(sender=node, epoch=epoch, kind="step_failed", detail=peer,
@@ -390,8 +401,7 @@ def test_a_step_that_fails_again_on_the_same_peer_waits_for_the_failure_detector
 
     role, host = _scheduler_role()
     role.trainers.on_info(_info("a", True, SIZES), None, 1.0)
-    for t, n in enumerate("bcd"):
-        role.trainers.on_info(_info(n, False), None, 2.0 + t)
+    _join_one_by_one(role, "bcd", 2.0)
     hold_s = role.cfg.failure_timeout_s
 
     def failed(node: str, peer: str, epoch: int, now: float) -> None:
@@ -436,8 +446,7 @@ def test_a_late_heartbeat_holds_the_restart_and_the_scheduler_is_never_silent() 
 
     role, host = _scheduler_role()
     role.trainers.on_info(_info("a", True, SIZES), None, 1.0)
-    for t, n in enumerate("bcd"):
-        role.trainers.on_info(_info(n, False), None, 2.0 + t)
+    _join_one_by_one(role, "bcd", 2.0)
     cfg = role.cfg
 
     def failed(peer: str, now: float) -> None:
@@ -503,8 +512,7 @@ def test_a_link_measurement_commits_an_epoch_only_when_it_changes_the_sync_polic
 
     role, host = _scheduler_role()
     role.trainers.on_info(_info("a", True, SIZES), None, 1.0)
-    for t, n in enumerate("bcd"):
-        role.trainers.on_info(_info(n, False), None, 2.0 + t)
+    _join_one_by_one(role, "bcd", 2.0)
     role.monitor.set_link("c", "d", latency_s=0.001, bandwidth_bps=1e9)  # b-c is the bottleneck
     role.monitor.set_link("a", "c", latency_s=0.001, bandwidth_bps=None)  # a new link, unmeasured
     role.ledger.commit("connect_link", 6.0)
@@ -583,8 +591,7 @@ def test_a_link_measurement_commits_an_epoch_only_when_it_changes_the_sync_polic
 def test_a_commit_that_keeps_the_structure_keeps_the_topology_epoch() -> None:
     role, host = _scheduler_role()
     role.trainers.on_info(_info("a", True, SIZES), None, 1.0)
-    for t, n in enumerate("bcd"):
-        role.trainers.on_info(_info(n, False), None, 2.0 + t)
+    _join_one_by_one(role, "bcd", 2.0)
     first = host.updates[-1].sync
     assert first.topology_epoch == role.epoch  # a new structure: its own epoch
     # a slow new link that no tree uses: a new membership epoch, the same structure epoch
@@ -689,3 +696,53 @@ def test_a_leaving_scheduler_answers_the_leavers_it_committed_and_hands_over_fre
     assert results["own"].ok and results["op-c"].ok
     handovers = [(p, m) for p, m in host.sent if isinstance(m, TimeoutNow)]
     assert handovers == [("b", TimeoutNow(sender="a", epoch=2, term=1))]
+
+
+def test_one_joiner_enters_the_data_plane_at_a_time() -> None:
+    """While one joiner's entry waits for its ready, another joiner's registration or caught_up
+    is refused ``overloaded`` (its trainer asks again): a later plan would replace the entering
+    joiner's in the commits that follow, and donors that skip its epoch would never serve it."""
+    import msgspec
+    from chaos.daemon.scheduler.registry import ENTRY_EXCLUSIVE_S
+
+    from chaos.protocol import TrainerEvent
+
+    role, host = _scheduler_role()
+    role.trainers.on_info(_info("a", True, SIZES), None, 1.0)
+    for step in (5, 9, 12):  # a's step clock: catch-up joins can be planned
+        role.monitor.observe_progress("a", step, False, 0.03, 1.0 + 0.1 * step + 0.03)
+
+    def ready(node: str, now: float) -> None:
+        msg = TrainerEvent(sender=node, node_id=node, kind="ready", elapsed_s=0.5, op_id=f"r{now}")
+        role.trainers.on_event(msg, None, now)
+        assert host.answers[-1].ok
+
+    role.trainers.on_info(_info("c", False), None, 2.0)  # a barrier join: c enters at once
+    assert host.answers[-1].ok and host.updates[-1].replication.target == "c"
+    epoch = role.epoch
+    catch_up_b = msgspec.structs.replace(_info("b", False), catch_up=True)
+    role.trainers.on_info(catch_up_b, None, 2.5)
+    refused = host.answers[-1]
+    assert not refused.ok and refused.reason == "overloaded" and "c is entering" in refused.detail
+    assert role.epoch == epoch and role.monitor.trainer("b").value == "none"
+
+    ready("c", 3.0)
+    role.trainers.on_info(catch_up_b, None, 3.1)  # asked again: b catches up (members train on)
+    assert host.answers[-1].ok and host.updates[-1].cause == "trainer_catch_up"
+    # c's trainer restarts without its state: its entry is in flight while b catches up
+    role.trainers.on_info(_info("c", False, port=3), None, 3.2)
+    assert host.answers[-1].ok and host.updates[-1].replication.target == "c"
+    epoch = role.epoch
+    caught_up = TrainerEvent(sender="b", node_id="b", kind="caught_up", op_id="cu1")
+    role.trainers.on_event(caught_up, None, 3.3)
+    assert host.answers[-1].reason == "overloaded" and role.epoch == epoch
+    ready("c", 3.4)
+    role.trainers.on_event(msgspec.structs.replace(caught_up, op_id="cu2"), None, 3.5)
+    assert host.answers[-1].ok and host.updates[-1].cause == "trainer_scale_out"
+    assert host.updates[-1].replication.target == "b" and "b" in host.updates[-1].sync.nodes
+
+    # an entry that never reports ready holds the others back only so long
+    role.trainers.on_info(_info("d", False), None, 4.0)
+    assert host.answers[-1].reason == "overloaded"
+    role.trainers.on_info(_info("d", False), None, 3.5 + ENTRY_EXCLUSIVE_S + 0.1)
+    assert host.answers[-1].ok and host.updates[-1].replication.target == "d"

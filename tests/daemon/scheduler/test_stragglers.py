@@ -138,8 +138,8 @@ def _role() -> tuple[Any, RoleHost]:
             shard_address=f"tcp://127.0.0.1:{30 + i}", has_state=n == "a", tensor_sizes=[64],
         )  # fmt: skip
         role.trainers.on_info(info, None, 0.0)
-    for n in "bc":  # b and c pulled the state: training
-        role.on_trainer_event(_event(n, "ready"), None, 0.0)
+        if n != "a":  # b, then c, pulled the state: training (one joiner enters at a time)
+            role.on_trainer_event(_event(n, "ready"), None, 0.0)
     return role, host
 
 
