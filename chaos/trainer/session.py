@@ -51,6 +51,9 @@ is not a member yet, e.g. a minority daemon after a partition heals), explains: 
 is tried again."""
 _RETRY_BACKOFF_S = 0.2
 """Pause before a request refused at once for a transient reason is sent again."""
+_BUSY_BACKOFF_S = 1.0
+"""... and after an ``overloaded`` refusal: another joiner's entry takes seconds, not a
+failover's moment, so asking five times a second only fills the scheduler's event log."""
 BEACON_INTERVAL_S = 0.2
 """The step progress goes to the daemon at most this often (and at least this often while the
 trainer waits inside ``update()``); the daemon forwards the latest once per heartbeat."""
@@ -403,11 +406,13 @@ class DaemonSession:
             except ChaosTimeout as exc:
                 error: ChaosError = exc
             except ProtocolError as exc:
-                if getattr(exc, "reason", None) not in _TRANSIENT:
+                reason = getattr(exc, "reason", None)
+                if reason not in _TRANSIENT:
                     raise
                 error = exc
                 # refused at once (e.g. the daemon is joining again): back off, do not spin
-                time.sleep(min(_RETRY_BACKOFF_S, max(0.0, deadline - time.monotonic())))
+                pause = _BUSY_BACKOFF_S if reason == "overloaded" else _RETRY_BACKOFF_S
+                time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             if deadline - time.monotonic() < 0.5:
                 raise error
             log.info("%s not answered (%s); trying again", what, error)
