@@ -174,6 +174,9 @@ def _follow_training_process() -> None:
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # SIGHUP is this daemon's own leave signal: a script run under nohup (SIGHUP ignored, and
+    # inherited) must not leave its daemon deaf to stop() and to the script's death
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
     _on_parent_death(signal.SIGHUP)
 
 
