@@ -43,6 +43,11 @@ class TrainerConfig:
             :class:`TrainingStalled`.
         stall_progress_s: How often a waiting step reports that it still waits.
         join_timeout_s: Longest wait for the daemon to join and the scheduler to plan the join.
+        join_queue_timeout_s: Longest time a joiner waits in line while the scheduler admits
+            other joiners one at a time (its registration or ``caught_up`` refused
+            ``overloaded``: another joiner is catching up or entering); this time does not
+            count against ``join_timeout_s``. Raise it when many devices join at once with a
+            large state; ``None``: wait as long as it takes.
         replication_timeout_s: Limit on pulling the whole state when joining.
         poll_interval_s: How often the trainer asks its daemon for a newer policy while blocked
             in an allreduce. Lower reacts faster to membership changes, at a small CPU cost.
@@ -104,6 +109,7 @@ class TrainerConfig:
     stall_timeout_s: float | None = None
     stall_progress_s: float = 10.0
     join_timeout_s: float = 60.0
+    join_queue_timeout_s: float | None = 600.0
     replication_timeout_s: float = 600.0
     poll_interval_s: float = 0.02
     chunk_bytes: int = 1 << 20
@@ -134,10 +140,11 @@ class TrainerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
-        st = self.stall_timeout_s
-        if st is not None and (isinstance(st, bool) or not isinstance(st, (int, float))
-                               or not st > 0):  # fmt: skip
-            raise ConfigError(f"stall_timeout_s must be None or a positive number, got {st!r}")
+        for name in ("stall_timeout_s", "join_queue_timeout_s"):
+            st = getattr(self, name)
+            if st is not None and (isinstance(st, bool) or not isinstance(st, (int, float))
+                                   or not st > 0):  # fmt: skip
+                raise ConfigError(f"{name} must be None or a positive number, got {st!r}")
         if not isinstance(self.daemon_args, tuple):
             raise ConfigError("daemon_args must be a tuple of strings")
         check_data_ports(self.data_ports)

@@ -54,6 +54,8 @@ _RETRY_BACKOFF_S = 0.2
 _BUSY_BACKOFF_S = 1.0
 """... and after an ``overloaded`` refusal: another joiner's entry takes seconds, not a
 failover's moment, so asking five times a second only fills the scheduler's event log."""
+_QUEUE_LOG_S = 10.0
+"""A joiner waiting in line (``overloaded``) logs that it still waits this often."""
 BEACON_INTERVAL_S = 0.2
 """The step progress goes to the daemon at most this often (and at least this often while the
 trainer waits inside ``update()``); the daemon forwards the latest once per heartbeat."""
@@ -336,6 +338,7 @@ class DaemonSession:
         timeout_s: float,
         state_digest: str = "",
         catch_up: bool = False,
+        queue_s: float | None = 0.0,
     ) -> None:
         """Registers the trainer's endpoints and state layout with the scheduler.
 
@@ -349,6 +352,8 @@ class DaemonSession:
                 ``max(timeout_s, _RETRY_TOTAL_S)`` in all.
             state_digest: The digest of a restored state (stop-resume), else ``""``.
             catch_up: A joiner that catches up (see ``TrainerConfig.join_mode``).
+            queue_s: Longest time it waits in line behind other joiners (refused
+                ``overloaded``), not counted against ``timeout_s``; ``None``: no limit.
 
         Raises:
             ChaosTimeout: no answer in time.
@@ -366,6 +371,7 @@ class DaemonSession:
                 catch_up=catch_up,
             ),
             timeout_s,
+            queue_s=queue_s,
         )
 
     def report_ready(self, elapsed_s: float, detail: str) -> None:
@@ -386,18 +392,26 @@ class DaemonSession:
         what: str,
         attempt: Callable[[float], object],
         attempt_s: float,
-        total_s: float = _RETRY_TOTAL_S,
+        total_s: float | None = None,
+        queue_s: float | None = 0.0,
     ) -> None:
         """Runs ``attempt(timeout_s)`` again after a failure that a scheduler change explains
         (no answer, ``timeout``, ``paused``, ``not_scheduler``, ``unknown_peer``) or a busy
-        scheduler (``overloaded``: another joiner is entering), until it succeeds or
-        ``max(attempt_s, total_s)`` has passed in all.
+        scheduler (``overloaded``: another joiner is catching up or entering), until it
+        succeeds or ``max(attempt_s, total_s)`` has passed in all (``total_s`` ``None``:
+        :data:`_RETRY_TOTAL_S`). Time spent refused
+        ``overloaded`` (waiting in line) is not counted, up to ``queue_s`` in all (``None``:
+        without limit): after the last such refusal the whole budget is left again.
 
         Raises:
             ChaosTimeout: the last attempt got no answer in time.
             ProtocolError: refused for another reason, or the last attempt was refused.
         """
-        deadline = time.monotonic() + max(attempt_s, total_s)
+        budget = max(attempt_s, _RETRY_TOTAL_S if total_s is None else total_s)
+        start = time.monotonic()
+        deadline = start + budget
+        queue_end = float("inf") if queue_s is None else start + queue_s
+        logged = start
         while True:
             left = deadline - time.monotonic()
             try:
@@ -411,13 +425,21 @@ class DaemonSession:
                     raise
                 error = exc
                 # refused at once (e.g. the daemon is joining again): back off, do not spin
+                if reason == "overloaded" and (now := time.monotonic()) < queue_end:
+                    deadline = max(deadline, min(now + budget, queue_end))
+                    if now - logged >= _QUEUE_LOG_S:  # in line: say so now and then, not 1/s
+                        logged = now
+                        log.info("%s: waiting in line for %.0f s (%s)", what, now - start, exc)
                 pause = _BUSY_BACKOFF_S if reason == "overloaded" else _RETRY_BACKOFF_S
                 time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             if deadline - time.monotonic() < 0.5:
                 raise error
-            log.info("%s not answered (%s); trying again", what, error)
+            if getattr(error, "reason", None) != "overloaded":
+                log.info("%s not answered (%s); trying again", what, error)
 
-    def report_caught_up(self, step: int, lag: int, detail: str, timeout_s: float) -> None:
+    def report_caught_up(
+        self, step: int, lag: int, detail: str, timeout_s: float, queue_s: float | None = 0.0
+    ) -> None:
         """Tells the scheduler this catching-up joiner is ready to enter the data plane
         (``caught_up``): it replayed up to ``step``, ``lag`` steps behind the donors' logs.
 
@@ -425,8 +447,9 @@ class DaemonSession:
             step: The step its state is at.
             lag: Steps behind the donors' logs.
             detail: Why it stopped replaying.
-            timeout_s: How long it asks again in all while the scheduler is busy with another
-                joiner's entry (``overloaded``) or changing.
+            timeout_s: How long it asks again in all while the scheduler is changing.
+            queue_s: Longest time it waits in line behind another joiner's entry
+                (``overloaded``), not counted against ``timeout_s``; ``None``: no limit.
 
         Raises:
             ChaosTimeout: no answer in time.
@@ -439,6 +462,7 @@ class DaemonSession:
             ),
             _ATTEMPT_S,
             timeout_s,
+            queue_s=queue_s,
         )
 
     def report_pull(self, report: PullReport | None) -> None:

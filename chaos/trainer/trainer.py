@@ -303,6 +303,7 @@ class Trainer:
             timeout_s=self.config.join_timeout_s,
             state_digest=self._donor.restored_digest() if restored else "",
             catch_up=catch_up,
+            queue_s=self.config.join_queue_timeout_s,
         )
         policy = session.wait(
             lambda p: (self.node_id in p.members and p.topology is not None)
@@ -379,7 +380,8 @@ class Trainer:
                        poll_interval_s=cfg.poll_interval_s, stop=taken_in)  # fmt: skip
         self._event("replayed", step=self._step, replayed=first.steps, lag=first.lag,
                     why=first.why, elapsed_s=time.monotonic() - t0)  # fmt: skip
-        session.report_caught_up(self._step, first.lag, first.why, cfg.join_timeout_s)
+        session.report_caught_up(self._step, first.lag, first.why, cfg.join_timeout_s,
+                                 cfg.join_queue_timeout_s)  # fmt: skip
         policy = session.wait(
             lambda p: self.node_id in p.members and p.topology is not None,
             cfg.join_timeout_s,

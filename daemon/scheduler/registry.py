@@ -39,14 +39,16 @@ SNAPSHOT_LEAD_STEPS = 2
 """Steps past the donors' current step at which a catch-up snapshot is planned..."""
 SNAPSHOT_LEAD_S = 0.3
 """... plus the steps the donors take in this long (the commit's way to them)."""
-ENTRY_EXCLUSIVE_S = 120.0
+ENTRY_EXCLUSIVE_S = 300.0
 """One joiner enters the data plane at a time: while one's entry (a commit that puts it into the
-sync policy with a plan for its state) waits for its ``ready``, another joiner's registration or
-``caught_up`` is refused ``overloaded`` and its trainer asks again. A later plan would replace the
-entering joiner's in the commits that follow, so donors that skip its epoch never serve it, and
-the members would wait in an allreduce for a joiner that waits for them. An entry older than
-this no longer holds the others back (its joiner is stuck; the failure detector or the
-straggler rule deals with it)."""
+sync policy with a plan for its state) waits for its ``ready``, or while a catch-up joiner
+replays (from its registration to its ``caught_up``), another joiner's registration or
+``caught_up`` is refused ``overloaded`` and its trainer asks again. A commit carries one plan, so
+a later plan would replace the first joiner's in the commits that follow: donors that skip its
+epoch never serve an entering joiner (the members wait in an allreduce for a joiner that waits
+for them), and donors drop a catching-up joiner's snapshot and step log. An entry or catch-up
+older than this no longer holds the others back (its joiner is stuck; a joiner whose trainer or
+node is gone holds nobody back at all)."""
 SNAPSHOT_CLOCK_AGE_S = 30.0
 """A donor's step clock counts for planning a snapshot while its last progress report is at
 most this old (its step is extrapolated with its period; a busy device reports late). A donor
@@ -194,11 +196,19 @@ class TrainerRegistry:
         self.commits.commit(cause, now, replication=repl)
         self._answer(reply, msg.op_id)
 
-    def _other_entry(self, n: str, now: float) -> str | None:
-        """Why ``n`` must wait: another joiner's entry in flight (:data:`ENTRY_EXCLUSIVE_S`)."""
+    def _other_entry(self, n: str, now: float, replays: bool = True) -> str | None:
+        """Why ``n`` must wait: another joiner's entry in flight, or (``replays``) another
+        joiner still catching up (:data:`ENTRY_EXCLUSIVE_S`)."""
         for m, since in self.entering.items():
             if m != n and self.monitor.has(m) and now - since < ENTRY_EXCLUSIVE_S:
                 return f"{m} is entering the data plane; ask again once it is ready"
+        if not replays:
+            return None
+        for m in sorted(self.monitor.catching_up):
+            registered = self.registered_at.get(m)
+            if m != n and self.monitor.has(m) and registered is not None:
+                if now - registered < ENTRY_EXCLUSIVE_S:
+                    return f"{m} is catching up; ask again once it has entered"
         return None
 
     def _snapshot_step(self, donors: list[str], now: float) -> int | None:
@@ -354,7 +364,7 @@ class TrainerRegistry:
         if msg.kind == "replication_done" and msg.pull is not None:
             self._on_pull(n, msg.pull)
         if msg.kind == "caught_up" and cur == TrainerState.SYNCING:
-            if (busy := self._other_entry(n, now)) is not None:
+            if (busy := self._other_entry(n, now, replays=False)) is not None:
                 self._answer(reply, msg.op_id, Reason.OVERLOADED, busy)
                 return
             self._on_caught_up(n, now)

@@ -699,9 +699,11 @@ def test_a_leaving_scheduler_answers_the_leavers_it_committed_and_hands_over_fre
 
 
 def test_one_joiner_enters_the_data_plane_at_a_time() -> None:
-    """While one joiner's entry waits for its ready, another joiner's registration or caught_up
-    is refused ``overloaded`` (its trainer asks again): a later plan would replace the entering
-    joiner's in the commits that follow, and donors that skip its epoch would never serve it."""
+    """While one joiner's entry waits for its ready, or one joiner replays (catch-up), another
+    joiner's registration is refused ``overloaded`` (its trainer asks again), and so is another
+    joiner's caught_up during an entry: a later plan would replace the first joiner's in the
+    commits that follow, donors that skip an entering joiner's epoch would never serve it, and
+    donors would drop a replaying joiner's snapshot and step log."""
     import msgspec
     from chaos.daemon.scheduler.registry import ENTRY_EXCLUSIVE_S
 
@@ -729,20 +731,45 @@ def test_one_joiner_enters_the_data_plane_at_a_time() -> None:
     ready("c", 3.0)
     role.trainers.on_info(catch_up_b, None, 3.1)  # asked again: b catches up (members train on)
     assert host.answers[-1].ok and host.updates[-1].cause == "trainer_catch_up"
-    # c's trainer restarts without its state: its entry is in flight while b catches up
-    role.trainers.on_info(_info("c", False, port=3), None, 3.2)
-    assert host.answers[-1].ok and host.updates[-1].replication.target == "c"
+    b_plan = host.updates[-1].replication
+    assert b_plan.target == "b" and b_plan.at_step is not None
+    # while b replays, nobody else's plan may replace its snapshot plan in the commits: c's
+    # trainer restarts without its state (a barrier join), d asks to catch up; both wait
     epoch = role.epoch
-    caught_up = TrainerEvent(sender="b", node_id="b", kind="caught_up", op_id="cu1")
-    role.trainers.on_event(caught_up, None, 3.3)
+    role.trainers.on_info(_info("c", False, port=3), None, 3.2)
+    refused = host.answers[-1]
+    assert refused.reason == "overloaded" and "b is catching up" in refused.detail
+    role.trainers.on_info(msgspec.structs.replace(_info("d", False), catch_up=True), None, 3.25)
     assert host.answers[-1].reason == "overloaded" and role.epoch == epoch
-    ready("c", 3.4)
-    role.trainers.on_event(msgspec.structs.replace(caught_up, op_id="cu2"), None, 3.5)
+    assert role.trainers.carried() == b_plan  # a commit now (e.g. a failure) still carries it
+    caught_up = TrainerEvent(sender="b", node_id="b", kind="caught_up", op_id="cu1")
+    role.trainers.on_event(caught_up, None, 3.3)  # b enters: still no one else
     assert host.answers[-1].ok and host.updates[-1].cause == "trainer_scale_out"
     assert host.updates[-1].replication.target == "b" and "b" in host.updates[-1].sync.nodes
+    epoch = role.epoch
+    role.trainers.on_info(_info("c", False, port=3), None, 3.4)
+    assert host.answers[-1].reason == "overloaded" and "b is entering" in host.answers[-1].detail
+    ready("b", 3.5)
+    role.trainers.on_info(_info("c", False, port=3), None, 3.6)  # asked again: c enters
+    assert host.answers[-1].ok and host.updates[-1].replication.target == "c"
+    # a caught_up is not held back by another joiner that still replays (two replaying
+    # joiners, as a newly elected scheduler may find them, would otherwise wait on each other)
+    ready("c", 3.7)
+    for m in "abc":  # every possible donor's step clock
+        for step in (30, 31):
+            role.monitor.observe_progress(m, step, False, 0.03, 3.0 + 0.02 * step)
+    role.trainers.on_info(msgspec.structs.replace(_info("d", False), catch_up=True), None, 3.8)
+    assert host.answers[-1].ok and role.monitor.catching_up == {"d"}
+    role.monitor.catching_up.add("c")  # c replaying too (it would hold a registration back)
+    role.trainers.registered_at["c"] = 3.85
+    role.trainers.on_event(TrainerEvent(sender="d", node_id="d", kind="caught_up", op_id="cu3"),
+                           None, 3.9)  # fmt: skip
+    assert host.answers[-1].ok and host.updates[-1].replication.target == "d"
+    role.monitor.catching_up.discard("c")
+    role.trainers.registered_at.pop("c")
 
     # an entry that never reports ready holds the others back only so long
-    role.trainers.on_info(_info("d", False), None, 4.0)
+    role.trainers.on_info(_info("c", False, port=4), None, 4.0)  # c restarts once more
     assert host.answers[-1].reason == "overloaded"
-    role.trainers.on_info(_info("d", False), None, 3.5 + ENTRY_EXCLUSIVE_S + 0.1)
-    assert host.answers[-1].ok and host.updates[-1].replication.target == "d"
+    role.trainers.on_info(_info("c", False, port=4), None, 3.9 + ENTRY_EXCLUSIVE_S + 0.1)
+    assert host.answers[-1].ok and host.updates[-1].replication.target == "c"

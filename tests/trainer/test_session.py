@@ -142,3 +142,62 @@ def test_reports_neighbours_and_close() -> None:
     assert session.neighbors() == ["b", "c"]
     session.close()
     assert daemon.closed
+
+
+class QueuedDaemon(FakeDaemon):
+    """Refuses the first ``busy`` registrations ``overloaded`` (another joiner is entering)."""
+
+    def __init__(self, busy: int) -> None:
+        super().__init__([_reply(1, _ring())])
+        self.busy = busy
+        self.asked = 0
+
+    def register_trainer(self, *args: object, **kwargs: object) -> object:
+        from chaos.daemon.client import RequestRefused
+
+        self.asked += 1
+        if self.asked <= self.busy:
+            raise RequestRefused("overloaded", "b is catching up; ask again once it has entered")
+        return None
+
+
+def test_a_joiner_waits_in_line_without_spending_its_join_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Refusals ``overloaded`` (other joiners go first) do not count against the registration's
+    own budget, up to ``queue_s``: past that the last refusal is raised; other refusals are not
+    waited out at all."""
+    from chaos.daemon.client import RequestRefused
+
+    import chaos.trainer.session as session_mod
+
+    monkeypatch.setattr(session_mod, "_RETRY_TOTAL_S", 1.0)
+    monkeypatch.setattr(session_mod, "_BUSY_BACKOFF_S", 0.05)
+
+    def register(daemon: FakeDaemon, queue_s: float | None) -> None:
+        _session(daemon).register("tcp://x:1", "tcp://x:2", has_state=False, tensor_sizes=None,
+                                  timeout_s=0.1, catch_up=True, queue_s=queue_s)  # fmt: skip
+
+    # 40 refusals x 0.05 s: well past the 1 s budget, admitted in the end
+    daemon = QueuedDaemon(busy=40)
+    register(daemon, None)
+    assert daemon.asked == 41
+    daemon = QueuedDaemon(busy=40)
+    register(daemon, 60.0)
+    assert daemon.asked == 41
+    # without a queue allowance the same line exhausts the budget
+    daemon = QueuedDaemon(busy=40)
+    with pytest.raises(RequestRefused, match="overloaded"):
+        register(daemon, 0.0)
+    assert daemon.asked < 41
+
+
+def test_config_takes_a_join_queue_timeout() -> None:
+    from chaos.errors import ConfigError
+    from chaos.trainer import TrainerConfig
+
+    assert TrainerConfig().join_queue_timeout_s == 600.0
+    assert TrainerConfig(join_queue_timeout_s=None).join_queue_timeout_s is None
+    for bad in (0, -1.0, True, "600"):
+        with pytest.raises(ConfigError, match="join_queue_timeout_s"):
+            TrainerConfig(join_queue_timeout_s=bad)  # type: ignore[arg-type]
