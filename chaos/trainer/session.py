@@ -399,9 +399,9 @@ class DaemonSession:
         (no answer, ``timeout``, ``paused``, ``not_scheduler``, ``unknown_peer``) or a busy
         scheduler (``overloaded``: another joiner is catching up or entering), until it
         succeeds or ``max(attempt_s, total_s)`` has passed in all (``total_s`` ``None``:
-        :data:`_RETRY_TOTAL_S`). Time spent refused
-        ``overloaded`` (waiting in line) is not counted, up to ``queue_s`` in all (``None``:
-        without limit): after the last such refusal the whole budget is left again.
+        :data:`_RETRY_TOTAL_S`). Time spent refused ``overloaded`` (an attempt so refused and
+        the pause after it: waiting in line) is not counted, up to ``queue_s`` in all
+        (``None``: without limit).
 
         Raises:
             ChaosTimeout: the last attempt got no answer in time.
@@ -410,12 +410,13 @@ class DaemonSession:
         budget = max(attempt_s, _RETRY_TOTAL_S if total_s is None else total_s)
         start = time.monotonic()
         deadline = start + budget
-        queue_end = float("inf") if queue_s is None else start + queue_s
+        allowance = math.inf if queue_s is None else queue_s
+        in_line = 0.0
         logged = start
         while True:
-            left = deadline - time.monotonic()
+            tried = time.monotonic()
             try:
-                attempt(min(attempt_s, max(left, 0.1)))
+                attempt(min(attempt_s, max(deadline - tried, 0.1)))
                 return
             except ChaosTimeout as exc:
                 error: ChaosError = exc
@@ -425,12 +426,15 @@ class DaemonSession:
                     raise
                 error = exc
                 # refused at once (e.g. the daemon is joining again): back off, do not spin
-                if reason == "overloaded" and (now := time.monotonic()) < queue_end:
-                    deadline = max(deadline, min(now + budget, queue_end))
+                pause = _BUSY_BACKOFF_S if reason == "overloaded" else _RETRY_BACKOFF_S
+                if reason == "overloaded" and in_line < allowance:
+                    now = time.monotonic()
+                    spent = min(now - tried + pause, allowance - in_line)
+                    in_line += spent
+                    deadline += spent  # time in line does not count against the budget
                     if now - logged >= _QUEUE_LOG_S:  # in line: say so now and then, not 1/s
                         logged = now
-                        log.info("%s: waiting in line for %.0f s (%s)", what, now - start, exc)
-                pause = _BUSY_BACKOFF_S if reason == "overloaded" else _RETRY_BACKOFF_S
+                        log.info("%s: waiting in line for %.0f s (%s)", what, in_line, exc)
                 time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
             if deadline - time.monotonic() < 0.5:
                 raise error

@@ -42,13 +42,16 @@ SNAPSHOT_LEAD_S = 0.3
 ENTRY_EXCLUSIVE_S = 300.0
 """One joiner enters the data plane at a time: while one's entry (a commit that puts it into the
 sync policy with a plan for its state) waits for its ``ready``, or while a catch-up joiner
-replays (from its registration to its ``caught_up``), another joiner's registration or
-``caught_up`` is refused ``overloaded`` and its trainer asks again. A commit carries one plan, so
+pulls its snapshot and replays (from its registration to its ``caught_up``), another joiner's
+registration (and during an entry, another's ``caught_up``) is refused ``overloaded`` and its
+trainer asks again. A commit carries one plan, so
 a later plan would replace the first joiner's in the commits that follow: donors that skip its
 epoch never serve an entering joiner (the members wait in an allreduce for a joiner that waits
 for them), and donors drop a catching-up joiner's snapshot and step log. An entry or catch-up
-older than this no longer holds the others back (its joiner is stuck; a joiner whose trainer or
-node is gone holds nobody back at all)."""
+older than this no longer holds the others back (its joiner is stuck); for a catch-up it counts
+from the joiner's report that its snapshot is pulled (from its registration until then). A
+joiner the daemons see gone (its trainer's process exited, its node failed, left or was
+evicted) holds nobody back at all."""
 SNAPSHOT_CLOCK_AGE_S = 30.0
 """A donor's step clock counts for planning a snapshot while its last progress report is at
 most this old (its step is extrapolated with its period; a busy device reports late). A donor
@@ -125,6 +128,8 @@ class TrainerRegistry:
         self.pending: dict[str, ReplicationWire] = {}
         # per joiner whose entry into the sync policy waits for its ready: when it was committed
         self.entering: dict[str, float] = {}
+        # per catch-up joiner still replaying: its registration, or its snapshot pull's report
+        self.replaying: dict[str, float] = {}
         # per blamed peer: the structure epoch of the last restart it caused, and when
         self.restarted: dict[str, tuple[int, float]] = {}
         # per blamed peer: a restart held back (when it is due, the failed epoch it answers)
@@ -169,8 +174,10 @@ class TrainerRegistry:
         if at_step is not None:
             repl = msgspec.structs.replace(repl, at_step=at_step)
             mon.catching_up.add(n)
+            self.replaying[n] = now
         else:
             mon.catching_up.discard(n)
+            self.replaying.pop(n, None)
         mon.set_trainer(n, TrainerState.SYNCING, msg.data_address, msg.shard_address)
         mon.set_data_key(n, msg.data_key)
         self.registered_at[n] = now
@@ -204,11 +211,9 @@ class TrainerRegistry:
                 return f"{m} is entering the data plane; ask again once it is ready"
         if not replays:
             return None
-        for m in sorted(self.monitor.catching_up):
-            registered = self.registered_at.get(m)
-            if m != n and self.monitor.has(m) and registered is not None:
-                if now - registered < ENTRY_EXCLUSIVE_S:
-                    return f"{m} is catching up; ask again once it has entered"
+        for m, since in sorted(self.replaying.items()):
+            if m != n and self.monitor.has(m) and now - since < ENTRY_EXCLUSIVE_S:
+                return f"{m} is catching up; ask again once it has entered"
         return None
 
     def _snapshot_step(self, donors: list[str], now: float) -> int | None:
@@ -230,6 +235,7 @@ class TrainerRegistry:
         if n not in self.monitor.catching_up:
             return  # a retry, or a scheduler that never left it out (after an election)
         self.monitor.catching_up.discard(n)
+        self.replaying.pop(n, None)
         repl = self._plan(n, now)
         self.pending[n] = repl
         self.entering[n] = now
@@ -258,6 +264,7 @@ class TrainerRegistry:
         self.registered_at.pop(n, None)
         self.pending.pop(n, None)
         self.entering.pop(n, None)
+        self.replaying.pop(n, None)
         self._registered(n, "training", msg, reply)
         if cur != TrainerState.TRAINING:
             self.commits.commit("trainer_registered", now)
@@ -363,6 +370,8 @@ class TrainerRegistry:
             return
         if msg.kind == "replication_done" and msg.pull is not None:
             self._on_pull(n, msg.pull)
+            if n in self.replaying:  # its snapshot is in: the replay's own time starts now
+                self.replaying[n] = now
         if msg.kind == "caught_up" and cur == TrainerState.SYNCING:
             if (busy := self._other_entry(n, now, replays=False)) is not None:
                 self._answer(reply, msg.op_id, Reason.OVERLOADED, busy)
@@ -538,6 +547,7 @@ class TrainerRegistry:
         self.registered_at.pop(node, None)
         self.pending.pop(node, None)
         self.entering.pop(node, None)
+        self.replaying.pop(node, None)
         self.restarted.pop(node, None)
         self.held.pop(node, None)
         self.repeats.pop(node, None)

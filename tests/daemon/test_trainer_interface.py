@@ -761,15 +761,33 @@ def test_one_joiner_enters_the_data_plane_at_a_time() -> None:
     role.trainers.on_info(msgspec.structs.replace(_info("d", False), catch_up=True), None, 3.8)
     assert host.answers[-1].ok and role.monitor.catching_up == {"d"}
     role.monitor.catching_up.add("c")  # c replaying too (it would hold a registration back)
-    role.trainers.registered_at["c"] = 3.85
+    role.trainers.replaying["c"] = 3.85
     role.trainers.on_event(TrainerEvent(sender="d", node_id="d", kind="caught_up", op_id="cu3"),
                            None, 3.9)  # fmt: skip
     assert host.answers[-1].ok and host.updates[-1].replication.target == "d"
     role.monitor.catching_up.discard("c")
-    role.trainers.registered_at.pop("c")
+    role.trainers.replaying.pop("c")
+
+    # a replaying joiner holds the line from its registration, and again from the report that
+    # its snapshot is in (a large snapshot's pull does not eat into its replay's share)
+    from chaos.protocol.messages import PullReport
+
+    ready("d", 4.0)
+    cu = msgspec.structs.replace(_info("d", False, port=5), catch_up=True)
+    role.trainers.on_info(cu, None, 10.0)  # d's trainer restarts: it catches up again
+    assert host.answers[-1].ok and role.monitor.catching_up == {"d"}
+    pulled = TrainerEvent(sender="d", node_id="d", kind="replication_done", op_id="rd",
+                          pull=PullReport(state_bytes=sum(SIZES)))  # fmt: skip
+    role.trainers.on_event(pulled, None, 10.0 + ENTRY_EXCLUSIVE_S - 1.0)
+    role.trainers.on_info(_info("c", False, port=4), None, 10.0 + ENTRY_EXCLUSIVE_S + 1.0)
+    assert host.answers[-1].reason == "overloaded" and "d is catching up" in host.answers[-1].detail
+    role.trainers.on_event(TrainerEvent(sender="d", node_id="d", kind="caught_up", op_id="cu4"),
+                           None, 10.0 + ENTRY_EXCLUSIVE_S + 2.0)  # fmt: skip
+    assert host.answers[-1].ok and host.updates[-1].replication.target == "d"
+    t = 10.0 + ENTRY_EXCLUSIVE_S + 3.0
 
     # an entry that never reports ready holds the others back only so long
-    role.trainers.on_info(_info("c", False, port=4), None, 4.0)  # c restarts once more
+    role.trainers.on_info(_info("c", False, port=4), None, t)  # c restarts once more
     assert host.answers[-1].reason == "overloaded"
-    role.trainers.on_info(_info("c", False, port=4), None, 3.9 + ENTRY_EXCLUSIVE_S + 0.1)
+    role.trainers.on_info(_info("c", False, port=4), None, t - 1.0 + ENTRY_EXCLUSIVE_S + 0.1)
     assert host.answers[-1].ok and host.updates[-1].replication.target == "c"
