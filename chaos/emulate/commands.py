@@ -204,6 +204,8 @@ def compare_runs(
                 if strategy == "chaos":  # Fig. 9: connect-link as the cluster grows
                     runner.watch(base.settle_s)
                     runner.apply(Event(at_s=0.0, kind="link_add"))
+        if strategy != "stop-resume":  # the last joiner may still replay (catch-up)
+            runner.wait_entered(f"n{hi - 1}")
         runner.watch(base.settle_s)
     links: list[dict[str, Any]] = []
     if strategy != "stop-resume":

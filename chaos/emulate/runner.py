@@ -81,6 +81,12 @@ class Device:
     def ready(self) -> dict[str, Any] | None:
         return next((r for r in self.records() if r.get("kind") == "ready"), None)
 
+    def entered(self) -> bool:
+        """Its trainer is in the allreduce (its trainer's ``ready`` event). A catch-up joiner's
+        device is :meth:`ready` once its snapshot is pulled, before it replays and enters."""
+        return any(r.get("kind") == "trainer_event" and r.get("event") == "ready"
+                   for r in self.records())  # fmt: skip
+
     def last_step(self) -> dict[str, Any] | None:
         steps = [r for r in self.records() if r.get("kind") == "step"]
         return steps[-1] if steps else None
@@ -352,6 +358,23 @@ class Runner:
                 raise EmulationError(f"device {name} exited with {d.proc.returncode}:\n{_tail(d)}")
             time.sleep(0.1)
         raise ChaosTimeout(f"device {name} not ready after {READY_TIMEOUT_S} s:\n{_tail(d)}")
+
+    def wait_entered(self, name: str) -> None:
+        """Waits until device ``name``'s trainer is in the allreduce (a catch-up joiner replays
+        after its device is ready).
+
+        Raises:
+            EmulationError: the device exited first.
+            ChaosTimeout: not in after :data:`READY_TIMEOUT_S`.
+        """
+        d = self.devices[name]
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not d.entered():
+            if d.proc.poll() is not None:
+                raise EmulationError(f"device {name} exited with {d.proc.returncode}:\n{_tail(d)}")
+            if time.monotonic() > deadline:
+                raise ChaosTimeout(f"device {name} not in the allreduce after {READY_TIMEOUT_S} s")
+            time.sleep(0.2)
 
     def running(self) -> list[str]:
         """Devices that are up and not asked to go."""
