@@ -249,6 +249,9 @@ def compare_runs(
 @click.option("--bandwidth", default="100-1000", show_default=True, help="Mbit/s range.")
 @click.option("--scale", type=float, default=0.02, show_default=True)
 @click.option("--repeats", type=click.IntRange(1, 20), default=1, show_default=True)
+@click.option("--first-repeat", type=click.IntRange(0, 100), default=0, show_default=True,
+              help="Index of the first repeat (its seed): rerun repeat K alone with "
+                   "--first-repeat K --repeats 1.")  # fmt: skip
 @click.option("--settle", type=float, default=2.0, show_default=True,
               help="Seconds of training between joins.")  # fmt: skip
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -256,8 +259,8 @@ def compare_runs(
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--loopback", is_flag=True, help="Unshaped loopback mode (no root needed).")
 def compare_command(sizes: str, model: str, strategies: str | None, rejoin: bool, away_s: float,
-                    bandwidth: str, scale: float, repeats: int, settle: float, json_path: Path,
-                    plot_dir: Path | None, loopback: bool) -> None:  # fmt: skip
+                    bandwidth: str, scale: float, repeats: int, first_repeat: int, settle: float,
+                    json_path: Path, plot_dir: Path | None, loopback: bool) -> None:  # fmt: skip
     """Scale-out under each strategy as the cluster grows (the paper's Figs. 7, 10 and 15);
     with --rejoin, what content-addressed joins pull: a returning device and fresh ones."""
     lo, hi = _parse_sizes(sizes)
@@ -272,11 +275,12 @@ def compare_command(sizes: str, model: str, strategies: str | None, rejoin: bool
     if rejoin:
         _compare_rejoin(chosen, lo, base, json_path, shaped, repeats, away_s)
         return
-    _compare_grow(chosen, lo, hi, base, json_path, shaped, repeats, plot_dir)
+    _compare_grow(chosen, lo, hi, base, json_path, shaped, range(first_repeat,
+                  first_repeat + repeats), plot_dir)  # fmt: skip
 
 
 def _compare_grow(strategies: list[str], lo: int, hi: int, base: Scenario, json_path: Path,
-                  shaped: bool, repeats: int, plot_dir: Path | None) -> None:  # fmt: skip
+                  shaped: bool, repeats: range, plot_dir: Path | None) -> None:  # fmt: skip
     """``compare`` without ``--rejoin``: every strategy's growth per repeat, the table, JSON and
     plots. A run that fails is recorded under ``failed`` (strategy, repeat, error; the joins it
     had measured are lost) and the others go on; the command then exits with an error."""
@@ -284,9 +288,9 @@ def _compare_grow(strategies: list[str], lo: int, hi: int, base: Scenario, json_
     links: list[dict[str, Any]] = []
     failed: list[dict[str, Any]] = []
     doc: dict[str, Any] = {"scale": base.scale, "sizes": [lo, hi]}
-    for rep in range(repeats):
+    for rep in repeats:
         for strategy in strategies:
-            click.echo(f"== {strategy}, repeat {rep + 1}/{repeats}", err=True)
+            click.echo(f"== {strategy}, repeat {rep + 1}/{repeats.stop}", err=True)
             out = json_path.parent / f"{json_path.stem}-runs" / f"{strategy}-{rep}"
             try:
                 got = compare_runs(strategy, lo, hi, base, out, shaped, rep)

@@ -41,7 +41,7 @@ log = logging.getLogger("chaos.emulate.runner")
 
 DAEMON_PORT = 7700
 STORE_PORT = 7690
-READY_TIMEOUT_S = 300.0
+READY_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 30.0
 PROBE_FULL_BYTES = 4 << 20  # the daemon's default bandwidth probe
 PROBE_MIN_BYTES = 256 << 10

@@ -236,3 +236,6 @@ def test_refuses_bad_arguments() -> None:
     bad = subprocess.run([*cli, "run", "/nonexistent.toml", "--json", "/dev/null"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2
+    bad = subprocess.run([*cli, "compare", "--first-repeat", "-1", "--json", "/dev/null"],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "--first-repeat" in bad.stderr
