@@ -382,8 +382,8 @@ class PullStats:
     Attributes:
         bytes_per_donor: Verified bytes written, per donor.
         shards_per_donor: Verified shards written, per donor.
-        checksum_failures: Shards that arrived corrupted (or with a wrong length) and were
-            fetched again.
+        checksum_failures: Shards rejected (a wrong checksum, length, range or snapshot in the
+            reply) and fetched again.
         refetched_elsewhere: Of those, the re-fetches sent to another donor.
         replans: How many times a failed donor's shards were re-planned over the others.
         failed_donors: Donor id -> why it was dropped (a refusal reason code, ``"timeout"``,
@@ -440,6 +440,22 @@ class _Donor:
 
     def queued_bytes(self) -> int:
         return sum(n for _, n in self.queue) + sum(n for _, n in self.inflight.values())
+
+
+def _mismatch(head: Reply, frames: list[zmq.Frame], key: tuple[int, int], shard: Shard) -> str:
+    """Why a shard reply cannot be written (``""``: it can): the snapshot, the range, the
+    length or the checksum differs from what was asked."""
+    if not isinstance(head, ShardReply) or len(frames) != 2:
+        return "not a shard reply with one payload frame"
+    if (head.epoch, head.step) != key:
+        return f"(epoch, step) ({head.epoch}, {head.step}) answers a request for {key}"
+    if (head.offset, head.length) != shard:
+        return f"range [{head.offset}, +{head.length}) answers another request"
+    if len(frames[1].buffer) != head.length:
+        return f"{len(frames[1].buffer)} payload bytes, the header says {head.length}"
+    if shard_checksum(frames[1].buffer) != head.checksum:
+        return "checksum mismatch"
+    return ""
 
 
 class _Puller:
@@ -642,16 +658,9 @@ class _Puller:
             self._fail_donor(d, head.reason)
             return
         d.unpublished_since = None
-        ok = (
-            isinstance(head, ShardReply)
-            and len(frames) == 2
-            and (head.epoch, head.step) == (self.epochs[d.id], self.step)
-            and (head.offset, head.length) == shard
-            and len(frames[1].buffer) == head.length
-            and shard_checksum(frames[1].buffer) == head.checksum
-        )
-        if not ok:
-            self._bad_shard(d, shard)
+        why = _mismatch(head, frames, (self.epochs[d.id], self.step), shard)
+        if why:
+            self._bad_shard(d, shard, why)
             return
         if shard in self.todo:
             self.state.write(shard[0], frames[1].buffer)
@@ -676,14 +685,15 @@ class _Puller:
         d.last_progress = now
         return True
 
-    def _bad_shard(self, d: _Donor, shard: Shard) -> None:
+    def _bad_shard(self, d: _Donor, shard: Shard, why: str) -> None:
         self.stats.checksum_failures += 1
         fails = self.failures.setdefault(shard, {})
         fails[d.id] = fails.get(d.id, 0) + 1
+        log.warning("replication: shard [%d, +%d) from %s rejected: %s", *shard, d.id, why)
         if sum(fails.values()) >= self.config.max_shard_attempts:
             raise ReplicationError(
-                f"shard [{shard[0]}, +{shard[1]}) failed its checksum {sum(fails.values())} "
-                f"times (per donor: {fails})",
+                f"shard [{shard[0]}, +{shard[1]}) was rejected {sum(fails.values())} "
+                f"times (per donor: {fails}; last: {why})",
                 self.stats.failed_donors,
             )
         target = d
@@ -790,7 +800,7 @@ def pull_state(
 
     Raises:
         ChaosTimeout: the pull did not finish within ``timeout_s``.
-        ReplicationError: no donor is left, or a shard failed its checksum
+        ReplicationError: no donor is left, or a shard was rejected
             ``config.max_shard_attempts`` times.
         StateLayoutError: the plan does not match the joiner's state.
         ValueError: the plan names donors without an address or Neighbor parameters, or does

@@ -433,7 +433,7 @@ class ShardServer:
         payload = self._maybe_corrupt(req.offset, payload)
         reply = ShardReply(
             req_id=req.req_id,
-            epoch=snap.epoch,
+            epoch=req.epoch,  # one the snapshot serves (checked above): what the joiner asked
             step=snap.step,
             offset=req.offset,
             length=req.length,

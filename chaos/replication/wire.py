@@ -99,7 +99,10 @@ class ManifestReply(WireMessage, frozen=True, tag="manifest"):
 
 
 class ShardReply(WireMessage, frozen=True, tag="shard"):
-    """Header of a shard reply; the next frame is the payload of ``length`` bytes."""
+    """Header of a shard reply; the next frame is the payload of ``length`` bytes.
+
+    ``epoch`` and ``step`` echo the request's: a snapshot served as the state of several
+    epochs answers each joiner under the epoch it asked for."""
 
     epoch: Counter
     step: Counter

@@ -631,6 +631,18 @@ def test_a_second_epoch_at_the_same_step_is_served_by_the_same_snapshot() -> Non
         for epoch in (5, 6):  # the first joiner's pull goes on; the second's starts
             assert fetch_manifest(server.address, epoch, None, timeout_s=20.0) == (
                 state.manifest_bytes, 78)  # fmt: skip
+            # and its shards arrive: a reply names the epoch asked for (it named the newest
+            # one, and the first joiner rejected every shard as from another snapshot)
+            j_model, j_opt = _build(seed=1)
+            joiner = TrainingState.for_joiner(j_model, j_opt, state.manifest_bytes, reuse=False)
+            plan = plan_replication(joiner.tensor_sizes(), _neighbors(["d0"]), 1e-5,
+                                    shard_size=SHARD)  # fmt: skip
+            stats = pull_state(plan, {"d0": server.address}, joiner, epoch, 78, PULL_TIMEOUT_S,
+                               neighbors=_neighbors(["d0"]))  # fmt: skip
+            assert stats.checksum_failures == 0 and stats.failed_donors == {}
+            assert joiner.apply().step == 78
+            assert state_digest(TrainingState.capture(j_model, j_opt, step=78, epoch=0)) == (
+                state_digest(state))  # fmt: skip
         with pytest.raises(ReplicationError, match="stale_state"):
             fetch_manifest(server.address, 7, None, timeout_s=20.0)
         assert not server.also_serve(7, 79)  # another step: a new snapshot is needed
