@@ -10,6 +10,7 @@ test of the allreduce's ``out`` (:func:`overlaps`).
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,12 +21,40 @@ from chaos.collectives.frames import Header, Op, encode_header
 from chaos.errors import ProtocolError
 
 __all__ = [
-    "NOTICE_SUFFIX", "CaughtUp", "Fault", "Frame", "LanePayload", "Link", "overlaps", "result_of",
-    "send_notice",
+    "INCARNATION_SEP", "NOTICE_SUFFIX", "CaughtUp", "Fault", "Frame", "LanePayload", "Link",
+    "member_of", "overlaps", "result_of", "routing_id", "send_notice",
 ]
 
 NOTICE_SUFFIX = "~notice"
 """The routing id of a member's notice-only socket is its node id and this suffix."""
+
+INCARNATION_SEP = "/"
+"""Separates a routing id's member (and notice suffix) from the socket's random incarnation,
+a character no node id has."""
+
+
+def routing_id(member: str, notice: bool = False) -> bytes:
+    """A fresh routing id for one DEALER socket of ``member``: its node id (with
+    :data:`NOTICE_SUFFIX` for a notice-only socket) and a random incarnation.
+
+    Every socket gets its own, so a new connection never clashes at a peer's ROUTER with an old
+    one of the same member that the peer still holds: after a route loss the old TCP
+    connection can stay half-open there (its close never arrived), and a ROUTER that does not
+    hand an id over (with a cluster key, so that no key holder can take a member's connection)
+    silently drops every frame of a new connection under an id in use.
+    """
+    suffix = NOTICE_SUFFIX if notice else ""
+    return f"{member}{suffix}{INCARNATION_SEP}{secrets.token_hex(4)}".encode()
+
+
+def member_of(routing: bytes) -> str:
+    """The member a data-endpoint message's routing id names (incarnation and notice suffix
+    dropped).
+
+    Raises:
+        UnicodeDecodeError: the id is not UTF-8.
+    """
+    return routing.decode().partition(INCARNATION_SEP)[0].removesuffix(NOTICE_SUFFIX)
 
 
 @dataclass

@@ -25,7 +25,7 @@ import zmq
 
 from chaos.collectives.config import CollectiveStats
 from chaos.collectives.frames import Op, encode_header
-from chaos.collectives.links import NOTICE_SUFFIX, Frame, send_notice
+from chaos.collectives.links import Frame, routing_id, send_notice
 from chaos.security import Security
 
 __all__ = ["EarlySort", "LinkSockets", "PeerNotices", "sort_early"]
@@ -170,7 +170,7 @@ class PeerNotices:
         sock = self._sockets.get(address)
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.ROUTING_ID, f"{self._node_id}{NOTICE_SUFFIX}".encode())
+            sock.setsockopt(zmq.ROUTING_ID, routing_id(self._node_id, notice=True))
             sock.setsockopt(zmq.LINGER, 0)
             self._security.client(sock)
             sock.connect(address)

@@ -28,7 +28,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from chaos.collectives.config import CollectiveStats, CommunicatorConfig
 from chaos.collectives.frames import decode_header
-from chaos.collectives.links import NOTICE_SUFFIX, Link
+from chaos.collectives.links import Link, member_of, routing_id
 from chaos.errors import PeerFailure, ProtocolError
 from chaos.security import Security, authenticated_key
 
@@ -152,7 +152,7 @@ class PeerSockets:
 
     def _open_link(self, peer: str, address: str) -> Link:
         sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.ROUTING_ID, self._config.node_id.encode())
+        sock.setsockopt(zmq.ROUTING_ID, routing_id(self._config.node_id))
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, self._config.sndhwm)
         if self._config.sock_buf_bytes:
@@ -264,7 +264,10 @@ class PeerSockets:
         keys = self._keys
         if keys is None:
             return True
-        member = parts[0].bytes.decode(errors="replace").removesuffix(NOTICE_SUFFIX)
+        try:
+            member = member_of(parts[0].bytes)
+        except UnicodeDecodeError:
+            member = repr(parts[0].bytes)
         key = authenticated_key(parts[-1])
         if key is not None and keys.get(member) == key:
             return True

@@ -20,7 +20,7 @@ from chaos.collectives.frames import Op, decode_header
 from chaos.collectives.inbox import Inbox
 from chaos.collectives.lane_switch import LaneSwitch
 from chaos.collectives.lanes import InLane, Place, read_frame
-from chaos.collectives.links import NOTICE_SUFFIX, Frame
+from chaos.collectives.links import Frame, member_of
 from chaos.collectives.peers import PeerSockets
 from chaos.errors import PeerTimeout, ProtocolError, RoundInterrupted
 
@@ -202,8 +202,9 @@ class Receiver:
             self._stats.dropped_malformed += 1
             return None
         try:
-            # a notice socket's id is the member's with a suffix (authenticated as the member)
-            peer = parts[0].bytes.decode().removesuffix(NOTICE_SUFFIX)
+            # a socket's id is the member's with an incarnation (and a notice socket's with a
+            # suffix), authenticated as the member
+            peer = member_of(parts[0].bytes)
             header = decode_header(parts[1].buffer)
         except (ProtocolError, UnicodeDecodeError):
             self._stats.dropped_malformed += 1

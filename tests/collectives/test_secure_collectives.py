@@ -27,6 +27,7 @@ from chaos.collectives.lanes import (
     encode_sealed_hello,
     encode_sealed_offer,
 )
+from chaos.collectives.links import member_of, routing_id
 from chaos.errors import PeerFailure, ProtocolError
 from chaos.security import ClusterKey, Security
 from chaos.wire import LANE_RECORD_BYTES
@@ -292,6 +293,44 @@ def test_a_connection_under_a_neighbours_id_is_ignored_while_the_neighbour_is_co
         finally:
             sock.close(linger=0)
             ctx.term()
+
+
+def test_a_new_connection_gets_through_while_the_neighbour_still_holds_the_old_one() -> None:
+    """After a route loss a member's old connection can stay half-open at its neighbour (its
+    close never arrived) while the member connects again. Each socket has its own routing id,
+    so the neighbour's data endpoint, which hands no id over with a key, takes the new
+    connection's frames (with one id per member they were silently dropped: every round after
+    a partition healed timed out on that link)."""
+    key = ClusterKey.generate()
+    xs = inputs(3)
+    with members(3, key, lanes=False, timeout_s=5.0) as comms:  # every frame over the link
+        install(comms, "ring", 1)
+        results(comms, xs, op="sum")
+        peers = comms[2]._peers
+        stale = []
+        for peer in peers.peers():  # m2 opens every link again; the old sockets stay open
+            old = peers._links.pop(peer)
+            peers.poller.unregister(old.monitor)
+            stale.append(old)
+            peers._links[peer] = peers._open_link(peer, old.address)
+        try:
+            for _ in range(3):
+                out = results(comms, xs, op="sum")
+            torch.testing.assert_close(out[0], torch.stack(xs).sum(0), atol=1e-4, rtol=1e-5)
+            assert all(c.stats.failures == 0 for c in comms)
+        finally:
+            for old in stale:
+                old.socket.disable_monitor()
+                old.monitor.close(linger=0)
+                old.socket.close(linger=0)
+
+
+def test_routing_ids_name_the_member_and_differ_per_socket() -> None:
+    ids = {routing_id("m-1.a:b") for _ in range(50)}
+    assert len(ids) == 50
+    assert {member_of(i) for i in ids} == {"m-1.a:b"}
+    assert member_of(routing_id("m2", notice=True)) == "m2"
+    assert member_of(b"m2") == "m2" and member_of(b"m2~notice") == "m2"
 
 
 def test_a_member_with_a_new_key_in_a_later_epoch_is_held_until_that_epoch_vouches() -> None:
