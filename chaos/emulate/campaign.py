@@ -132,7 +132,7 @@ class Campaign:
         joins = tuple(Event(at_s=e.at_s, kind="join", node=e.node)
                       for e in self.plan if e.kind == "join")  # fmt: skip
         c = self.cfg
-        return Scenario(name="chaos", nodes=c.nodes, degree=2, model=c.model, scale=c.scale,
+        return Scenario(name="chaos", nodes=c.nodes, degree=c.degree, model=c.model, scale=c.scale,
                         step_time_s=c.step_time_s, settle_s=END_SETTLE_S, seed=c.seed,
                         events=joins)  # fmt: skip
 
@@ -246,8 +246,11 @@ class Campaign:
             return
         if kind == "partition" and len(live) < 3:
             kind = "link_cut"
+        handler = {"join": self._join, "leave": self._leave, "kill": self._kill,
+                   "link_cut": self._link_cut, "partition": self._partition,
+                   "heal": self._heal}[kind]  # fmt: skip
         try:
-            rec = getattr(self, f"_{kind}")(ev, live)
+            rec = handler(ev, live)
         except (EmulationError, OSError, ValueError, KeyError,
                 subprocess.SubprocessError) as exc:  # fmt: skip
             rec = self._mark("harness_error", label=f"{kind} failed", error=str(exc)[-300:])
@@ -324,15 +327,15 @@ class Campaign:
         return sorted(healthy), view
 
     def _join(self, ev: PlannedEvent, live: list[str]) -> dict[str, Any]:
-        """A new device: its neighbours are drawn among the members found healthy when two
-        are (else among the members of a healthy one's view, else among every member), its
-        contacts are the healthy ones, then its neighbours."""
+        """A new device linked to ``degree`` members, drawn among the members found healthy
+        when two are (else among the members of a healthy one's view, else among every member);
+        its contacts are the healthy ones, then its neighbours."""
         r = self.runner
         name = str(ev.node)
         healthy, view = self._healthy(live)
         in_view = [n for n in live if n in view]
         pool = healthy if len(healthy) >= 2 else (in_view or live)
-        nbrs = sorted(r.join_rng.sample(pool, min(2, len(pool))))
+        nbrs = sorted(r.join_rng.sample(pool, min(self.cfg.degree, len(pool))))
         for n in nbrs:
             r._net.add_link(name, n, r._rate(name, n))
         ranked = [n for n in healthy if n in nbrs] + [n for n in healthy if n not in nbrs]

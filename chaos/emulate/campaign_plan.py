@@ -64,6 +64,9 @@ class CampaignConfig:
         weights: Relative frequency of each fault kind.
         cut_vertex_bias: Probability that a kill aims at a cut vertex of the overlay when there
             is one (0: every running device equally likely).
+        degree: Links of the starting overlay per device, and links of each joiner to running
+            members. 1 makes a tree, where every inner device is a cut vertex and every link a
+            bridge: lower it to test the faults that split the overlay.
         model: The state each device replicates (see docs/emulation-runs.md).
         scale: Shrinks link rates and the state together.
         step_time_s: Emulated compute per step.
@@ -85,6 +88,7 @@ class CampaignConfig:
     max_live: int = 0
     weights: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_WEIGHTS))
     cut_vertex_bias: float = 0.5
+    degree: int = 2
     model: str = "synthetic:8"
     scale: float = 0.05
     step_time_s: float = 0.05
@@ -104,6 +108,9 @@ class CampaignConfig:
                 raise ConfigError(f"{name} must be in [{lo}, {hi}], got {v!r}")
         if not isinstance(self.min_live, int) or not 2 <= self.min_live <= self.nodes:
             raise ConfigError(f"min_live must be an int in [2, nodes], got {self.min_live!r}")
+        if isinstance(self.degree, bool) or not isinstance(self.degree, int) or not (
+                1 <= self.degree <= 8):  # fmt: skip
+            raise ConfigError(f"degree must be an int in [1, 8], got {self.degree!r}")
         if not isinstance(self.max_live, int) or (self.max_live and self.max_live < self.nodes):
             raise ConfigError(f"max_live must be 0 (2 x nodes) or >= nodes: {self.max_live!r}")
         bad = set(self.weights) - set(DEFAULT_WEIGHTS)

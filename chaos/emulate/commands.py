@@ -506,6 +506,8 @@ def _parse_weights(text: str | None) -> dict[str, float]:
 @click.option("--cut-vertex-bias", type=click.FloatRange(0.0, 1.0), default=0.5,
               show_default=True,
               help="Probability that a kill aims at a cut vertex of the overlay, if any.")
+@click.option("--degree", type=click.IntRange(1, 8), default=2, show_default=True,
+              help="Overlay links per device and per joiner (1: a tree, all cut vertices).")
 @click.option("--model", default="synthetic:8", show_default=True)
 @click.option("--scale", type=float, default=0.05, show_default=True)
 @click.option("--sample", "sample_s", type=click.FloatRange(0.5, 600.0), default=5.0,
@@ -518,8 +520,9 @@ def _parse_weights(text: str | None) -> dict[str, float]:
               "committed membership running (past it the cluster pauses for good).")
 def chaos_command(nodes: int, duration: float, rate: float, seed: int, json_path: Path,
                   plot_dir: Path | None, loopback: bool, min_live: int | None, max_live: int,
-                  weights: str | None, cut_vertex_bias: float, model: str, scale: float,
-                  sample_s: float, warmup_s: float, keep_majority: bool) -> None:  # fmt: skip
+                  weights: str | None, cut_vertex_bias: float, degree: int, model: str,
+                  scale: float, sample_s: float, warmup_s: float,
+                  keep_majority: bool) -> None:  # fmt: skip
     """A fault campaign and soak: Poisson-timed joins, leaves, kill -9s, link cuts,
     partitions and heals on a training cluster; reports per fault kind whether and how fast
     training resumed, lost or divergent steps, crashes, ETTR, and RSS/open files over time."""
@@ -529,8 +532,8 @@ def chaos_command(nodes: int, duration: float, rate: float, seed: int, json_path
         cfg = CampaignConfig(nodes=nodes, duration_s=duration, rate_per_min=rate, seed=seed,
                              min_live=min_live if min_live is not None else max(2, nodes // 2),
                              max_live=max_live, weights=_parse_weights(weights),
-                             cut_vertex_bias=cut_vertex_bias, model=model, scale=scale,
-                             sample_s=sample_s, warmup_s=warmup_s,
+                             cut_vertex_bias=cut_vertex_bias, degree=degree, model=model,
+                             scale=scale, sample_s=sample_s, warmup_s=warmup_s,
                              keep_majority=keep_majority)  # fmt: skip
     except ConfigError as exc:
         raise click.BadParameter(str(exc)) from exc

@@ -14,17 +14,20 @@ Layout (built by :class:`Network`, torn down on exit, on exceptions and on SIGIN
   classifier, and it measured accurate here (``chaos-emulate links``). The rate counts whole
   Ethernet frames (1514 bytes for a 1448-byte TCP segment), so TCP goodput is about 95.6% of it.
 - **Routing.** IP forwarding is on in every namespace and each device has a /32 route to every
-  other node address along the overlay's shortest path (hop count, networkx), so non-neighbours
-  are reached multi-hop over shaped links. Routes are recomputed by :meth:`Network.add_link` and
-  :meth:`Network.remove_link`.
+  other node address along the shortest path over the links that are up (hop count, networkx),
+  so non-neighbours are reached multi-hop over shaped links. Routes are recomputed by
+  :meth:`Network.add_link`, :meth:`Network.remove_link`, :meth:`Network.cut_link` and
+  :meth:`Network.restore_link`, as a routed network's routing protocol would after a link
+  failure: traffic between two devices still connected through other links takes another path,
+  and a device with no path left to another has no route to it.
 - **Latency.** ``latency_s`` is the one-way delay of every link. Where the kernel has ``netem``,
   it sits above tbf on each veth end. Otherwise a delay relay
   (:mod:`chaos.emulate.relay`) runs in each namespace on a TUN device ``dly``: node-address routes
   point into ``dly``, the relay hands each packet back ``latency_s`` later, and a policy rule
   (``iif dly lookup 100``) forwards it out of the real veth. Each hop adds ``latency_s``.
 - **Cuts.** :meth:`Network.cut_link` replaces both ends' root qdisc with ``blackhole``, which
-  silently drops every packet; the veths, addresses and routes stay, so both devices stay up and
-  traffic routed over the link vanishes, as when a real link fails silently.
+  silently drops every packet, and routes around the link; the veths and addresses stay, so both
+  devices stay up, and what was in flight on the link, or has no other path, is lost.
 
 The harness lives in ``chaos/emulate/`` because it is a user-facing tool that drives daemons and
 trainers from outside; nothing in the library imports it.
@@ -395,10 +398,10 @@ class Network:
     # ----------------------------------------------------------------------------- routing
 
     def graph(self) -> nx.Graph:
-        """The current overlay (cut links included: routing does not know about a cut)."""
+        """The links that are up (cut ones left out): the graph the routes follow."""
         g = nx.Graph()
         g.add_nodes_from(self.config.nodes)
-        g.add_edges_from(sorted(self._links))
+        g.add_edges_from(k for k, link in sorted(self._links.items()) if not link.cut)
         return g
 
     def _desired_routes(self) -> dict[str, dict[str, str]]:
@@ -497,9 +500,11 @@ class Network:
             self._update_routes()
 
     def cut_link(self, a: str, b: str) -> None:
-        """Silently drops all traffic on link ``a``-``b`` while both devices and routes stay up.
+        """Silently drops all traffic on link ``a``-``b`` while both devices stay up, and
+        recomputes every route over the links still up.
 
-        Both veth ends get a ``blackhole`` root qdisc, which discards every packet handed to it.
+        Both veth ends get a ``blackhole`` root qdisc, which discards every packet handed to it;
+        devices that other links still connect reach each other around the cut.
 
         Raises:
             KeyError: no such link.
@@ -512,9 +517,11 @@ class Network:
             for node, peer in ((link.a, link.b), (link.b, link.a)):
                 self._tc(node, [f"qdisc replace dev to-{self._index[peer]} root blackhole"])
             link.cut = True
+            self._update_routes()
 
     def restore_link(self, a: str, b: str) -> None:
-        """Undoes :meth:`cut_link`: the link carries traffic again at its current rate.
+        """Undoes :meth:`cut_link`: the link carries traffic again at its current rate, and
+        every route is recomputed with it.
 
         Raises:
             KeyError: no such link.
@@ -529,6 +536,7 @@ class Network:
                 self._tc(node, [f"qdisc del dev {dev} root",
                                 *self._shape_cmds(dev, link.bandwidth_bps, "add")])  # fmt: skip
             link.cut = False
+            self._update_routes()
 
     # ----------------------------------------------------------------------------- queries
 

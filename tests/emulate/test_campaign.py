@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from chaos.emulate.campaign import Campaign
 from chaos.emulate.campaign_metrics import (
     bridges,
     cut_vertices,
@@ -35,6 +36,7 @@ from chaos.emulate.campaign_plan import CampaignConfig, draw_plan
 from chaos.emulate.metrics import device_outages
 from chaos.emulate.netns import list_namespaces
 from chaos.emulate.scenario import scenario_from_dict
+from chaos.emulate.schedule import random_overlay
 from chaos.errors import ConfigError
 
 # ------------------------------------------------------------------------------- the plan
@@ -80,6 +82,18 @@ def test_bad_campaign_settings_are_refused() -> None:
         CampaignConfig(nodes=4, min_live=5)
     with pytest.raises(ConfigError, match="weights"):
         CampaignConfig(weights={"explode": 1.0})
+    for bad in (0, 9, True, 1.5):
+        with pytest.raises(ConfigError, match="degree"):
+            CampaignConfig(degree=bad)  # type: ignore[arg-type]
+
+
+def test_degree_one_builds_a_tree_overlay(tmp_path: Path) -> None:
+    camp = Campaign(CampaignConfig(nodes=6, degree=1, seed=3), tmp_path, shaped=False)
+    sc = camp.scenario()
+    assert sc.degree == 1
+    edges = random_overlay(sc.nodes, sc.degree, sc.seed)
+    assert len(edges) == sc.nodes - 1  # a tree: every inner device a cut vertex
+    assert cut_vertices([f"n{i}" for i in range(sc.nodes)], edges)
 
 
 # ------------------------------------------------------------------------------- the overlay

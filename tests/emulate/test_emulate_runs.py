@@ -192,9 +192,8 @@ def test_demo_runs_end_to_end_and_cleans_up(tmp_path: Path) -> None:
             continue  # gone before the cut
         resumed = [r for r in recs if r.get("kind") == "step" and r["t"] > cut["t"] + 0.5]
         assert resumed, f"{node} did not train after the link cut"
-        # routes stay when a link is cut (a silent failure): an end of the cut link whose only
-        # routes crossed it is cut off like the partition's minority; those rejoin after the
-        # heal, maybe just past the end
+        # the routes go around a cut link, but an end of it with no other link is cut off like
+        # the partition's minority; those rejoin after the heal, maybe just past the end
         cut_ev = next(e for e in doc["harness_events"] if e["kind"] == "link_cut")
         cut_off = {*part["nodes"], cut_ev["a"], cut_ev["b"]}
         if node not in cut_off:
