@@ -690,6 +690,23 @@ class DaemonSession:
         restart = self._watch.restart(installed_epoch) if self._watch is not None else None
         return topology_epoch(restart) if restart is not None else -1
 
+    def evicted_epoch(self, installed_epoch: int) -> int:
+        """The epoch of a policy a notice carried, newer than ``installed_epoch``, that leaves
+        this trainer out (:meth:`excluded`); ``-1`` when there is none.
+
+        Never blocks: the trainer calls it while waiting in an allreduce. A round this trainer
+        waits in can then no longer complete: the scheduler evicted it (for a partition, say)
+        and the others rerun the step without it.
+        """
+        if self._watch is None:
+            return -1
+        self._watch.needs_fetch(installed_epoch, time.monotonic())
+        carried = self._watch.carried(installed_epoch)
+        if carried is None:
+            return -1
+        p = self.policy_of(carried)
+        return p.epoch if self.excluded(p) else -1
+
     def close(self) -> None:
         """Closes the daemon connection and the notice subscription (best effort)."""
         for part in (self._client, self._watch, self._beacon):

@@ -352,9 +352,11 @@ class Trainer:
         donors serve and pulls only what still differs; then installs the policy (ready).
 
         Raises:
-            ChaosTimeout: no policy with this trainer within ``join_timeout_s``, or the pull
-                did not finish in time.
-            ReplicationError: the state could not be pulled from any neighbour.
+            ChaosTimeout: no policy with this trainer within ``join_timeout_s``, or the join
+                again after a failed entry pull did not finish in time.
+            ReplicationError: the join again could not pull the state from any neighbour.
+            _Rejoined: the entry pull failed (the policy named no donor, the donors were gone)
+                and this trainer joined again.
         """
         cu = self._catching
         if cu is None:
@@ -396,7 +398,15 @@ class Trainer:
                           poll_interval_s=cfg.poll_interval_s)  # fmt: skip
             tail.extend((before, step, last.steps))
 
-        self._step = self._donor.pull(policy.replication, policy.epoch, prepare=to_snapshot)
+        try:
+            self._step = self._donor.pull(policy.replication, policy.epoch, prepare=to_snapshot)
+        except (ReplicationError, ChaosTimeout) as exc:  # e.g. a new scheduler named no donor
+            self._event("entry_failed", epoch=policy.epoch, error=str(exc)[:300])
+            log.warning("%s: entry pull failed (%s); joining again", self.node_id, exc)
+            self._catching = None
+            self._donor.retire()
+            self._register_and_sync(True, time.monotonic(), rejoin=True)
+            raise _Rejoined from exc
         session.report_pull(self._donor.last_pull)
         self._catching = None
         self._install(policy)
@@ -432,11 +442,12 @@ class Trainer:
         The round is abandoned when a peer already runs this step under a newer epoch (then no
         member can complete it), or when the daemon announces a policy that restarts the
         allreduce under a new structure (``restart_allreduce``: a link found down, a failed
-        step). Without the second, a link that drops its packets without closing the connection
-        would hold every member in the round until ``step_timeout_s``. A newer policy alone does
-        not abort it: a planned change applies after the current allreduce, and a member may
-        already have completed this round (a member that aborts then gets that result, see
-        :attr:`~chaos.collectives.frames.Op.RESULT`).
+        step), or one that leaves this trainer out (evicted: the others rerun the step without
+        it, and it joins again). Without the second, a link that drops its packets without
+        closing the connection would hold every member in the round until ``step_timeout_s``.
+        A newer policy alone does not abort it: a planned change applies after the current
+        allreduce, and a member may already have completed this round (a member that aborts
+        then gets that result, see :attr:`~chaos.collectives.frames.Op.RESULT`).
         """
         self._session.still_waiting()  # a trainer that waits is not the straggler
         now = time.monotonic()
@@ -455,6 +466,9 @@ class Trainer:
         if epoch > mine:
             plane.note_newer_round(epoch)
             return f"the daemon restarts the allreduce under epoch {epoch}"
+        evicted = self._session.evicted_epoch(self._epoch)
+        if evicted > self._epoch:  # the others rerun this step without this trainer
+            return f"the policy of epoch {evicted} leaves this trainer out (evicted)"
         return None
 
     def _install(self, policy: Policy) -> None:
@@ -568,7 +582,11 @@ class Trainer:
         if self._catching is not None:
             # a catching-up joiner: its gradients were computed on the snapshot, steps ago;
             # it enters with weight 0 (the others' sample-weighted mean is the step's average)
-            self._catch_up_and_enter((before_step, step_fn, after_step))
+            try:
+                self._catch_up_and_enter((before_step, step_fn, after_step))
+            except _Rejoined:  # its entry failed and it joined again: it enters next time
+                self._meter.computing()
+                return
             flat = self._grads.zeros()
         else:
             self._measure(num_samples)

@@ -147,3 +147,47 @@ def test_a_notice_of_a_change_can_carry_the_policy(pub: tuple) -> None:
         assert watch.needs_fetch(8, now) and watch.carried(8) is None
     finally:
         watch.close()
+
+
+def test_a_notice_that_evicts_this_trainer_is_seen_while_it_waits_in_a_round(pub: tuple) -> None:
+    """A trainer blocked in a round the others gave up on (it was cut off, and evicted) learns
+    from its daemon's notice that the newer policy leaves it out, without asking: the round can
+    no longer complete, so it stops waiting and joins again. A policy that keeps it, or its own
+    leave (its daemon out of the view too), is no such notice."""
+    from chaos.protocol import SyncPolicyWire
+    from chaos.trainer.session import DaemonSession
+    from tests.trainer.test_session import ADDRS, FakeDaemon
+
+    sock, addr = pub
+
+    def policy(epoch: int, view: list[str], sync: list[str]) -> PolicyReply:
+        wire = SyncPolicyWire(kind="ring", nodes=sync, ring=sync, addresses=ADDRS)
+        return PolicyReply(sender="n1", epoch=epoch, term=1, members=view, sync=wire,
+                           notify_address=addr, notify_interval_s=INTERVAL_S)  # fmt: skip
+
+    daemon = FakeDaemon([policy(5, ["a", "b", "c"], ["a", "b", "c"])])
+    session = DaemonSession(daemon, "a", poll_interval_s=0.01, policy_timeout_s=10.0,
+                            policy_notices=True, contact_since=time.monotonic())  # fmt: skip
+    try:
+        session.fetch()
+        watch = session._watch
+        assert watch is not None
+        assert session.evicted_epoch(5) == -1
+        for epoch, view, sync, expect in (
+            (6, ["a", "b", "c"], ["a", "b", "c"], -1),  # a newer policy that keeps this trainer
+            (7, ["b", "c"], ["b", "c"], -1),  # its own leave: its daemon is out of the view
+            (8, ["a", "b", "c"], ["b", "c"], 8),  # evicted: the others go on without it
+        ):
+            frame = encode(PolicyNotice(sender="n1", epoch=epoch, interval_s=INTERVAL_S,
+                                        policy=policy(epoch, view, sync)))  # fmt: skip
+            deadline = time.monotonic() + 10.0
+            while watch.latest_epoch != epoch:  # resent until the subscription is up and took it
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"the notice of epoch {epoch} never arrived")
+                sock.send(frame)
+                time.sleep(0.01)
+                watch.needs_fetch(5, time.monotonic())
+            assert session.evicted_epoch(5) == expect, epoch
+        assert session.evicted_epoch(8) == -1  # not newer than the installed policy
+    finally:
+        session.close()
