@@ -27,6 +27,7 @@ from chaos.daemon.config import IPC_PATH_MAX
 
 from chaos.errors import ConfigError
 from chaos.security import Security, authenticated_key
+from chaos.sockets import keep_alive
 
 log = logging.getLogger("chaos.daemon.transport")
 
@@ -265,6 +266,7 @@ class Transport:
     def _router(self, endpoint: str, tcp: bool = False) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        keep_alive(sock)  # drops a peer's half-open connection
         if tcp:
             self.security.server(sock)  # a CURVE server with a cluster key
             # a TCP connection that has not completed its handshake within this is dropped

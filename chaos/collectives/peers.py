@@ -31,6 +31,7 @@ from chaos.collectives.frames import decode_header
 from chaos.collectives.links import Link, member_of, routing_id
 from chaos.errors import PeerFailure, ProtocolError
 from chaos.security import Security, authenticated_key
+from chaos.sockets import keep_alive
 
 __all__ = ["PeerSockets"]
 
@@ -82,6 +83,7 @@ class PeerSockets:
         self._handshakes: zmq.Socket | None = None
         try:
             self._router.setsockopt(zmq.LINGER, 0)
+            keep_alive(self._router)  # drops a peer's half-open connection
             # Plain: a restarted peer takes its id over. With a key, a connection never takes an
             # id in use: otherwise a key holder claiming a member's id would cut that member's
             # connection off (its frames are dropped anyway when the topology names the keys).
@@ -154,6 +156,7 @@ class PeerSockets:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.ROUTING_ID, routing_id(self._config.node_id))
         sock.setsockopt(zmq.LINGER, 0)
+        keep_alive(sock)
         sock.setsockopt(zmq.SNDHWM, self._config.sndhwm)
         if self._config.sock_buf_bytes:
             sock.setsockopt(zmq.SNDBUF, self._config.sock_buf_bytes)

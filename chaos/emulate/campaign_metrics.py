@@ -99,13 +99,17 @@ def step_integrity(devices: Mapping[str, list[dict[str, Any]]],
       digest at ``s``: the cluster went back and redid it differently.
     * A **divergent state** is a step at which two devices that recorded it under the same
       epoch, or two survivors (each by its last record of that step), hold different digests:
-      members that must be bitwise equal are not.
+      members that must be bitwise equal are not. A survivor's last record of the run is left
+      out of the second rule when it is off the history: a round it finished just as it was cut
+      off, which the others reran without it, and on which it never trained (it would pull
+      the current state when it joins again); such tips are listed in ``abandoned_tips``.
     * A **redone** step is an uncommitted ``(s, D)`` off the survivors' history (a round some
       member finished and the others reran after a failure); it costs time, not correctness.
 
     Returns:
         ``{"steps": N, "committed": N, "lost": N, "lost_steps": [...], "divergent": N,
-        "divergent_steps": [...], "redone": N}`` (lists cut to their first 20).
+        "divergent_steps": [...], "redone": N, "abandoned_tips": [[node, step], ...]}`` (lists
+        cut to their first 20).
     """
     surv = set(survivors)
     hist = lineage(devices, surv)
@@ -113,13 +117,17 @@ def step_integrity(devices: Mapping[str, list[dict[str, Any]]],
     world: dict[tuple[int, str], int] = {}
     by_epoch: dict[tuple[int, int], set[str]] = {}
     by_survivor: dict[int, dict[str, str]] = {}  # step -> survivor -> its last digest there
+    tips: list[list[Any]] = []
     for node, recs in devices.items():
-        for r in step_records(recs):
+        steps = step_records(recs)
+        for i, r in enumerate(steps):
             key = (int(r["step"]), str(r["digest"]))
             holders.setdefault(key, set()).add(node)
             world[key] = max(world.get(key, 0), int(r.get("world", 1)))
             by_epoch.setdefault((key[0], int(r.get("epoch", 0))), set()).add(key[1])
-            if node in surv:
+            if node in surv and i == len(steps) - 1 and hist.get(key[0]) != key[1]:
+                tips.append([node, key[0]])  # never built on: not a second state in use
+            elif node in surv:
                 by_survivor.setdefault(key[0], {})[node] = key[1]
     committed = {k for k, who in holders.items() if len(who) >= world[k]}
     lost = sorted(s for s, d in committed if s in hist and hist[s] != d)
@@ -130,7 +138,8 @@ def step_integrity(devices: Mapping[str, list[dict[str, Any]]],
     )
     return {"steps": len(hist), "committed": len(committed), "lost": len(lost),
             "lost_steps": lost[:20], "divergent": len(divergent),
-            "divergent_steps": divergent[:20], "redone": len(redone)}  # fmt: skip
+            "divergent_steps": divergent[:20], "redone": len(redone),
+            "abandoned_tips": tips[:20]}  # fmt: skip
 
 
 def lineage_times(devices: Mapping[str, list[dict[str, Any]]],

@@ -41,6 +41,7 @@ from chaos.replication.wire import (
     validate_request,
 )
 from chaos.security import Security
+from chaos.sockets import keep_alive
 
 # The server logs under the replication logger, as it did when it lived in chaos.replication.
 log = logging.getLogger("chaos.replication.server")
@@ -190,6 +191,7 @@ class ShardServer:
         self._stop = threading.Event()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        keep_alive(sock)  # drops a joiner's half-open connection
         self.security.server(sock)
         self._handshakes: zmq.Socket | None = None
         if self.security.enabled:

@@ -170,6 +170,23 @@ def test_a_round_one_member_finished_and_the_others_reran_is_redone_not_lost() -
     assert lineage(devs, ["a", "b"])[11] == "r11"
 
 
+def test_a_survivor_cut_off_with_a_round_the_others_reran_is_not_divergent() -> None:
+    """x finished round 11 as it was cut off; a and b reran it without x. x survives holding
+    it, never trains on it (its last record), and would pull the current state on its rejoin:
+    an abandoned tip, not a second state in use. Had x trained on it, it is divergent."""
+    devs = {n: _steps(0.0, 1, 10) for n in ("a", "b", "x")}
+    devs["x"].append({"kind": "step", "t": 1.05, "step": 11, "world": 3, "epoch": 1,
+                      "digest": "only-x"})  # fmt: skip
+    for n in ("a", "b"):
+        devs[n] += _steps(3.0, 11, 5, digest="r", world=2, epoch=2)
+    got = step_integrity(devs, ["a", "b", "x"])
+    assert got == {**got, "lost": 0, "divergent": 0, "redone": 1, "abandoned_tips": [["x", 11]]}
+    devs["x"].append({"kind": "step", "t": 1.2, "step": 12, "world": 1, "epoch": 1,
+                      "digest": "x-on-its-own"})  # fmt: skip
+    got = step_integrity(devs, ["a", "b", "x"])
+    assert got["divergent"] == 1 and got["divergent_steps"] == [11]  # it built on it
+
+
 def test_ettr_counts_useful_steps_at_the_normal_step_time() -> None:
     # 100 steps at 0.1 s, a 10 s stall, 100 more: 200 useful steps of 0.1 s in 30 s of wall
     devs = {"a": _steps(0.0, 1, 100) + _steps(19.9, 101, 100)}
