@@ -6,6 +6,7 @@ discarded before the next request is sent. A client is not thread-safe (one Zero
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -36,6 +37,8 @@ from chaos.protocol import (
 )
 from chaos.protocol.ids import check_daemon_endpoint
 from chaos.security import Security
+
+log = logging.getLogger(__name__)
 
 _GONE_CHECK_S = 0.05
 _HANDSHAKE_CHECK_S = 0.1
@@ -109,6 +112,7 @@ class DaemonClient:
         timeout_s: float | None = None,
         *,
         gone: Callable[[], bool] | None = None,
+        expect: type | None = None,
     ) -> Message:
         """Sends one request and waits for its answer.
 
@@ -118,6 +122,8 @@ class DaemonClient:
             gone: Whether the daemon has exited (e.g. a Trainer's embedded daemon); checked
                 every ``_GONE_CHECK_S`` while waiting, so that a request to a daemon that is
                 gone fails at once instead of at the timeout.
+            expect: The answer's type; an answer of another type (not a refusal either) is
+                the late answer of an earlier request that timed out, and is skipped.
 
         Returns:
             The answer (possibly a :class:`~chaos.protocol.Refusal`).
@@ -141,7 +147,11 @@ class DaemonClient:
                 slice_s = min(slice_s, _HANDSHAKE_CHECK_S)
             if self._sock.poll(int(slice_s * 1000) + 1, zmq.POLLIN):
                 parts = self._sock.recv_multipart()
-                return decode(parts[-1], DEFAULT_MAX_FRAME_BYTES * 4)
+                answer = decode(parts[-1], DEFAULT_MAX_FRAME_BYTES * 4)
+                if expect is None or isinstance(answer, (expect, Refusal)):
+                    return answer
+                log.debug("skipped a late %s answer", type(answer).__name__)
+                continue
             self._check_handshake()
             if gone is not None and gone():
                 raise DaemonGone(f"the daemon at {self.endpoint} exited before it answered")
@@ -164,7 +174,7 @@ class DaemonClient:
         timeout_s: float | None = None,
         gone: Callable[[], bool] | None = None,
     ) -> Message:
-        answer = self.request(msg, timeout_s, gone=gone)
+        answer = self.request(msg, timeout_s, gone=gone, expect=kind)
         if isinstance(answer, Refusal):
             raise RequestRefused(answer.reason.value, answer.detail)
         if not isinstance(answer, kind):

@@ -264,3 +264,45 @@ def test_election_rules() -> None:
     e2.start(0.0, 1)
     e2.on_vote_reply(VoteReply(sender="b", term=9, granted=False), 0.0, members)
     assert e2.role == Role.FOLLOWER and e2.term == 9
+
+
+def test_a_late_answer_of_a_timed_out_request_is_not_taken_for_the_next_ones(
+    tmp_path: Path,
+) -> None:
+    """A request times out; its answer comes later, while the client waits for the answer to
+    its next request of another kind. The client skips it (a trainer crashed on 'unexpected
+    answer OpResult' when a report's late answer met its policy request)."""
+    import threading
+
+    import zmq
+
+    from chaos.errors import ChaosTimeout
+    from chaos.protocol import OpResult, PolicyReply
+
+    endpoint = f"ipc://{tmp_path}/d.ipc"
+    ctx: zmq.Context = zmq.Context()
+    daemon = ctx.socket(zmq.ROUTER)
+    daemon.setsockopt(zmq.LINGER, 0)
+    daemon.bind(endpoint)
+    client = DaemonClient(endpoint, timeout_s=0.3)
+    try:
+        with pytest.raises(ChaosTimeout):
+            client.op(LeaveCommand(sender="t"))  # the daemon is slow: no answer in time
+        ident, _leave = daemon.recv_multipart()
+        late = OpResult(sender="d", op_id="op1", ok=True)
+        policy = PolicyReply(sender="d", epoch=9, term=1, members=["d"], sync=None)
+        def answer() -> None:  # once the policy request is in: the late answer, then its own
+            if daemon.poll(5000):
+                who, _req = daemon.recv_multipart()
+                daemon.send_multipart([ident, encode(late)])
+                daemon.send_multipart([who, encode(policy)])
+
+        t = threading.Thread(target=answer)
+        t.start()
+        got = client.policy(timeout_s=5.0)
+        t.join(10)
+        assert got.epoch == 9
+    finally:
+        client.close()
+        daemon.close(linger=0)
+        ctx.term()
