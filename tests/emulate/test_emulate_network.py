@@ -9,6 +9,7 @@ against its lower bound, which the relay guarantees by construction.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -69,6 +70,25 @@ def _cfg(nodes: str, links: list[tuple[str, str, float]], **kw: object) -> Netwo
     return NetworkConfig(nodes=tuple(nodes), prefix=PREFIX,
                          links=tuple(LinkSpec(a, b, bps) for a, b, bps in links),
                          **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+@contextlib.contextmanager
+def tcp_pair(net: Network, client: str, server: str) -> Iterator[tuple[socket.socket, socket.socket,
+                                                                          tuple[str, int]]]:
+    """A TCP connection from ``client`` to ``server`` (in their namespaces): the client's
+    socket, the server's accepted one and the client's address as the server saw it."""
+    srv = netns_socket(net.ns(server))
+    cli = netns_socket(net.ns(client))
+    with srv, cli:
+        srv.bind((net.address(server), 0))
+        srv.listen(1)
+        cli.settimeout(5.0)
+        cli.connect(srv.getsockname())
+        srv.settimeout(5.0)
+        conn, peer = srv.accept()
+        with conn:
+            conn.settimeout(10.0)
+            yield cli, conn, peer
 
 
 def _reachable(net: Network, src: str, dst: str) -> bool:
@@ -181,19 +201,10 @@ def test_non_neighbours_are_reached_multi_hop() -> None:
         assert _reachable(net, "a", "d")
         assert _reachable(net, "d", "a")
         # a TCP connection across three hops
-        srv = netns_socket(net.ns("d"))
-        cli = netns_socket(net.ns("a"))
-        with srv, cli:
-            srv.bind((net.address("d"), 0))
-            srv.listen(1)
-            cli.settimeout(5.0)
-            cli.connect(srv.getsockname())
+        with tcp_pair(net, "a", "d") as (cli, conn, peer):
             cli.sendall(b"hello")
-            srv.settimeout(5.0)
-            conn, peer = srv.accept()
-            with conn:
-                assert conn.recv(5) == b"hello"
-                assert peer[0] == net.address("a")
+            assert conn.recv(5) == b"hello"
+            assert peer[0] == net.address("a")
 
 
 @needs_root

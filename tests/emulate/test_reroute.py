@@ -9,7 +9,6 @@ root; every namespace is reaped by the fixture of ``test_emulate_network.py``, e
 from __future__ import annotations
 
 from chaos.emulate import Network
-from chaos.emulate.netns import netns_socket
 from tests.emulate.test_emulate_network import (
     MBIT,
     _cfg,
@@ -18,6 +17,7 @@ from tests.emulate.test_emulate_network import (
     _unreachable,
     cfg_index,
     needs_root,
+    tcp_pair,
 )
 
 RING = [("a", "b", 100 * MBIT), ("b", "c", 100 * MBIT), ("c", "d", 100 * MBIT),
@@ -27,30 +27,20 @@ RING = [("a", "b", 100 * MBIT), ("b", "c", 100 * MBIT), ("c", "d", 100 * MBIT),
 @needs_root
 def test_a_cut_link_is_routed_around_and_restored() -> None:
     with Network(_cfg("abcd", RING)) as net:
-        srv = netns_socket(net.ns("b"))
-        cli = netns_socket(net.ns("a"))
-        with srv, cli:
-            srv.bind((net.address("b"), 0))
-            srv.listen(1)
-            cli.settimeout(5.0)
-            cli.connect(srv.getsockname())
-            srv.settimeout(5.0)
-            conn, _peer = srv.accept()
-            with conn:
-                conn.settimeout(10.0)
-                net.cut_link("a", "b")
-                assert net.routes("a")["b"] == "d"  # around the cut: a-d-c-b
-                assert net.routes("b")["a"] == "c"
-                out = net.exec("a", ["ip", "route", "get", net.address("b")]).stdout
-                assert f"dev to-{cfg_index(net, 'd')}" in out
-                assert _reachable(net, "a", "b")
-                cli.sendall(b"after the cut")  # the connection opened over a-b survives
-                got = b""
-                while len(got) < 13:
-                    chunk = conn.recv(64)
-                    assert chunk, "the connection closed"
-                    got += chunk
-                assert got == b"after the cut"
+        with tcp_pair(net, "a", "b") as (cli, conn, _peer):
+            net.cut_link("a", "b")
+            assert net.routes("a")["b"] == "d"  # around the cut: a-d-c-b
+            assert net.routes("b")["a"] == "c"
+            out = net.exec("a", ["ip", "route", "get", net.address("b")]).stdout
+            assert f"dev to-{cfg_index(net, 'd')}" in out
+            assert _reachable(net, "a", "b")
+            cli.sendall(b"after the cut")  # the connection opened over a-b survives
+            got = b""
+            while len(got) < 13:
+                chunk = conn.recv(64)
+                assert chunk, "the connection closed"
+                got += chunk
+            assert got == b"after the cut"
         net.restore_link("a", "b")
         assert net.routes("a")["b"] == "b"
         assert net.routes("b")["a"] == "a"
