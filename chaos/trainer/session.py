@@ -374,18 +374,28 @@ class DaemonSession:
             queue_s=queue_s,
         )
 
-    def report_ready(self, elapsed_s: float, detail: str) -> None:
+    def report_ready(self, elapsed_s: float, detail: str) -> bool:
         """Tells the scheduler the trainer's state is in place (tried again, within
         ``_RETRY_TOTAL_S``, when a scheduler change loses it).
 
-        Raises:
-            ChaosTimeout: no answer in time.
+        Best effort: the trainer is in the policy already and trains on without it (the
+        scheduler only measures the join with it, and ends the join's hold on the line when
+        the hold expires instead). A report that finds no scheduler (an election, a partition)
+        is logged, not raised.
+
+        Returns:
+            Whether the scheduler took the report.
         """
-        self._retrying(
-            "ready report",
-            lambda t: self._client.trainer_event("ready", elapsed_s, detail, timeout_s=t),
-            _ATTEMPT_S,
-        )
+        try:
+            self._retrying(
+                "ready report",
+                lambda t: self._client.trainer_event("ready", elapsed_s, detail, timeout_s=t),
+                _ATTEMPT_S,
+            )
+        except (ChaosTimeout, ProtocolError) as exc:  # ProtocolError: refused as well
+            log.warning("ready report not delivered (%s); training goes on", exc)
+            return False
+        return True
 
     def _retrying(
         self,

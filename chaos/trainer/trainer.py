@@ -77,6 +77,11 @@ log = logging.getLogger("chaos.trainer")
 
 
 
+_JOIN_AGAIN_ATTEMPTS = 3
+"""Registrations a trainer that joins again (evicted, or its entry failed) tries before its
+join's error reaches the training script."""
+
+
 class _Rejoined(Exception):
     """The scheduler had evicted this trainer (a straggler); it joined again inside
     ``update()``, pulling the current state, so the step's gradients are stale: the step is
@@ -404,8 +409,7 @@ class Trainer:
             self._event("entry_failed", epoch=policy.epoch, error=str(exc)[:300])
             log.warning("%s: entry pull failed (%s); joining again", self.node_id, exc)
             self._catching = None
-            self._donor.retire()
-            self._register_and_sync(True, time.monotonic(), rejoin=True)
+            self._join_again()
             raise _Rejoined from exc
         session.report_pull(self._donor.last_pull)
         self._catching = None
@@ -523,8 +527,27 @@ class Trainer:
             self.node_id,
             policy.epoch,
         )
+        self._join_again()
+
+    def _join_again(self) -> None:
+        """Registers again as a joiner and pulls the current state; a pull that fails (its
+        donors gone or cut off meanwhile) is tried again under a new plan, up to
+        ``_JOIN_AGAIN_ATTEMPTS`` times (events ``join_again_failed``).
+
+        Raises:
+            ChaosTimeout: the last attempt's join or pull did not finish in time.
+            ReplicationError: the last attempt could not pull the state.
+        """
         self._donor.retire()
-        self._register_and_sync(True, time.monotonic(), rejoin=True)
+        for attempt in range(1, _JOIN_AGAIN_ATTEMPTS + 1):
+            try:
+                self._register_and_sync(True, time.monotonic(), rejoin=True)
+                return
+            except (ReplicationError, ChaosTimeout) as exc:
+                if attempt == _JOIN_AGAIN_ATTEMPTS:
+                    raise
+                self._event("join_again_failed", attempt=attempt, error=str(exc)[:300])
+                log.warning("%s: joining again failed (%s); trying again", self.node_id, exc)
 
     def _install_newer(self, p: Policy) -> None:
         """Installs the policy a wait after a failed round returned (the rerun needs exactly

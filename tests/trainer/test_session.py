@@ -202,3 +202,22 @@ def test_config_takes_a_join_queue_timeout() -> None:
     for bad in (0, -1.0, True, "600"):
         with pytest.raises(ConfigError, match="join_queue_timeout_s"):
             TrainerConfig(join_queue_timeout_s=bad)  # type: ignore[arg-type]
+
+
+def test_a_ready_report_that_finds_no_scheduler_is_logged_not_raised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The trainer is in the policy when it reports ready; a report lost to an election or a
+    partition must not end its training script (it did: ChaosTimeout out of update())."""
+    import chaos.trainer.session as session_mod
+
+    class Silent(FakeDaemon):
+        def trainer_event(self, kind: Literal["ready", "step_failed"], elapsed_s: float = 0.0,
+                          detail: str = "", timeout_s: float | None = None,
+                          epoch: int = 0) -> object:  # fmt: skip
+            raise ChaosTimeout("no answer from the daemon")
+
+    monkeypatch.setattr(session_mod, "_RETRY_TOTAL_S", 0.3)
+    monkeypatch.setattr(session_mod, "_ATTEMPT_S", 0.1)
+    assert _session(Silent([_reply(4, _ring())])).report_ready(1.0, "epoch 4") is False
+    assert _session(FakeDaemon([_reply(4, _ring())])).report_ready(1.0, "epoch 4") is True
