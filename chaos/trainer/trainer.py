@@ -42,7 +42,6 @@ from chaos.errors import (
     ReplicationError,
     RoundInterrupted,
 )
-from chaos.launch import free_tcp_address
 from chaos.replication.steplog import LoggedStep
 from chaos.security import Security
 from chaos.trainer.catch_up import (
@@ -61,7 +60,6 @@ from chaos.trainer.config import (
     default_node_id,
 )
 from chaos.trainer.dataplane import DataPlane
-from chaos.trainer.donor import Donor
 from chaos.trainer.embedded import EmbeddedDaemon
 from chaos.trainer.exit_signals import (  # capture_exit_event and request_exit are part of this API
     capture_exit_event as capture_exit_event,
@@ -69,9 +67,10 @@ from chaos.trainer.exit_signals import (  # capture_exit_event and request_exit 
 from chaos.trainer.exit_signals import install_exit_handlers
 from chaos.trainer.exit_signals import request_exit as request_exit
 from chaos.trainer.gradients import GradientPacker
-from chaos.trainer.session import DaemonSession, Policy, StepBeacon
+from chaos.trainer.session import DaemonSession, Policy
 from chaos.trainer.session import TrainingStalled as TrainingStalled  # part of this API
 from chaos.trainer.throughput import ThroughputMeter
+from chaos.trainer.wiring import connect_session, make_donor, open_data_plane, start_embedded
 
 log = logging.getLogger("chaos.trainer")
 
@@ -159,85 +158,19 @@ class Trainer:
         self._embedded: EmbeddedDaemon | None = None
         t0 = time.monotonic()
         try:
-            address = daemon if daemon is not None else self._start_embedded(join, listen)
-            self._session = self._connect(address, t0)
-            self._plane = self._open_data_plane()
-            self._donor = self._make_donor(self._plane)
+            cfg, key = self.config, self._security
+            address = daemon
+            if address is None:
+                self._embedded = start_embedded(self.node_id, cfg, join, listen)
+                address = self._embedded.endpoint
+            self._session = connect_session(address, self.node_id, cfg, key, t0)
+            self._plane = open_data_plane(self.node_id, cfg, key, self._newer_policy)
+            self._donor = make_donor(model, optimizer, self.node_id, self._plane, cfg, key,
+                                     self._event, self.extra_state)  # fmt: skip
             self._register_and_sync(join is not None, t0)
         except BaseException:
             self.close()
             raise
-
-    def _start_embedded(self, join: str | None, listen: str | None) -> str:
-        """Starts this node's own daemon (joining ``join``, or a new cluster); returns its
-        endpoint once it is a member."""
-        embedded = EmbeddedDaemon(
-            self.node_id,
-            listen or free_tcp_address(self.config.host),
-            join,
-            self.config.daemon_args,
-            self.config.daemon_dir,
-            cluster_key=self.config.cluster_key,
-        )
-        try:
-            embedded.wait_ready(self.config.join_timeout_s)
-        except BaseException:
-            embedded.stop(timeout_s=2.0)
-            raise
-        self._embedded = embedded
-        return embedded.endpoint
-
-    def _connect(self, address: str, t0: float) -> DaemonSession:
-        """The session with the local daemon at ``address``."""
-        from chaos.daemon.client import DaemonClient
-
-        cfg = self.config
-        # the step progress goes to a local daemon only (a stopped trainer is found from it)
-        beacon = StepBeacon(address) if address.startswith("ipc://") else None
-        return DaemonSession(
-            DaemonClient(address, timeout_s=5.0, security=self._security),
-            self.node_id,
-            poll_interval_s=cfg.poll_interval_s,
-            policy_timeout_s=cfg.policy_timeout_s,
-            policy_notices=cfg.policy_notices,
-            contact_since=t0,
-            beacon=beacon,
-        )
-
-    def _open_data_plane(self) -> DataPlane:
-        """The allreduce communicator and the shard server, on ephemeral ports or in
-        ``data_ports``."""
-        cfg = self.config
-        return DataPlane(
-            self.node_id,
-            cfg.host,
-            chunk_bytes=cfg.chunk_bytes,
-            step_timeout_s=cfg.step_timeout_s,
-            wire_dtype=cfg.wire_dtype,
-            lanes=cfg.lanes,
-            poll_interval_s=cfg.poll_interval_s,
-            interrupt=self._newer_policy,
-            ports=cfg.data_ports,
-            security=self._security,
-        )
-
-    def _make_donor(self, plane: DataPlane) -> Donor:
-        """The state's capture, serving (through ``plane``'s shard server) and pull."""
-        cfg = self.config
-        return Donor(
-            self.model,
-            self.optimizer,
-            self.node_id,
-            plane,
-            self._event,
-            join_timeout_s=cfg.join_timeout_s,
-            poll_interval_s=cfg.poll_interval_s,
-            replication_timeout_s=cfg.replication_timeout_s,
-            pull_window=cfg.pull_window,
-            catch_up_log_bytes=cfg.catch_up_log_bytes,
-            security=self._security,
-            extra=self.extra_state,
-        )
 
     # ------------------------------------------------------------------ properties
 
