@@ -31,6 +31,12 @@ def _event(m: Member, name: str) -> dict[str, Any] | None:
     return next((r for r in m.records() if r.get("event") == name), None)
 
 
+def _events(*members: Member) -> dict[str, list[tuple[Any, ...]]]:
+    """Every member's events, to tell what happened when an assertion fails."""
+    return {m.id: [(r["event"], r.get("step"), r.get("epoch")) for r in m.records() if "event" in r]
+            for m in members}  # fmt: skip
+
+
 def _three(cluster: Cluster) -> tuple[Member, Member, Member]:
     a = cluster.start("a", None, *WIDTH)
     cluster.wait(lambda: a.last().get("step", 0) >= 3, "a to train")
@@ -64,7 +70,8 @@ def test_members_train_on_while_a_joiner_catches_up(cluster: Cluster) -> None:
     assert s_enter > s0
     for m in (a, b):
         during = [r for r in m.records() if "digest" in r and s0 < r["step"] <= s_enter]
-        assert during and all(r["world"] == 3 for r in during), m.id
+        off = [(r["step"], r["epoch"], r["world"]) for r in during if r["world"] != 3]
+        assert during and not off, (m.id, s0, s_enter, off, _events(a, b, c, d))
     caught = _event(d, "replayed")
     assert caught is not None and entered["replayed"] > 0
     # the replay was exact: at entry d pulled only what the replay does not reproduce (the
