@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -188,6 +189,7 @@ class ShardServer:
         self._stats = ServerStats()
         self._corrupt_counts: dict[int, int] = {}
         self._stalled = False
+        self._before_die: Callable[[], None] | None = None
         self._stop = threading.Event()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -384,12 +386,29 @@ class ShardServer:
                 self._stats.manifests_sent += 1
         self._send(ident, reply, payload)
 
+    def die_after(self, shards: int, before_exit: Callable[[], None] | None = None) -> None:
+        """Fault injection by name: once ``shards`` more shards were sent from now, the next shard
+        request makes the whole process exit with :data:`DIE_EXIT_CODE` (after ``before_exit``,
+        e.g. killing the device's daemon), as :attr:`ServerFaults.die_after_shards` does.
+
+        Raises:
+            ValueError: ``shards`` is negative.
+        """
+        if not isinstance(shards, int) or shards < 0:
+            raise ValueError(f"shards must be an int >= 0, got {shards!r}")
+        with self._lock:
+            sent = self._stats.shards_sent
+            self.faults = replace(self.faults, die_after_shards=sent + shards)
+            self._before_die = before_exit
+
     def _maybe_die(self) -> None:
         """Applies the ``die_after_shards`` and ``stall_after_shards`` faults."""
         sent = self._stats.shards_sent
         f = self.faults
         if f.die_after_shards is not None and sent >= f.die_after_shards:
             log.warning("shard server: injected fault die_after_shards=%d", f.die_after_shards)
+            if self._before_die is not None:
+                self._before_die()
             os._exit(DIE_EXIT_CODE)
         if f.stall_after_shards is not None and sent >= f.stall_after_shards:
             self._stalled = True

@@ -212,6 +212,15 @@ class DataPlane:
         """
         self._comm.fail_at(step, after_frames, before_exit)
 
+    def die_serving_after(self, shards: int, before_exit: Callable[[], None] | None) -> None:
+        """Fault injection: exit abruptly at the shard request after ``shards`` more were sent
+        (:meth:`ShardServer.die_after`).
+
+        Raises:
+            ValueError: a negative shard count.
+        """
+        self._server.die_after(shards, before_exit)
+
     # ------------------------------------------------------------------ snapshots
 
     def publish(self, state: TrainingState, epoch: int, step: int) -> None:

@@ -642,7 +642,8 @@ class Trainer:
             latest: Policy | None = session.fetch(timeout_s=min(2.0, self.config.policy_timeout_s))
         except ChaosError:
             latest = None
-        fields = {"epoch": self._epoch, "step": self._step, "neighbour": exc.peer}
+        fields = {"epoch": self._epoch, "step": self._step, "neighbour": exc.peer,
+                  "error": str(exc)[:200]}  # fmt: skip
         if latest is not None and session.excluded(latest):
             self._event("allreduce_failed", peer=self.node_id, evicted=True, **fields)
             self._rejoin(latest)
@@ -701,6 +702,17 @@ class Trainer:
         """
         embedded = self._embedded
         self._plane.fail_at(step, after_frames, embedded.kill if embedded is not None else None)
+
+    def fail_serving_after(self, shards: int) -> None:
+        """Fault injection by name: this device dies (``kill -9`` of its embedded daemon, then
+        an abrupt exit) at the first shard request a joiner sends once ``shards`` more shards
+        were served: a donor lost mid-pull. For tests and emulation.
+
+        Raises:
+            ValueError: a negative shard count.
+        """
+        embedded = self._embedded
+        self._plane.die_serving_after(shards, embedded.kill if embedded is not None else None)
 
     def check_state_replication(self) -> bool:
         """Serves this node's shards if the scheduler named it a donor for a joiner.

@@ -299,14 +299,17 @@ class SchedulerRole:
         self.trainers.on_event(msg, reply, now)
 
     def evict_stragglers(self, now: float) -> None:
-        """Takes the trainers found holding the others up out of the sync policy: each node
-        stays a member without a trainer, and the others rerun their step without it (one
-        commit, before the next allreduce, restarting the one in flight). An evicted trainer
-        that resumes finds itself out of the policy and joins again, pulling the state."""
+        """Takes the trainers found holding the others up (silent, or stuck a step behind) out
+        of the sync policy: each node stays a member without a trainer, and the others rerun
+        their step without it (one commit, before the next allreduce, restarting the one in
+        flight). An evicted trainer that resumes, or that learns it was left out, joins again,
+        pulling the state."""
         if self.ledger.last_update is None:
             return  # still rebuilding after an election
         training = self.monitor.trainer_members((TrainerState.TRAINING,))
         found = [s for s in self.stragglers.find(training, now) if self.failures.fresh(s.node, now)]
+        silent = {s.node for s in found}
+        found += [s for s in self.stragglers.behind(training, now) if s.node not in silent]
         for s in found:
             self._evict(s)
         if found:
@@ -321,4 +324,5 @@ class SchedulerRole:
         self.host.event(
             "straggler_evicted", peer=s.node, step=s.step, silent_s=round(s.silent_s, 3),
             at_step=s.at_step, waiting=list(s.waiting), waited_s=round(s.waited_s, 3),
+            behind=s.behind,
         )  # fmt: skip

@@ -18,6 +18,14 @@ most ``N``). A device that is merely slow is heard at every step it completes, s
 above its step time it is never silent that long: it sets the pace. Members that all wait (a
 link that drops its packets) are all heard: nobody is a straggler.
 
+**A step behind.** A member that is heard and waits inside ``update()`` at step ``N`` while
+other members wait at a later step, all of them past the grace period, missed the result of a
+round the others completed (the last frames to it were lost as the round ended). It can only
+take that result from a neighbour that kept it; when it has not in a whole grace period, the
+round can never complete: the others wait for its step ``N + 1`` and it waits for their step
+``N``, and every restart fails again. It is evicted like a straggler and joins again, pulling
+the state the others reached (never the other way round: the step they completed stays).
+
 **Blame.** When a trainer's allreduce fails after waiting ``waited_s`` (``step_timeout_s``),
 the peer it names is the neighbour that stopped sending, which in a tree or ring is often not
 the member that stopped. :meth:`StragglerWatch.blame` names instead the member silent the
@@ -74,6 +82,8 @@ class Straggler:
         at_step: The step the others wait at.
         waiting: The members waiting for it, sorted.
         waited_s: The longest of their waits.
+        behind: Found by the "a step behind" rule (heard, but stuck in an older step than
+            the others), not by its silence.
     """
 
     node: str
@@ -82,6 +92,7 @@ class Straggler:
     at_step: int
     waiting: tuple[str, ...]
     waited_s: float
+    behind: bool = False
 
 
 class StragglerWatch:
@@ -157,6 +168,38 @@ class StragglerWatch:
                 )
             )
         return found
+
+    def behind(self, training: Collection[str], now: float) -> list[Straggler]:
+        """The members stuck a step behind the others (see the module's second rule).
+
+        Args:
+            training: The members whose trainer is training.
+            now: Monotonic time.
+
+        Returns:
+            Each member waiting inside ``update()`` at an older step than the newest step
+            other members wait at, every one of them heard and waiting past the grace period,
+            sorted by id (empty when the grace is 0).
+        """
+        grace = self.grace_s
+        if grace <= 0:
+            return []
+        stuck = {
+            n: p
+            for n, p in self._fresh(training, now).items()
+            if p.in_step and p.silent_at(now) < grace / 2 and p.phase_at(now) > grace
+        }
+        if not stuck:
+            return []
+        top = max(p.step for p in stuck.values())
+        ahead = {n: p for n, p in stuck.items() if p.step == top}
+        waited = max(p.phase_at(now) for p in ahead.values())
+        return [
+            Straggler(node=n, step=p.step, silent_s=p.silent_at(now), at_step=top,
+                      waiting=tuple(sorted(ahead)), waited_s=waited, behind=True)
+            for n, p in sorted(stuck.items())
+            if p.step < top
+        ]  # fmt: skip
 
     def blame(
         self,

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from chaos.replication.server import DIE_EXIT_CODE
 from tests.trainer.trainer_cluster import Cluster, Member, assert_equal_from, world
 
 WIDTH = ("--width", "512")  # parameters and momentum well above the runtime record's size
@@ -37,12 +38,12 @@ def _events(*members: Member) -> dict[str, list[tuple[Any, ...]]]:
             for m in members}  # fmt: skip
 
 
-def _three(cluster: Cluster) -> tuple[Member, Member, Member]:
+def _three(cluster: Cluster, *c_args: str) -> tuple[Member, Member, Member]:
     a = cluster.start("a", None, *WIDTH)
     cluster.wait(lambda: a.last().get("step", 0) >= 3, "a to train")
     b = cluster.start("b", a, *WIDTH)
     cluster.wait(lambda: world(a, 2) and world(b, 2), "b to join")
-    c = cluster.start("c", b, *WIDTH)
+    c = cluster.start("c", b, *WIDTH, *c_args)
     cluster.wait(lambda: all(world(m, 3) for m in (a, b, c)), "c to join")
     # the scheduler plans a catch-up once it measured the donors' step period
     cluster.wait(lambda: c.last().get("step", 0) >= a.last()["step"] - 1 >= 0, "c to train")
@@ -82,6 +83,34 @@ def test_members_train_on_while_a_joiner_catches_up(cluster: Cluster) -> None:
 
     assert any(r.get("catch_up") for r in served_d(c)), "the donor served a catch-up snapshot"
     assert not served_d(a) and not served_d(b)
+
+
+def test_a_joiner_whose_only_donor_dies_mid_pull_gets_in_through_the_others(
+    cluster: Cluster,
+) -> None:
+    # c dies (kill -9 of the device) at d's first shard request: d's only neighbour and donor
+    # is lost mid-pull, and the overlay is split ({a, b} | {d})
+    a, b, c = _three(cluster, "--die-serving-after", "0")
+    d = cluster.start("d", c, *WIDTH)
+    cluster.wait(lambda: c.proc.poll() is not None, "c to die serving d")
+    assert c.proc.returncode == DIE_EXIT_CODE, c.log()
+    # the scheduler connects d to the survivors, and d gets the state from them; until then
+    # each update() of d returns without a step (its entry failed, it joined again)
+    def shared() -> list[dict[str, Any]]:
+        return [r for r in d.records() if "digest" in r and r["world"] > 1]
+
+    cluster.wait(shared, "d to train with the others")
+    first = min(r["step"] for r in shared())
+    # every state d ever held past its initial model is one a held at that step (the pulled
+    # snapshot, or a step taken with the others): it never stepped on a state of its own
+    theirs = a.digests()
+    mine = [r for r in d.records() if "digest" in r and r["step"] > 0]
+    assert mine and all(r["digest"] == theirs[r["step"]] for r in mine if r["step"] in theirs)
+    cluster.wait(lambda: all(world(m, 3, first + 5) for m in (a, b, d)), "a, b and d to train")
+    assert assert_equal_from([a, b, d], first) >= 5
+    failed = [e for e in ("snapshot_failed", "entry_failed") if _event(d, e) is not None]
+    assert failed, _events(d)  # the lost pull was noticed, not silently skipped
+    assert d.proc.poll() is None and a.proc.poll() is None and b.proc.poll() is None
 
 
 def test_a_full_step_log_falls_back_to_pulling_what_differs(cluster: Cluster) -> None:

@@ -32,6 +32,9 @@ _RECORDED = {
     "replayed": ("step", "replayed", "lag", "why", "t"),
     "entered": ("step", "replayed", "pulled_bytes", "state_bytes", "t"),
     "serving": ("joiner", "step", "catch_up", "t"),
+    "snapshot_failed": ("epoch", "t"),
+    "entry_failed": ("epoch", "t"),
+    "join_again_failed": ("attempt", "t"),
 }
 """The trainer events a worker records, with the fields it keeps."""
 
@@ -53,6 +56,12 @@ def _parse_args() -> argparse.Namespace:
     )
     ap.add_argument(
         "--die-after", type=int, default=None, help="kill -9 mid-allreduce, N steps after joining"
+    )
+    ap.add_argument(
+        "--die-serving-after",
+        type=int,
+        default=None,
+        help="kill -9 of the device at a joiner's shard request, once N shards were served",
     )
     ap.add_argument("--join-mode", choices=["catch-up", "barrier"], default="catch-up")
     ap.add_argument(
@@ -84,6 +93,8 @@ def main() -> int:
     seen = 0
     if args.die_after is not None:
         trainer.fail_at(trainer.step + args.die_after)
+    if args.die_serving_after is not None:
+        trainer.fail_serving_after(args.die_serving_after)
     leave_flag = args.out.with_suffix(".leave")
     with args.out.open("a") as out:
         write_record(out, {"ready": True, "step": trainer.step, "epoch": trainer.epoch})

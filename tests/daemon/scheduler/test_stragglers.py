@@ -111,6 +111,43 @@ def test_blame_names_the_member_that_stopped_not_the_neighbour() -> None:
     assert StragglerWatch(0.0, FRESH).blame("a", "b", 0.0, ABC, now=0.0) == "b"
 
 
+def test_a_member_stuck_a_step_behind_the_waiting_others_is_found() -> None:
+    w = _watch()
+    # a and b completed step 7 and wait in step 8; c, heard all along, still waits in step 7
+    # (the round's last frames to it were lost): nobody is silent, the silence rule finds none
+    w.report("a", 8, True, 2.5, 0.1, now=10.0)
+    w.report("b", 8, True, 2.4, 0.05, now=10.0)
+    w.report("c", 7, True, 2.6, 0.1, now=10.0)
+    assert w.find(ABC, now=10.1) == []
+    [s] = w.behind(ABC, now=10.1)
+    assert s.node == "c" and s.behind and s.step == 7 and s.at_step == 8
+    assert s.waiting == ("a", "b") and s.waited_s == pytest.approx(2.6)
+
+
+def test_a_step_behind_counts_only_past_the_grace_and_among_the_heard() -> None:
+    w = _watch()
+    # a moment after a round ended, one member is still finishing it: not stuck
+    w.report("a", 8, True, 0.5, 0.1, now=10.0)
+    w.report("c", 7, True, 2.6, 0.1, now=10.0)
+    assert w.behind(ABC, now=10.0) == []
+    # a silent member is the silence rule's business; stale and non-training reports count not
+    w.report("a", 8, True, 2.5, 0.1, now=10.0)
+    w.report("c", 7, True, 2.6, 1.5, now=10.0)
+    assert w.behind(ABC, now=10.0) == []
+    w.report("c", 7, True, 2.6, 0.1, now=10.0)
+    assert w.behind(("a", "b"), now=10.0) == []
+    assert w.behind(ABC, now=10.0 + FRESH + 0.1) == []
+    # everyone at the same step, or the rule off: nobody
+    w.report("c", 8, True, 2.6, 0.1, now=10.0)
+    assert w.behind(ABC, now=10.0) == []
+    w.report("c", 7, True, 2.6, 0.1, now=10.0)
+    assert len(w.behind(ABC, now=10.0)) == 1
+    off = StragglerWatch(0.0, FRESH)
+    off.report("a", 8, True, 2.5, 0.1, now=10.0)
+    off.report("c", 7, True, 2.6, 0.1, now=10.0)
+    assert off.behind(ABC, now=10.0) == []
+
+
 # ----------------------------------------------------------------- the scheduler role
 
 
@@ -178,6 +215,24 @@ def test_the_scheduler_evicts_the_straggler_and_the_others_go_on_without_it() ->
     _progress(role, 12.0, c=(7, False, 3.0, 3.0))
     role.tick(12.0)
     assert len(host.named("straggler_evicted")) == 1 and role.epoch == epoch + 1
+
+
+def test_the_scheduler_evicts_a_member_stuck_a_step_behind() -> None:
+    from chaos.protocol.states import TrainerState
+
+    role, host = _role()
+    epoch = role.epoch
+    _progress(role, 10.0, a=(8, True, 1.0, 0.1), b=(8, True, 1.0, 0.1), c=(7, True, 1.0, 0.1))
+    role.tick(10.0)
+    assert host.named("straggler_evicted") == [] and role.epoch == epoch
+    _progress(role, 11.5, a=(8, True, 2.5, 0.1), b=(8, True, 2.5, 0.1), c=(7, True, 2.5, 0.1))
+    role.tick(11.5)
+    [ev] = host.named("straggler_evicted")
+    assert ev["peer"] == "c" and ev["behind"] and ev["at_step"] == 8 and ev["step"] == 7
+    assert role.monitor.trainer("c") == TrainerState.NONE and role.monitor.has("c")
+    upd = host.updates[-1]
+    assert upd.cause == "straggler_evicted" and upd.restart_allreduce
+    assert sorted(upd.sync.nodes) == ["a", "b"]
 
 
 def test_a_failed_step_is_blamed_on_the_member_that_stopped() -> None:
