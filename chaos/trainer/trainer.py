@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -39,6 +39,7 @@ from chaos.errors import (
     ConfigError,
     DaemonGone,
     PeerFailure,
+    ProtocolError,
     ReplicationError,
     RoundInterrupted,
 )
@@ -320,8 +321,11 @@ class Trainer:
                        poll_interval_s=cfg.poll_interval_s, stop=taken_in)  # fmt: skip
         self._event("replayed", step=self._step, replayed=first.steps, lag=first.lag,
                     why=first.why, elapsed_s=time.monotonic() - t0)  # fmt: skip
-        session.report_caught_up(self._step, first.lag, first.why, cfg.join_timeout_s,
-                                 cfg.join_queue_timeout_s)  # fmt: skip
+        try:
+            session.report_caught_up(self._step, first.lag, first.why, cfg.join_timeout_s,
+                                     cfg.join_queue_timeout_s)  # fmt: skip
+        except ProtocolError as exc:  # e.g. a new scheduler that never saw this registration
+            self._enter_again(cu.epoch, exc)
         policy = session.wait(
             lambda p: self.node_id in p.members and p.topology is not None,
             cfg.join_timeout_s,
@@ -339,11 +343,7 @@ class Trainer:
         try:
             self._step = self._donor.pull(policy.replication, policy.epoch, prepare=to_snapshot)
         except (ReplicationError, ChaosTimeout) as exc:  # e.g. a new scheduler named no donor
-            self._event("entry_failed", epoch=policy.epoch, error=str(exc)[:300])
-            log.warning("%s: entry pull failed (%s); joining again", self.node_id, exc)
-            self._catching = None
-            self._join_again()
-            raise _Rejoined from exc
+            self._enter_again(policy.epoch, exc)
         session.report_pull(self._donor.last_pull)
         self._catching = None
         self._install(policy)
@@ -356,6 +356,18 @@ class Trainer:
         elapsed = time.monotonic() - cu.started
         self._event("ready", elapsed_s=elapsed, epoch=self._epoch, step=self._step)
         session.report_ready(elapsed, f"epoch {self._epoch} step {self._step} (caught up)")
+
+    def _enter_again(self, epoch: int, exc: ChaosError) -> NoReturn:
+        """A catching-up joiner's entry failed (event ``entry_failed``): it joins again.
+
+        Raises:
+            _Rejoined: always, once it joined again (it enters in a later ``update()``).
+        """
+        self._event("entry_failed", epoch=epoch, error=str(exc)[:300])
+        log.warning("%s: entry failed (%s); joining again", self.node_id, exc)
+        self._catching = None
+        self._join_again()
+        raise _Rejoined from exc
 
     def wait_world(self, size: int, timeout_s: float) -> None:
         """Blocks until the sync policy holds at least ``size`` members (stop-resume restarts).
