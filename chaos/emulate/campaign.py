@@ -101,6 +101,29 @@ class _Sampler:
                 continue  # it exited between the poll and the sample
 
 
+def outside_partitions(
+    pool: list[str], healthy: list[str], partitions: list[tuple[str, ...]]
+) -> tuple[list[str], list[str]]:
+    """A joiner's candidate neighbours and contacts while partitions hold: only devices on the
+    side no partition cut off, so that its new links never bridge a cut (a joiner linked to
+    both sides would heal the partition through itself). The pool stays as it was when no
+    device of it is outside every partition.
+
+    Args:
+        pool: The candidate neighbours.
+        healthy: The candidate contacts.
+        partitions: The sides cut off, until the next heal.
+
+    Returns:
+        The pool and the contacts to draw from.
+    """
+    cut_off = {n for side in partitions for n in side}
+    if not cut_off:
+        return pool, healthy
+    return ([n for n in pool if n not in cut_off] or pool,
+            [n for n in healthy if n not in cut_off])  # fmt: skip
+
+
 class Campaign:
     """Runs one campaign; :meth:`run` returns the JSON document.
 
@@ -335,6 +358,7 @@ class Campaign:
         healthy, view = self._healthy(live)
         in_view = [n for n in live if n in view]
         pool = healthy if len(healthy) >= 2 else (in_view or live)
+        pool, healthy = outside_partitions(pool, healthy, r.partitions)
         nbrs = sorted(r.join_rng.sample(pool, min(self.cfg.degree, len(pool))))
         for n in nbrs:
             r._net.add_link(name, n, r._rate(name, n))

@@ -124,6 +124,17 @@ def test_cut_vertices_and_bridges_of_the_live_overlay() -> None:
     assert bridges([*live, "f"], edges) == set()
 
 
+def test_a_joiner_during_a_partition_links_only_to_the_side_not_cut_off() -> None:
+    from chaos.emulate.campaign import outside_partitions
+
+    pool, healthy = ["a", "b", "c", "d"], ["a", "c"]
+    assert outside_partitions(pool, healthy, []) == (pool, healthy)
+    # {a, b} cut off: the joiner's links and contacts stay on the side of c and d
+    assert outside_partitions(pool, healthy, [("a", "b")]) == (["c", "d"], ["c"])
+    # nobody outside: the pool is kept (no device to link to otherwise), no contact is
+    assert outside_partitions(["a", "b"], ["a"], [("a", "b")]) == (["a", "b"], [])
+
+
 # ------------------------------------------------------------------------------- records
 
 
