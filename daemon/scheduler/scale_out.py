@@ -107,16 +107,20 @@ class ScaleOuts:
         if self.monitor.has(j) and not self._replace(msg, now):
             return
         unknown = [n for n in msg.neighbors if not self.monitor.has(n)]
-        if unknown:
+        known = [n for n in msg.neighbors if n not in unknown]
+        if unknown and not known:
             self._refuse(msg, Reason.UNKNOWN_PEER, f"unknown neighbor(s) {unknown}")
             return
-        nbrs = list(msg.neighbors) or [msg.forwarded_by or self.host.node_id]
+        # a named neighbour that is no member (removed since the joiner chose it) is left out
+        # while another one is: the joiner comes in through the others (event field dropped)
+        nbrs = known or [msg.forwarded_by or self.host.node_id]
         self.monitor.add_node(j, msg.address, NodeState.JOINING, time.time(), msg.public_key)
         so = ScaleOut(
             msg, uuid.uuid4().hex[:12], now, now + self.cfg.probe_timeout_s + 1.0, set(nbrs)
         )
         self.joins[j] = so
-        self.host.event("scale_out_started", peer=j, neighbors=nbrs, op_id=so.op_id)
+        self.host.event("scale_out_started", peer=j, neighbors=nbrs, op_id=so.op_id,
+                        dropped=unknown)  # fmt: skip
         for n in nbrs:
             self.host.send(
                 n,

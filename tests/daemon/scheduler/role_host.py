@@ -30,6 +30,7 @@ class RoleHost:
         self.events: list[tuple[str, dict[str, Any]]] = []
         self.updates: list[Any] = []
         self.sent: list[tuple[str, Any]] = []
+        self.sent_to_address: list[Any] = []
 
     def send(self, peer: str, msg: Any) -> bool:
         self.sent.append((peer, msg))
@@ -39,7 +40,7 @@ class RoleHost:
         self.answers.append(msg)
 
     def send_to_address(self, peer: str, address: str, msg: Any) -> None:
-        pass
+        self.sent_to_address.append(msg)
 
     def connect_peer(self, peer: str, address: str) -> bool:
         return False
