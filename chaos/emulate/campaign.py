@@ -102,26 +102,31 @@ class _Sampler:
 
 
 def outside_partitions(
-    pool: list[str], healthy: list[str], partitions: list[tuple[str, ...]]
+    pool: list[str], healthy: list[str], partitions: list[tuple[str, ...]], live: list[str]
 ) -> tuple[list[str], list[str]]:
-    """A joiner's candidate neighbours and contacts while partitions hold: only devices on the
-    side no partition cut off, so that its new links never bridge a cut (a joiner linked to
-    both sides would heal the partition through itself). The pool stays as it was when no
-    device of it is outside every partition.
+    """A joiner's candidate neighbours and contacts while partitions hold: only devices of the
+    largest group of running devices the partitions leave (a side cut off, or the rest; the
+    rest on a tie), so that its new links never bridge a cut (a joiner linked to both sides
+    would heal the partition through itself) and it joins where most of the cluster is. The
+    pool stays as it was when none of it is in that group.
 
     Args:
         pool: The candidate neighbours.
         healthy: The candidate contacts.
         partitions: The sides cut off, until the next heal.
+        live: The running devices.
 
     Returns:
         The pool and the contacts to draw from.
     """
-    cut_off = {n for side in partitions for n in side}
-    if not cut_off:
+    if not partitions:
         return pool, healthy
-    return ([n for n in pool if n not in cut_off] or pool,
-            [n for n in healthy if n not in cut_off])  # fmt: skip
+    cut_off = {n for side in partitions for n in side}
+    groups = [[n for n in live if n not in cut_off]]
+    groups += [[n for n in live if n in side] for side in partitions]
+    group = set(max(groups, key=len))  # the first (the rest) on a tie
+    return ([n for n in pool if n in group] or pool,
+            [n for n in healthy if n in group])  # fmt: skip
 
 
 class Campaign:
@@ -358,7 +363,7 @@ class Campaign:
         healthy, view = self._healthy(live)
         in_view = [n for n in live if n in view]
         pool = healthy if len(healthy) >= 2 else (in_view or live)
-        pool, healthy = outside_partitions(pool, healthy, r.partitions)
+        pool, healthy = outside_partitions(pool, healthy, r.partitions, live)
         nbrs = sorted(r.join_rng.sample(pool, min(self.cfg.degree, len(pool))))
         for n in nbrs:
             r._net.add_link(name, n, r._rate(name, n))

@@ -124,15 +124,19 @@ def test_cut_vertices_and_bridges_of_the_live_overlay() -> None:
     assert bridges([*live, "f"], edges) == set()
 
 
-def test_a_joiner_during_a_partition_links_only_to_the_side_not_cut_off() -> None:
+def test_a_joiner_during_a_partition_links_only_to_the_largest_side() -> None:
     from chaos.emulate.campaign import outside_partitions
 
+    live = ["a", "b", "c", "d", "e"]
     pool, healthy = ["a", "b", "c", "d"], ["a", "c"]
-    assert outside_partitions(pool, healthy, []) == (pool, healthy)
-    # {a, b} cut off: the joiner's links and contacts stay on the side of c and d
-    assert outside_partitions(pool, healthy, [("a", "b")]) == (["c", "d"], ["c"])
-    # nobody outside: the pool is kept (no device to link to otherwise), no contact is
-    assert outside_partitions(["a", "b"], ["a"], [("a", "b")]) == (["a", "b"], [])
+    assert outside_partitions(pool, healthy, [], live) == (pool, healthy)
+    # {a, b} cut off from {c, d, e}: the joiner's links and contacts stay with c, d and e
+    assert outside_partitions(pool, healthy, [("a", "b")], live) == (["c", "d"], ["c"])
+    # a majority {a, b, c} cut off: the joiner comes up on its side
+    assert outside_partitions(pool, healthy, [("a", "b", "c")], live) == (["a", "b", "c"],
+                                                                           ["a", "c"])  # fmt: skip
+    # nobody of the pool in the largest group: the pool is kept, no contact is
+    assert outside_partitions(["a"], ["a"], [("a",)], live) == (["a"], [])
 
 
 # ------------------------------------------------------------------------------- records
