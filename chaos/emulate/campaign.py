@@ -124,7 +124,8 @@ def outside_partitions(
     cut_off = {n for side in partitions for n in side}
     groups = [[n for n in live if n not in cut_off]]
     groups += [[n for n in live if n in side] for side in partitions]
-    group = set(max(groups, key=lambda g: len(g)))  # the first (the rest) on a tie
+    biggest: list[str] = max(groups, key=len)  # the first (the rest) on a tie
+    group = set(biggest)
     return ([n for n in pool if n in group] or pool,
             [n for n in healthy if n in group])  # fmt: skip
 
