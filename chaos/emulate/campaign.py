@@ -80,9 +80,8 @@ class _Sampler:
 
     def sample(self) -> None:
         now = time.time()
-        for name, d in list(self.runner.devices.items()):
-            if d.proc.poll() is not None:
-                continue
+        running = [(n, d) for n, d in list(self.runner.devices.items()) if d.proc.poll() is None]
+        for name, d in running:
             try:
                 main = psutil.Process(d.proc.pid)
                 procs = [("trainer", main)] + [("daemon", c) for c in main.children(True)
@@ -95,6 +94,7 @@ class _Sampler:
                             "proc": role,
                             "rss": p.memory_info().rss,
                             "fds": p.num_fds(),
+                            "live": len(running),
                         }
                     )
             except (psutil.Error, OSError):

@@ -8,6 +8,8 @@ Unit tested on synthetic records:
 * :func:`ettr`: effective training time over wall time;
 * :func:`resume_times`, :func:`per_kind`: per injection, whether and when training resumed,
   and the figures per fault kind;
+* :func:`mark_single`, :func:`single_faults`: which faults hit a cluster that trained normally
+  and had it to themselves until training resumed, and their figures;
 * :func:`resource_summary`: RSS and open files per device over time.
 
 The definitions are in docs/emulation-runs.md (*The fault campaign*).
@@ -25,9 +27,14 @@ import networkx as nx
 from chaos.emulate.campaign_plan import CAMPAIGN_KINDS
 
 __all__ = [
-    "bridges", "cut_vertices", "ettr", "lineage", "lineage_times", "per_kind",
-    "resource_summary", "resume_times", "step_integrity", "step_records", "world_sizes",
+    "SINGLE_FAULT_KINDS", "bridges", "cut_vertices", "ettr", "lineage", "lineage_times",
+    "mark_single", "per_kind", "resource_summary", "resume_times", "single_faults",
+    "step_integrity", "step_records", "world_sizes",
 ]  # fmt: skip
+
+#: The kinds that are faults for the single-fault figures (a heal ends a fault, a join is
+#: growth).
+SINGLE_FAULT_KINDS = ("leave", "kill", "link_cut", "partition")
 
 
 # ------------------------------------------------------------------------------ the overlay
@@ -266,19 +273,67 @@ def _quantile(xs: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
+def mark_single(rows: list[dict[str, Any]]) -> None:
+    """Mark each row of :func:`resume_times` ``single`` when its fault came alone.
+
+    A fault is single when the injection before it (of any kind) had resumed before it came,
+    so it hit a cluster that was training normally, and the injection after it came only once
+    it had resumed (or never, for one that did not resume), so its time to resume is its own.
+    The first injection has no predecessor and counts as preceded by a resumed cluster.
+
+    Args:
+        rows: :func:`resume_times`'s rows, in time order; each gains ``single`` (bool).
+    """
+    order = sorted(range(len(rows)), key=lambda i: float(rows[i]["t"]))
+    for k, i in enumerate(order):
+        r = rows[i]
+        t = float(r["t"])
+        prev = rows[order[k - 1]] if k > 0 else None
+        nxt = float(rows[order[k + 1]]["t"]) if k + 1 < len(order) else math.inf
+        calm_before = prev is None or (
+            prev["resume_s"] is not None and float(prev["t"]) + float(prev["resume_s"]) <= t)
+        alone_after = r["resume_s"] is None or t + float(r["resume_s"]) <= nxt
+        r["single"] = bool(calm_before and alone_after)
+
+
+def _figures(mine: list[dict[str, Any]]) -> dict[str, Any]:
+    took = [r["resume_s"] for r in mine if r["resume_s"] is not None]
+    return {"injected": len(mine), "resumed": sum(1 for r in mine if r["resumed"]),
+            "not_resumed": sum(1 for r in mine if not r["resumed"]),
+            "resume_p50_s": _quantile(took, 0.5), "resume_p99_s": _quantile(took, 0.99),
+            "resume_max_s": max(took) if took else None}  # fmt: skip
+
+
+def single_faults(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The single-fault figures over every fault kind (:data:`SINGLE_FAULT_KINDS`).
+
+    Args:
+        rows: :func:`resume_times`'s rows, marked by :func:`mark_single`.
+
+    Returns:
+        ``{"kinds", "injected", "resumed", "not_resumed", "resume_p50_s", "resume_p99_s",
+        "resume_max_s", "overlapping"}``: ``injected`` counts the single faults, ``overlapping``
+        the faults of those kinds that came while another was still being recovered from.
+    """
+    faults = [r for r in rows if r["kind"] in SINGLE_FAULT_KINDS]
+    mine = [r for r in faults if r.get("single")]
+    return {"kinds": list(SINGLE_FAULT_KINDS), **_figures(mine),
+            "overlapping": len(faults) - len(mine)}  # fmt: skip
+
+
 def per_kind(rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[str, Any]:
-    """The campaign's table: per kind, injections, resumed count, p50/p99 resume time."""
+    """The campaign's table: per kind, injections, resumed count, p50/p99 resume time, and
+    the same over the kind's single faults (rows marked by :func:`mark_single`)."""
     out: dict[str, Any] = {}
     for kind in CAMPAIGN_KINDS:
         mine = [r for r in rows if r["kind"] == kind]
         evs = [e for e in events if e["kind"] == kind]
-        took = [r["resume_s"] for r in mine if r["resume_s"] is not None]
-        entry: dict[str, Any] = {
-            "injected": len(mine), "resumed": sum(1 for r in mine if r["resumed"]),
-            "not_resumed": sum(1 for r in mine if not r["resumed"]),
-            "resume_p50_s": _quantile(took, 0.5), "resume_p99_s": _quantile(took, 0.99),
-            "resume_max_s": max(took) if took else None,
-        }  # fmt: skip
+        entry: dict[str, Any] = _figures(mine)
+        one = _figures([r for r in mine if r.get("single")])
+        entry["single"] = one["injected"]
+        entry["single_resumed"] = one["resumed"]
+        entry["single_p50_s"] = one["resume_p50_s"]
+        entry["single_p99_s"] = one["resume_p99_s"]
         if kind == "kill":
             entry["cut_vertex"] = sum(1 for e in evs if e.get("cut_vertex"))
             entry["scheduler"] = sum(1 for e in evs if e.get("scheduler"))
@@ -294,16 +349,25 @@ def resource_summary(samples: list[dict[str, Any]], ready: Mapping[str, float],
                      warmup_s: float) -> dict[str, Any]:  # fmt: skip
     """RSS and open files per device and process, after warm-up: first, last, max ratio.
 
+    A process's open files follow the cluster's size (a socket or two per peer), so besides
+    the plain ratio each process is also compared at equal size: per number of running
+    devices (``live``, where the samples carry it), the max over the first sample at that
+    size; the worst of those is ``{m}_same_size_ratio``. Growth at equal size is a leak; the
+    plain ratio also moves with churn.
+
     Args:
-        samples: ``{"t", "node", "proc" ("trainer" or "daemon"), "rss", "fds"}`` rows.
+        samples: ``{"t", "node", "proc" ("trainer" or "daemon"), "rss", "fds"[, "live"]}``
+            rows.
         ready: When each device became ready.
         warmup_s: Samples earlier than this after ready are ignored.
 
     Returns:
         ``{"per_process": {"node/proc": {"samples", "rss_first", "rss_last", "rss_max_ratio",
-        "fds_first", "fds_last", "fds_max_ratio"}}, "worst_rss_ratio", "worst_fds_ratio",
-        "flat_within_10pct"}``; processes with fewer than two samples after warm-up are left
-        out.
+        "rss_same_size_ratio", "fds_first", "fds_last", "fds_max_ratio",
+        "fds_same_size_ratio"}}, "worst_rss_ratio", "worst_fds_ratio",
+        "worst_rss_same_size_ratio", "worst_fds_same_size_ratio", "flat_within_10pct",
+        "flat_at_same_size"}``; processes with fewer than two samples after warm-up are left
+        out, and a same-size ratio is ``None`` with no size sampled twice.
     """
     series: dict[str, list[dict[str, Any]]] = {}
     for s in samples:
@@ -322,13 +386,32 @@ def resource_summary(samples: list[dict[str, Any]], ready: Mapping[str, float],
             entry[f"{m}_first"] = first
             entry[f"{m}_last"] = rows[-1][m]
             entry[f"{m}_max_ratio"] = max(x[m] for x in rows) / first if first else None
+            entry[f"{m}_same_size_ratio"] = _same_size_ratio(rows, m)
         per[key] = entry
-    worst = {m: max((v[f"{m}_max_ratio"] for v in per.values()
-                     if v[f"{m}_max_ratio"] is not None), default=None)
-             for m in ("rss", "fds")}  # fmt: skip
-    flat = all(w is None or w <= 1.10 for w in worst.values()) if per else None
-    return {"per_process": per, "worst_rss_ratio": worst["rss"],
-            "worst_fds_ratio": worst["fds"], "flat_within_10pct": flat}  # fmt: skip
+    worst = {k: max((v[k] for v in per.values() if v[k] is not None), default=None)
+             for k in ("rss_max_ratio", "fds_max_ratio", "rss_same_size_ratio",
+                       "fds_same_size_ratio")}  # fmt: skip
+    def within(keys: tuple[str, str]) -> bool | None:
+        return all((w := worst[k]) is None or w <= 1.10 for k in keys) if per else None
+
+    flat = within(("rss_max_ratio", "fds_max_ratio"))
+    same = within(("rss_same_size_ratio", "fds_same_size_ratio"))
+    return {"per_process": per, "worst_rss_ratio": worst["rss_max_ratio"],
+            "worst_fds_ratio": worst["fds_max_ratio"],
+            "worst_rss_same_size_ratio": worst["rss_same_size_ratio"],
+            "worst_fds_same_size_ratio": worst["fds_same_size_ratio"],
+            "flat_within_10pct": flat, "flat_at_same_size": same}  # fmt: skip
+
+
+def _same_size_ratio(rows: list[dict[str, Any]], m: str) -> float | None:
+    """The worst max-over-first of ``m`` among a process's time-ordered samples taken while
+    the same number of devices ran (``None`` when no size was sampled twice)."""
+    by_size: dict[int, list[float]] = {}
+    for x in rows:
+        if x.get("live") is not None:
+            by_size.setdefault(int(x["live"]), []).append(float(x[m]))
+    ratios = [max(v) / v[0] for v in by_size.values() if len(v) >= 2 and v[0]]
+    return max(ratios) if ratios else None
 
 
 def world_sizes(devices: Mapping[str, list[dict[str, Any]]]) -> list[tuple[float, int]]:

@@ -16,9 +16,11 @@ from chaos.emulate.campaign_metrics import (
     ettr,
     lineage,
     lineage_times,
+    mark_single,
     per_kind,
     resource_summary,
     resume_times,
+    single_faults,
     step_integrity,
     world_sizes,
 )
@@ -90,6 +92,7 @@ def report(camp: CampaignRecord, result: RunResult, samples: list[dict[str, Any]
         for k in ("cut_vertex", "scheduler", "bridge", "majority", "nodes", "note"):
             if k in ev:
                 row[k] = ev[k]
+    mark_single(rows)
     hist = lineage(devices, survivors)
     integrity = step_integrity(devices, survivors)
     times = lineage_times(devices, hist)
@@ -104,6 +107,7 @@ def report(camp: CampaignRecord, result: RunResult, samples: list[dict[str, Any]
         "plan_events": len(camp.plan),
         "injected_faults": len(faults),
         "per_kind": per_kind(rows, injections),
+        "single_faults": single_faults(rows),
         "all_resumed": all(r["resumed"] for r in faults),
         "committed_steps_lost": integrity["lost"],
         "divergent_states": integrity["divergent"],
@@ -143,7 +147,7 @@ def format_table(doc: dict[str, Any]) -> str:
     lines = [f"network: {doc['network']}; wall {doc['wall_s']:.0f} s; "
              f"{doc['injected_faults']} faults injected"]  # fmt: skip
     lines.append(f"{'kind':<11}{'injected':>9}{'resumed':>9}{'not':>5}{'p50 s':>8}{'p99 s':>8}"
-                 f"{'max s':>8}  notes")  # fmt: skip
+                 f"{'max s':>8}{'single':>8}{'p50 s':>8}{'p99 s':>8}  notes")  # fmt: skip
     for kind, e in doc["per_kind"].items():
         notes = []
         if kind == "kill":
@@ -154,7 +158,15 @@ def format_table(doc: dict[str, Any]) -> str:
             notes.append(f"{e['majority_side']} cut off a majority")
         lines.append(f"{kind:<11}{e['injected']:>9}{e['resumed']:>9}{e['not_resumed']:>5}"
                      f"{_fmt_s(e['resume_p50_s']):>8}{_fmt_s(e['resume_p99_s']):>8}"
-                     f"{_fmt_s(e['resume_max_s']):>8}  {'; '.join(notes)}")  # fmt: skip
+                     f"{_fmt_s(e['resume_max_s']):>8}{e['single']:>8}"
+                     f"{_fmt_s(e['single_p50_s']):>8}{_fmt_s(e['single_p99_s']):>8}  "
+                     f"{'; '.join(notes)}")  # fmt: skip
+    one = doc["single_faults"]
+    lines.append(f"single faults ({', '.join(one['kinds'])}; each on a cluster training normally "
+                 f"and alone until it resumed): {one['injected']}, resumed {one['resumed']}, "
+                 f"p50 {_fmt_s(one['resume_p50_s'])} s, p99 {_fmt_s(one['resume_p99_s'])} s, "
+                 f"max {_fmt_s(one['resume_max_s'])} s; {one['overlapping']} overlapped "
+                 f"another")  # fmt: skip
     integ = doc["integrity"]
     lines.append(f"committed steps lost: {doc['committed_steps_lost']} (of {integ['committed']} "
                  f"committed); divergent states: {doc['divergent_states']}; redone: "
@@ -168,7 +180,10 @@ def format_table(doc: dict[str, Any]) -> str:
     res = doc["resources"]
     lines.append(f"resources after warm-up: worst RSS ratio {_fmt_s(res['worst_rss_ratio'])}, "
                  f"worst open-files ratio {_fmt_s(res['worst_fds_ratio'])}, flat within 10%: "
-                 f"{res['flat_within_10pct']}")  # fmt: skip
+                 f"{res['flat_within_10pct']}; at equal cluster size: worst RSS "
+                 f"{_fmt_s(res.get('worst_rss_same_size_ratio'))}, open files "
+                 f"{_fmt_s(res.get('worst_fds_same_size_ratio'))}, flat within 10%: "
+                 f"{res.get('flat_at_same_size')}")  # fmt: skip
     for key, v in res["per_process"].items():
         lines.append(f"  {key:<14} rss {v['rss_first'] / 2**20:7.1f} -> "
                      f"{v['rss_last'] / 2**20:7.1f} MiB (max x{v['rss_max_ratio']:.3f}), fds "

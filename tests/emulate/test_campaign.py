@@ -27,9 +27,11 @@ from chaos.emulate.campaign_metrics import (
     ettr,
     lineage,
     lineage_times,
+    mark_single,
     per_kind,
     resource_summary,
     resume_times,
+    single_faults,
     step_integrity,
 )
 from chaos.emulate.campaign_plan import CampaignConfig, draw_plan
@@ -240,6 +242,29 @@ def test_resume_waits_for_every_running_device_that_is_not_paused() -> None:
     assert table["partition"]["resumed"] == 1 and table["kill"]["not_resumed"] == 1
 
 
+def _row(t: float, kind: str, resume_s: float | None) -> dict[str, object]:
+    return {"t": t, "kind": kind, "label": kind, "resumed": resume_s is not None,
+            "resume_s": resume_s}  # fmt: skip
+
+
+def test_a_fault_is_single_only_on_a_calm_cluster_and_alone_until_it_resumed() -> None:
+    rows = [_row(0.0, "kill", 1.0),        # alone: the next comes at 5
+            _row(5.0, "link_cut", 3.0),    # overlapped: the next comes at 6, before 8
+            _row(6.0, "partition", 1.0),   # came while the cut was being recovered from
+            _row(20.0, "join", 0.5),       # no fault kind, but it disturbs (the kill overlaps it)
+            _row(20.2, "kill", 1.0),       # came before the join resumed
+            _row(40.0, "leave", None),     # never resumed, on a calm cluster: single, failed
+            _row(60.0, "kill", 2.0)]  # previous never resumed: not calm  # fmt: skip
+    mark_single(rows)
+    assert [r["single"] for r in rows] == [True, False, False, False, False, True, False]
+    one = single_faults(rows)
+    assert one["injected"] == 2 and one["resumed"] == 1 and one["not_resumed"] == 1
+    assert one["resume_p50_s"] == 1.0 and one["overlapping"] == 4  # the join is no fault
+    table = per_kind(rows, [])
+    assert table["kill"]["single"] == 1 and table["kill"]["injected"] == 3
+    assert table["kill"]["single_p99_s"] == 1.0 and table["leave"]["single_resumed"] == 0
+
+
 def test_outages_name_the_paused_stalled_and_stopped_devices() -> None:
     devs = {"a": _steps(0.0, 1, 30) + _steps(10.0, 31, 30),
             "b": _steps(0.0, 1, 30) + _steps(12.0, 31, 30),
@@ -262,6 +287,20 @@ def test_resources_report_first_last_and_max_ratio_after_warm_up() -> None:
     assert (a["rss_first"], a["rss_last"], a["samples"]) == (100, 105, 3)
     assert a["rss_max_ratio"] == pytest.approx(1.2) and a["fds_max_ratio"] == 1.0
     assert got["flat_within_10pct"] is False
+    assert a["rss_same_size_ratio"] is None and got["flat_at_same_size"] is True  # no sizes
+
+
+def test_open_files_that_follow_the_cluster_size_are_flat_at_equal_size_and_a_leak_is_not() -> None:
+    sizes = (6, 8, 6, 8, 6)
+    follows = [{"t": 10.0 * i, "node": "a", "proc": "daemon", "rss": 100, "fds": 5 * n,
+                "live": n} for i, n in enumerate(sizes)]  # fmt: skip
+    got = resource_summary(follows, {"a": 0.0}, warmup_s=0.0)
+    assert got["worst_fds_ratio"] == pytest.approx(40 / 30)  # the plain ratio moves
+    assert got["worst_fds_same_size_ratio"] == 1.0 and got["flat_at_same_size"] is True
+    leaks = [{**x, "fds": x["fds"] + 4 * i} for i, x in enumerate(follows)]
+    got = resource_summary(leaks, {"a": 0.0}, warmup_s=0.0)
+    assert got["worst_fds_same_size_ratio"] == pytest.approx(46 / 30)
+    assert got["flat_at_same_size"] is False
 
 
 # ------------------------------------------------------------------------------- scenarios
