@@ -9,6 +9,7 @@ Commands::
                        [--cluster-key FILE] [--insecure] [--enable-fault-injection]
                        [--fault NAME:PEER,...] [--max-peer-sockets N] [--max-measurements N]
                        [--join-rate R] [--join-burst N] [--straggler-grace S]
+                       [--behind-grace S]
     chaos-daemon status [--connect tcp://HOST:PORT] [--cluster-key FILE] [--json]
     chaos-daemon leave [--connect tcp://HOST:PORT] [--cluster-key FILE]
     chaos-daemon link add|remove PEER_ID [--connect tcp://HOST:PORT] [--cluster-key FILE]
@@ -137,6 +138,11 @@ def keygen(file: str) -> None:
     type=float,
     help="A trainer without step progress this long, while others wait, is evicted (10 s; 0: off).",
 )
+@click.option(
+    "--behind-grace",
+    type=float,
+    help="A trainer waiting a step behind the others this long is evicted (3 s; 0: off).",
+)
 @click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port.")
 @click.option(
     "--metrics-host", help="Address the metrics endpoint binds (default: the --listen host)."
@@ -175,6 +181,7 @@ def start(
     heartbeat_interval: float | None,
     failure_timeout: float | None,
     straggler_grace: float | None,
+    behind_grace: float | None,
     metrics_port: int | None,
     metrics_host: str | None,
     replication_strategy: str | None,
@@ -199,6 +206,7 @@ def start(
         "heartbeat_interval_s": heartbeat_interval,
         "failure_timeout_s": failure_timeout,
         "straggler_grace_s": straggler_grace,
+        "behind_grace_s": behind_grace,
         "metrics_port": metrics_port,
         "metrics_host": metrics_host,
         "replication_strategy": replication_strategy,

@@ -99,6 +99,13 @@ class DaemonConfig:
             straggler (event ``straggler_evicted``); it rejoins as a joiner when it resumes.
             Set it above the longest step time of the slowest device (a device that is merely
             slow sets the pace and is never evicted). 0 turns the check off.
+        behind_grace_s: A trainer heard waiting in ``update()`` at a step older than the one
+            other trainers wait at, all of them this long, missed a round's result and is
+            evicted (it joins again, pulling the state the others reached). Members at two
+            steps never happens in normal training, and a neighbour hands the missed result
+            over in milliseconds when it can, so this is shorter than ``straggler_grace_s``;
+            raise it only if progress reports are delayed (it must exceed 2 heartbeat
+            intervals). 0 turns the check off.
         join_timeout_s: A joiner that is not admitted within this long exits with an error.
         op_timeout_s: A primitive whose policy is not acknowledged by every member within this
             long completes as failed.
@@ -155,6 +162,7 @@ class DaemonConfig:
     per_shard_cost_s: float = 4e-6
     replication_strategy: str = "chaos"
     straggler_grace_s: float = 10.0
+    behind_grace_s: float = 3.0
     join_timeout_s: float = 30.0
     op_timeout_s: float = 10.0
     leave_timeout_s: float = 5.0
@@ -239,15 +247,16 @@ class DaemonConfig:
             raise ConfigError(f"--join names an endpoint twice: {', '.join(self.join)}")
 
     def _check_straggler_grace(self) -> None:
-        g = self.straggler_grace_s
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g):
-            raise ConfigError(f"straggler_grace_s must be a finite number, got {g!r}")
-        if g != 0 and g <= 2 * self.heartbeat_interval_s:
-            raise ConfigError(
-                f"straggler_grace_s ({g}) must be 0 (off) or exceed twice heartbeat_interval_s "
-                f"({self.heartbeat_interval_s}): the trainers' progress reaches the scheduler "
-                "once per heartbeat interval"
-            )
+        for name in ("straggler_grace_s", "behind_grace_s"):
+            g = getattr(self, name)
+            if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g):
+                raise ConfigError(f"{name} must be a finite number, got {g!r}")
+            if g != 0 and g <= 2 * self.heartbeat_interval_s:
+                raise ConfigError(
+                    f"{name} ({g}) must be 0 (off) or exceed twice heartbeat_interval_s "
+                    f"({self.heartbeat_interval_s}): the trainers' progress reaches the "
+                    "scheduler once per heartbeat interval"
+                )
 
     def _check_consistency(self) -> None:
         if self.failure_timeout_s <= 2 * self.heartbeat_interval_s:

@@ -112,6 +112,8 @@ class EpochLedger:
         self.ops: dict[str, PendingOp] = {}
         self.last_sync: SyncPolicyWire | None = None
         self.last_update: ClusterUpdate | None = None
+        # the topology epoch a restart commit stamped, while the structure stays in force
+        self._restart_topology: int | None = None
         # the global batch and the trainers' throughputs: every commit carries their split
         self.batches = BatchSplitter()
 
@@ -175,6 +177,7 @@ class EpochLedger:
         if replication is None:
             replication = self._carried()
         sync = self._stamp_topology(sync, restart)
+        restart = self._carry_restart(sync, restart)
         op_id = uuid.uuid4().hex[:12]
         upd = ClusterUpdate(
             sender=self.host.node_id,
@@ -252,6 +255,30 @@ class EpochLedger:
         sync = msgspec.structs.replace(sync, topology_epoch=topo_epoch)
         self.last_sync = sync
         return sync
+
+    def _carry_restart(self, sync: SyncPolicyWire, restart: bool) -> bool:
+        """Whether the update restarts the allreduce: a restart commit does, and so does every
+        later one that keeps the structure that restart stamped.
+
+        A trainer waiting in a round reads only the newest policy it hears of. A restart
+        superseded at once by a commit that keeps its structure (a joiner registering, say)
+        would otherwise go unseen, and trainers still in the old round would wait it out to
+        their step timeout. Repeating it is harmless: a trainer already rerunning under that
+        structure epoch is not newer than it, and does not abort.
+
+        Args:
+            sync: The committed policy, its ``topology_epoch`` stamped.
+            restart: Whether the commit itself restarts the allreduce.
+
+        Returns:
+            The update's ``restart_allreduce``.
+        """
+        if restart:
+            self._restart_topology = sync.topology_epoch
+            return True
+        if sync.topology_epoch != self._restart_topology:
+            self._restart_topology = None
+        return self._restart_topology is not None
 
     def _announce(self, upd: ClusterUpdate, members: set[str]) -> None:
         """Sends a committed update to every member and logs the ``committed`` event.

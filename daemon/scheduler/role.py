@@ -137,7 +137,9 @@ class SchedulerRole:
         self.checks = LinkChecks(host, self.monitor, self.ledger, self.links)
         # the trainers' step progress: who holds the others up (a report counts for a few
         # heartbeat intervals, the time it takes the next one to come)
-        self.stragglers = StragglerWatch(cfg.straggler_grace_s, 3 * cfg.heartbeat_interval_s)
+        self.stragglers = StragglerWatch(
+            cfg.straggler_grace_s, 3 * cfg.heartbeat_interval_s, cfg.behind_grace_s
+        )
 
     def _carried(self) -> ReplicationWire | None:
         return self.trainers.carried()

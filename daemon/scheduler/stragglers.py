@@ -19,9 +19,11 @@ above its step time it is never silent that long: it sets the pace. Members that
 link that drops its packets) are all heard: nobody is a straggler.
 
 **A step behind.** A member that is heard and waits inside ``update()`` at step ``N`` while
-other members wait at a later step, all of them past the grace period, missed the result of a
-round the others completed (the last frames to it were lost as the round ended). It can only
-take that result from a neighbour that kept it; when it has not in a whole grace period, the
+other members wait at a later step, all of them past the step-behind grace period (shorter
+than the straggler's: members waiting at two different steps is never a normal state), missed
+the result of a round the others completed (the last frames to it were lost as the round
+ended). It can only take that result from a neighbour that kept it, which takes milliseconds;
+when it has not in a whole grace period, the
 round can never complete: the others wait for its step ``N + 1`` and it waits for their step
 ``N``, and every restart fails again. It is evicted like a straggler and joins again, pulling
 the state the others reached (never the other way round: the step they completed stays).
@@ -102,10 +104,14 @@ class StragglerWatch:
         grace_s: The grace period (``straggler_grace_s``); 0 turns the rule off (:meth:`find`
             then finds nobody; :meth:`blame` still names a silent member).
         fresh_s: How long a report counts after it was received.
+        behind_grace_s: The grace period of the step-behind rule (``behind_grace_s``); 0
+            turns that rule off. Default: ``grace_s``.
     """
 
-    def __init__(self, grace_s: float, fresh_s: float) -> None:
+    def __init__(self, grace_s: float, fresh_s: float, behind_grace_s: float | None = None
+                 ) -> None:  # fmt: skip
         self.grace_s = grace_s
+        self.behind_grace_s = grace_s if behind_grace_s is None else behind_grace_s
         self.fresh_s = fresh_s
         self.reports: dict[str, Progress] = {}
 
@@ -178,10 +184,10 @@ class StragglerWatch:
 
         Returns:
             Each member waiting inside ``update()`` at an older step than the newest step
-            other members wait at, every one of them heard and waiting past the grace period,
-            sorted by id (empty when the grace is 0).
+            other members wait at, every one of them heard and waiting past the step-behind
+            grace period, sorted by id (empty when that grace is 0).
         """
-        grace = self.grace_s
+        grace = self.behind_grace_s
         if grace <= 0:
             return []
         stuck = {

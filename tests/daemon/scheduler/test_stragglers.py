@@ -15,6 +15,7 @@ from chaos.daemon.scheduler.stragglers import StragglerWatch
 from tests.daemon.scheduler.role_host import RoleHost
 
 GRACE = 2.0
+ADDR = "tcp://127.0.0.1:7700"
 FRESH = 0.6
 ABC = ("a", "b", "c")
 
@@ -148,6 +149,30 @@ def test_a_step_behind_counts_only_past_the_grace_and_among_the_heard() -> None:
     assert off.behind(ABC, now=10.0) == []
 
 
+def test_the_step_behind_rule_has_its_own_shorter_grace() -> None:
+    w = StragglerWatch(10.0, FRESH, behind_grace_s=GRACE)
+    w.report("a", 8, True, 2.5, 0.1, now=10.0)
+    w.report("c", 7, True, 2.6, 0.1, now=10.0)
+    assert [s.node for s in w.behind(ABC, now=10.0)] == ["c"]  # past 2 s, far from 10 s
+    assert w.find(ABC, now=10.0) == []
+    off = StragglerWatch(10.0, FRESH, behind_grace_s=0.0)
+    off.report("a", 8, True, 12.5, 0.1, now=10.0)
+    off.report("c", 7, True, 12.6, 0.1, now=10.0)
+    assert off.behind(ABC, now=10.0) == []
+
+
+def test_a_step_behind_grace_at_or_below_two_heartbeats_is_refused() -> None:
+    from chaos.daemon.config import DaemonConfig
+
+    from chaos.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="behind_grace_s"):
+        DaemonConfig(node_id="a", listen=ADDR, heartbeat_interval_s=0.5, behind_grace_s=1.0)
+    with pytest.raises(ConfigError, match="behind_grace_s"):
+        DaemonConfig(node_id="a", listen=ADDR, behind_grace_s=float("nan"))
+    assert DaemonConfig(node_id="a", listen=ADDR, behind_grace_s=0.0).behind_grace_s == 0.0
+
+
 # ----------------------------------------------------------------- the scheduler role
 
 
@@ -162,7 +187,7 @@ def _role() -> tuple[Any, RoleHost]:
     host = RoleHost()
     cfg = DaemonConfig(
         node_id="a", listen=host.address, heartbeat_interval_s=0.2, failure_timeout_s=1.0,
-        straggler_grace_s=GRACE,
+        straggler_grace_s=GRACE, behind_grace_s=GRACE,
     )  # fmt: skip
     role = SchedulerRole(host, cfg, None, 0.0)
     for i, n in enumerate("bc"):
@@ -233,6 +258,28 @@ def test_the_scheduler_evicts_a_member_stuck_a_step_behind() -> None:
     upd = host.updates[-1]
     assert upd.cause == "straggler_evicted" and upd.restart_allreduce
     assert sorted(upd.sync.nodes) == ["a", "b"]
+
+
+def test_a_restart_superseded_at_once_is_carried_by_the_commits_that_keep_its_structure() -> None:
+    """A soak stalled a minute: an eviction's restart was followed within a millisecond by a
+    joiner's registration, the trainers in the old round read only that newest policy (no
+    restart) and waited out their step timeout."""
+    from chaos.protocol.states import TrainerState
+
+    role, host = _role()
+    _progress(role, 10.0, a=(8, True, 1.0, 0.1), b=(8, True, 1.0, 0.1), c=(7, True, 1.0, 0.1))
+    _progress(role, 11.5, a=(8, True, 2.5, 0.1), b=(8, True, 2.5, 0.1), c=(7, True, 2.5, 0.1))
+    role.tick(11.5)
+    evicted = host.updates[-1]
+    assert evicted.cause == "straggler_evicted" and evicted.restart_allreduce
+    role.ledger.commit("trainer_catch_up", 11.6, apply_at="after_allreduce", restart=False)
+    upd = host.updates[-1]
+    assert upd.cause == "trainer_catch_up" and upd.restart_allreduce
+    assert upd.sync.topology_epoch == evicted.sync.topology_epoch  # the same rerun, not a new one
+    role.monitor.set_trainer("c", TrainerState.TRAINING, None, None)  # a new structure
+    role.ledger.commit("trainer_scale_out", 12.0, apply_at="after_allreduce", restart=False)
+    upd = host.updates[-1]
+    assert upd.sync.topology_epoch > evicted.sync.topology_epoch and not upd.restart_allreduce
 
 
 def test_a_failed_step_is_blamed_on_the_member_that_stopped() -> None:
