@@ -139,6 +139,9 @@ class Receiver:
 
     def _wait(self, deadline: float, waiting_for: str | Callable[[], str]) -> InLane | None:
         """Polls until something arrives (or a slice passes); a readable lane is returned."""
+        # the monitors first: a connection that dropped and came back since the last poll
+        # (between rounds, say) must not fail this round on the stale drop
+        self._peers.drain_monitors()
         self._peers.check_failed()
         left = deadline - time.monotonic()
         if left <= 0:

@@ -649,3 +649,38 @@ def test_a_member_left_behind_is_told_even_when_no_longer_a_neighbour() -> None:
     chain = {"kind": "tree", "parent": {"n0": None, "n1": "n0", "n2": "n1", "n3": "n2"}}
     spec = {"numel": 8_000, "seed": 5, "op": "sum", "timeout_s": 60.0}
     _split_round(ring, chain, ["n0", "n1", "n2"], spec)
+
+
+def test_a_neighbour_that_reconnected_between_rounds_does_not_fail_the_next_one() -> None:
+    """A connection dropped during one round and came back before the next: the next round
+    must not fail at once on the stale drop (a soak saw a re-entering member fail every
+    rerun within a millisecond, 'connection lost', on a neighbour that was up again)."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    b = ctx.socket(zmq.ROUTER)
+    port = b.bind_to_random_port("tcp://127.0.0.1")
+    address = f"tcp://127.0.0.1:{port}"
+    b_mon = b.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        with Communicator(CommunicatorConfig(node_id="a")) as comm:
+            addrs = {"a": comm.address, "b": address}
+            comm.update_topology(Topology("ring", ("a", "b"), addrs, 1, ring_order=("a", "b")))
+            if not b_mon.poll(timeout=10_000):
+                raise AssertionError("a never connected to b")
+            b.disable_monitor()
+            b_mon.close(linger=0)
+            b.close(linger=0)  # b goes away mid-round: the round fails on the lost connection
+            with pytest.raises(PeerFailure) as lost:
+                comm.allreduce(torch.ones(4), timeout_s=10.0, step=0)
+            assert lost.value.peer == "b" and not lost.value.timed_out
+            b = ctx.socket(zmq.ROUTER)  # b is back at the same address before the next round
+            b_mon = b.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            b.bind(address)
+            if not b_mon.poll(timeout=10_000):
+                raise AssertionError("a never reconnected to b")
+            comm.update_topology(Topology("ring", ("a", "b"), addrs, 2, ring_order=("a", "b")))
+            with pytest.raises(PeerTimeout) as quiet:  # b is up but sends nothing: a waits
+                comm.allreduce(torch.ones(4), timeout_s=0.5, step=0)
+            assert quiet.value.peer == "b" and quiet.value.timed_out
+    finally:
+        b.close(linger=0)
+        b_mon.close(linger=0)
