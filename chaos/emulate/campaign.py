@@ -162,7 +162,8 @@ class Campaign:
                       for e in self.plan if e.kind == "join")  # fmt: skip
         c = self.cfg
         return Scenario(name="chaos", nodes=c.nodes, degree=c.degree, model=c.model, scale=c.scale,
-                        step_time_s=c.step_time_s, settle_s=END_SETTLE_S, seed=c.seed,
+                        step_time_s=c.step_time_s, step_timeout_s=c.step_timeout_s,
+                        settle_s=END_SETTLE_S, seed=c.seed,
                         events=joins)  # fmt: skip
 
     def run(self) -> dict[str, Any]:

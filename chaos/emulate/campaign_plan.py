@@ -70,6 +70,10 @@ class CampaignConfig:
         model: The state each device replicates (see docs/emulation-runs.md).
         scale: Shrinks link rates and the state together.
         step_time_s: Emulated compute per step.
+        step_timeout_s: Every trainer's ``TrainerConfig.step_timeout_s``: how long a round
+            in which every member waits (a frame lost, nobody silent, so no straggler) holds
+            the cluster before it fails and reruns. Keep it above the daemons'
+            ``straggler_grace_s`` (10 s), so that a member that stops is evicted first.
         sample_s: Seconds between RSS / open-file samples.
         warmup_s: A device's samples before this many seconds after it is ready are not the
             baseline.
@@ -92,6 +96,7 @@ class CampaignConfig:
     model: str = "synthetic:8"
     scale: float = 0.05
     step_time_s: float = 0.05
+    step_timeout_s: float = 15.0
     sample_s: float = 5.0
     warmup_s: float = 20.0
     keep_majority: bool = True
@@ -102,7 +107,7 @@ class CampaignConfig:
         for name, lo, hi in (("duration_s", 1.0, 7 * 86400.0), ("rate_per_min", 0.01, 600.0),
                              ("cut_vertex_bias", 0.0, 1.0), ("sample_s", 0.5, 600.0),
                              ("warmup_s", 0.0, 3600.0), ("step_time_s", 0.0, 60.0),
-                             ("scale", 1e-6, 1.0)):  # fmt: skip
+                             ("step_timeout_s", 1.0, 3600.0), ("scale", 1e-6, 1.0)):  # fmt: skip
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
                 raise ConfigError(f"{name} must be in [{lo}, {hi}], got {v!r}")

@@ -510,6 +510,11 @@ def _parse_weights(text: str | None) -> dict[str, float]:
               help="Overlay links per device and per joiner (1: a tree, all cut vertices).")
 @click.option("--model", default="synthetic:8", show_default=True)
 @click.option("--scale", type=float, default=0.05, show_default=True)
+@click.option("--step-timeout", "step_timeout_s", type=click.FloatRange(1.0, 3600.0),
+              default=15.0, show_default=True,
+              help="Every trainer's step_timeout_s: how long a round in which every member "
+              "waits holds the cluster before it reruns (keep it above the daemons' 10 s "
+              "straggler grace).")  # fmt: skip
 @click.option("--sample", "sample_s", type=click.FloatRange(0.5, 600.0), default=5.0,
               show_default=True, help="Seconds between RSS / open-file samples.")  # fmt: skip
 @click.option("--warmup", "warmup_s", type=click.FloatRange(0.0, 3600.0), default=20.0,
@@ -521,7 +526,7 @@ def _parse_weights(text: str | None) -> dict[str, float]:
 def chaos_command(nodes: int, duration: float, rate: float, seed: int, json_path: Path,
                   plot_dir: Path | None, loopback: bool, min_live: int | None, max_live: int,
                   weights: str | None, cut_vertex_bias: float, degree: int, model: str,
-                  scale: float, sample_s: float, warmup_s: float,
+                  scale: float, step_timeout_s: float, sample_s: float, warmup_s: float,
                   keep_majority: bool) -> None:  # fmt: skip
     """A fault campaign and soak: Poisson-timed joins, leaves, kill -9s, link cuts,
     partitions and heals on a training cluster; reports per fault kind whether and how fast
@@ -533,7 +538,8 @@ def chaos_command(nodes: int, duration: float, rate: float, seed: int, json_path
                              min_live=min_live if min_live is not None else max(2, nodes // 2),
                              max_live=max_live, weights=_parse_weights(weights),
                              cut_vertex_bias=cut_vertex_bias, degree=degree, model=model,
-                             scale=scale, sample_s=sample_s, warmup_s=warmup_s,
+                             scale=scale, step_timeout_s=step_timeout_s, sample_s=sample_s,
+                             warmup_s=warmup_s,
                              keep_majority=keep_majority)  # fmt: skip
     except ConfigError as exc:
         raise click.BadParameter(str(exc)) from exc

@@ -104,6 +104,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gate", type=Path, default=None,
                     help="load everything, then wait for this file before joining")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--step-timeout", type=float, default=60.0,
+                    help="TrainerConfig.step_timeout_s (the scenario's step_timeout_s)")
     ap.add_argument("--join-mode", choices=["catch-up", "barrier"], default="catch-up",
                     help="TrainerConfig.join_mode")  # fmt: skip
     ap.add_argument(
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         host=args.host,
         daemon_dir=args.daemon_dir,
         cluster_key=args.cluster_key,
-        step_timeout_s=60.0,
+        step_timeout_s=args.step_timeout,
         policy_timeout_s=30.0,
         join_timeout_s=300.0,
         restored=args.resume is not None or args.resume_from is not None,

@@ -323,6 +323,7 @@ class Runner:
                 "--listen", self._endpoint(name), "--host", self._net.address(name),
                 "--model", sc.model, "--scale", str(sc.scale), "--out", str(out),
                 "--step-time", str(sc.step_time_s), "--daemon-dir", str(ddir),
+                "--step-timeout", str(sc.step_timeout_s),
                 "--cluster-key", str(self.cluster_key),
                 "--join-mode", join_mode or sc.join_mode]  # fmt: skip
         daemon_args = [*DAEMON_ARGS, "--replication-strategy", sc.strategy]

@@ -11,6 +11,7 @@ A scenario file (see ``examples/scenarios/``)::
     period_s = 180
     latency_s = 0.0               # one-way, per link (netem, else the TUN delay relay)
     step_time_s = 0.05            # emulated compute per training step
+    step_timeout_s = 60           # TrainerConfig.step_timeout_s of every device
     strategy = "chaos"            # replication strategy of the daemons
     join_mode = "catch-up"        # how joiners get the state: catch-up | barrier
     settle_s = 5                  # keep running this long after the last event
@@ -150,6 +151,7 @@ class Scenario:
     period_s: float = 180.0
     latency_s: float = 0.0
     step_time_s: float = 0.05
+    step_timeout_s: float = 60.0
     strategy: str = "chaos"
     join_mode: str = "catch-up"
     settle_s: float = 5.0
@@ -166,6 +168,7 @@ class Scenario:
             raise ConfigError(f"bandwidth_mbps must be [low, high] with 0 < low <= high: {lo, hi}")
         for name, low, high in (("scale", 1e-6, 1.0), ("period_s", 1.0, 1e6),
                                 ("latency_s", 0.0, 1.0), ("step_time_s", 0.0, 60.0),
+                                ("step_timeout_s", 1.0, 3600.0),
                                 ("settle_s", 0.0, 3600.0)):  # fmt: skip
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or not low <= v <= high:

@@ -87,12 +87,16 @@ def test_bad_campaign_settings_are_refused() -> None:
     for bad in (0, 9, True, 1.5):
         with pytest.raises(ConfigError, match="degree"):
             CampaignConfig(degree=bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="step_timeout_s"):
+        CampaignConfig(step_timeout_s=0.5)
+    with pytest.raises(ConfigError, match="step_timeout_s"):
+        scenario_from_dict({"nodes": 2, "step_timeout_s": 0})
 
 
 def test_degree_one_builds_a_tree_overlay(tmp_path: Path) -> None:
     camp = Campaign(CampaignConfig(nodes=6, degree=1, seed=3), tmp_path, shaped=False)
     sc = camp.scenario()
-    assert sc.degree == 1
+    assert sc.degree == 1 and sc.step_timeout_s == 15.0  # the campaign's, not the scenario's
     edges = random_overlay(sc.nodes, sc.degree, sc.seed)
     assert len(edges) == sc.nodes - 1  # a tree: every inner device a cut vertex
     assert cut_vertices([f"n{i}" for i in range(sc.nodes)], edges)
