@@ -156,7 +156,7 @@ class Communicator:
         self._peers.connect(wanted, self._lanes.drop)
         self._topology = topology
         self._peers.vouch(topology.keys, topology.epoch)
-        self._notices.retain(topology.addresses)
+        self._notices.retain(topology.addresses, topology.epoch)
         self._peers.clear_dead()
         self._inbox.drop_older_than(topology.epoch)
 

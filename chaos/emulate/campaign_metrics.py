@@ -17,6 +17,7 @@ The definitions are in docs/emulation-runs.md (*The fault campaign*).
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections.abc import Iterable, Mapping
@@ -27,8 +28,8 @@ import networkx as nx
 from chaos.emulate.campaign_plan import CAMPAIGN_KINDS
 
 __all__ = [
-    "SINGLE_FAULT_KINDS", "bridges", "cut_vertices", "ettr", "lineage", "lineage_times",
-    "mark_single", "per_kind", "resource_summary", "resume_times", "single_faults",
+    "SINGLE_FAULT_KINDS", "annotate_members", "bridges", "cut_vertices", "ettr", "lineage",
+    "lineage_times", "mark_single", "per_kind", "resource_summary", "resume_times", "single_faults",
     "step_integrity", "step_records", "world_sizes",
 ]  # fmt: skip
 
@@ -345,19 +346,42 @@ def per_kind(rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[s
     return out
 
 
+def annotate_members(samples: list[dict[str, Any]],
+                     daemon_events: Iterable[Mapping[str, Any]]) -> None:  # fmt: skip
+    """Gives each sample the size of the view its device's daemon had installed by then.
+
+    Args:
+        samples: :func:`resource_summary`'s rows; each gains ``members`` (left out before the
+            device's first view).
+        daemon_events: The daemons' event logs (``view_installed`` with ``members``).
+    """
+    views: dict[str, list[tuple[float, int]]] = {}
+    for e in daemon_events:
+        if e.get("event") == "view_installed" and e.get("members"):
+            views.setdefault(str(e.get("node")), []).append((float(e["ts"]), len(e["members"])))
+    for v in views.values():
+        v.sort()
+    for s in samples:
+        mine = views.get(str(s["node"]), [])
+        i = bisect.bisect_right(mine, (float(s["t"]), math.inf))
+        if i:
+            s["members"] = mine[i - 1][1]
+
+
 def resource_summary(samples: list[dict[str, Any]], ready: Mapping[str, float],
                      warmup_s: float) -> dict[str, Any]:  # fmt: skip
     """RSS and open files per device and process, after warm-up: first, last, max ratio.
 
     A process's open files follow the cluster's size (a socket or two per peer), so besides
-    the plain ratio each process is also compared at equal size: per number of running
-    devices (``live``, where the samples carry it), the max over the first sample at that
-    size; the worst of those is ``{m}_same_size_ratio``. Growth at equal size is a leak; the
-    plain ratio also moves with churn.
+    the plain ratio each process is also compared at equal size: per size (the members of the
+    view its daemon had installed, ``members``, else the running devices, ``live``, where the
+    samples carry them), the max over the first sample at that size; the worst of those is
+    ``{m}_same_size_ratio``. Growth at equal size is a leak; the plain ratio also moves with
+    churn.
 
     Args:
-        samples: ``{"t", "node", "proc" ("trainer" or "daemon"), "rss", "fds"[, "live"]}``
-            rows.
+        samples: ``{"t", "node", "proc" ("trainer" or "daemon"), "rss", "fds"[, "members"]
+            [, "live"]}`` rows (see :func:`annotate_members`).
         ready: When each device became ready.
         warmup_s: Samples earlier than this after ready are ignored.
 
@@ -408,8 +432,9 @@ def _same_size_ratio(rows: list[dict[str, Any]], m: str) -> float | None:
     the same number of devices ran (``None`` when no size was sampled twice)."""
     by_size: dict[int, list[float]] = {}
     for x in rows:
-        if x.get("live") is not None:
-            by_size.setdefault(int(x["live"]), []).append(float(x[m]))
+        size = x.get("members", x.get("live"))
+        if size is not None:
+            by_size.setdefault(int(size), []).append(float(x[m]))
     ratios = [max(v) / v[0] for v in by_size.values() if len(v) >= 2 and v[0]]
     return max(ratios) if ratios else None
 

@@ -13,6 +13,7 @@ from dataclasses import asdict
 from typing import Any, Protocol
 
 from chaos.emulate.campaign_metrics import (
+    annotate_members,
     ettr,
     lineage,
     lineage_times,
@@ -99,6 +100,7 @@ def report(camp: CampaignRecord, result: RunResult, samples: list[dict[str, Any]
     gone = {n: str(d.gone) for n, d in camp.runner.devices.items() if d.gone}
     outages = device_outages(devices, result.daemon_events, ended, gone)
     faults = [r for r in rows if r["kind"] != "join"]
+    annotate_members(samples, result.daemon_events)
     return {
         "config": {**asdict(cfg), "weights": dict(cfg.weights)},
         "network": result.network,

@@ -677,10 +677,56 @@ def test_a_neighbour_that_reconnected_between_rounds_does_not_fail_the_next_one(
             b.bind(address)
             if not b_mon.poll(timeout=10_000):
                 raise AssertionError("a never reconnected to b")
-            comm.update_topology(Topology("ring", ("a", "b"), addrs, 2, ring_order=("a", "b")))
-            with pytest.raises(PeerTimeout) as quiet:  # b is up but sends nothing: a waits
-                comm.allreduce(torch.ones(4), timeout_s=0.5, step=0)
-            assert quiet.value.peer == "b" and quiet.value.timed_out
+            # b is up but sends nothing: a round waits for it. One that starts while a's end
+            # of the handshake is still under way may fail on the drop; a later one must not
+            outcomes = []
+            for epoch in range(2, 12):
+                comm.update_topology(
+                    Topology("ring", ("a", "b"), addrs, epoch, ring_order=("a", "b")))
+                with pytest.raises(PeerFailure) as failed:
+                    comm.allreduce(torch.ones(4), timeout_s=0.5, step=0)
+                outcomes.append(failed.value.timed_out)
+                if failed.value.timed_out:
+                    break
+            assert outcomes[-1], f"every round failed on the old drop: {outcomes}"
     finally:
         b.close(linger=0)
         b_mon.close(linger=0)
+
+
+class _NoLinks:
+    """No data links: every peer is told through a notice-only socket."""
+
+    def socket(self, peer: str) -> zmq.Socket | None:
+        return None
+
+    def sockets(self) -> list[zmq.Socket]:
+        return []
+
+
+def test_notice_sockets_unused_for_two_topologies_are_closed() -> None:
+    """A trainer told former neighbours of its moves through notice sockets it kept for
+    every member: a soak saw its open files grow by a third at an unchanged cluster size."""
+    from chaos.collectives.config import CollectiveStats
+    from chaos.collectives.notices import PeerNotices
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    notices = PeerNotices(ctx, "a", CollectiveStats(), _NoLinks())
+    addrs = _addrs("abc")
+    try:
+        notices.retain(addrs, 1)
+        notices.tell_newer("b", (1, 5))
+        notices.tell_newer("c", (1, 5))
+        assert notices.notice_sockets == 2
+        notices.retain(addrs, 2)  # used in the topology before: kept
+        notices.new_round()
+        notices.tell_newer("c", (2, 6))
+        assert notices.notice_sockets == 2
+        notices.retain(addrs, 2)  # the same topology again changes nothing
+        assert notices.notice_sockets == 2
+        notices.retain(addrs, 3)  # b unused since epoch 1: closed; c used in epoch 2: kept
+        assert notices.notice_sockets == 1
+        notices.retain({k: v for k, v in addrs.items() if k != "c"}, 4)  # c left: closed
+        assert notices.notice_sockets == 0
+    finally:
+        notices.close()

@@ -22,6 +22,7 @@ import pytest
 
 from chaos.emulate.campaign import Campaign
 from chaos.emulate.campaign_metrics import (
+    annotate_members,
     bridges,
     cut_vertices,
     ettr,
@@ -292,6 +293,16 @@ def test_resources_report_first_last_and_max_ratio_after_warm_up() -> None:
     assert a["rss_max_ratio"] == pytest.approx(1.2) and a["fds_max_ratio"] == 1.0
     assert got["flat_within_10pct"] is False
     assert a["rss_same_size_ratio"] is None and got["flat_at_same_size"] is True  # no sizes
+
+
+def test_samples_take_the_size_of_the_view_their_daemon_had_installed() -> None:
+    samples = [{"t": t, "node": "a", "proc": "daemon", "rss": 1, "fds": 1} for t in (1, 5, 9)]
+    samples.append({"t": 5, "node": "b", "proc": "daemon", "rss": 1, "fds": 1})
+    events = [{"node": "a", "event": "view_installed", "ts": 2.0, "members": ["a", "b"]},
+              {"node": "a", "event": "view_installed", "ts": 8.0, "members": ["a", "b", "c"]},
+              {"node": "a", "event": "paused", "ts": 8.5}]  # fmt: skip
+    annotate_members(samples, events)
+    assert [s.get("members") for s in samples] == [None, 2, 3, None]
 
 
 def test_open_files_that_follow_the_cluster_size_are_flat_at_equal_size_and_a_leak_is_not() -> None:
