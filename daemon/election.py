@@ -28,6 +28,7 @@ a false failure (:func:`carried_silence`).
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Collection, Mapping
 
@@ -172,7 +173,14 @@ class Election:
         if msg.term < self.term or (sticky and not msg.transfer):
             return VoteReply(sender=self.node_id, epoch=epoch, term=self.term, granted=False)
         if msg.term > self.term:
+            armed = self.deadline
             self.step_down(msg.term, now)
+            if math.isfinite(armed):
+                # a request only restarts the timer if the vote is granted (Raft 5.2): else
+                # candidates without the newest epoch, standing in turn with ever higher
+                # terms, would keep the only member that can win from ever standing (a soak
+                # spent 9-16 s in such elections)
+                self.deadline = armed
         newest = max(epoch, self.issued_epoch)
         grant = self.voted_for in (None, msg.sender) and msg.epoch >= newest
         if grant:

@@ -532,3 +532,18 @@ def test_a_former_scheduler_votes_with_the_epoch_it_committed() -> None:
     e.issued(3)
     reply = e.on_request_vote(RequestVote(sender="y", epoch=2, term=1), 10.0, 2)
     assert not reply.granted
+
+
+def test_a_hopeless_candidate_does_not_hold_back_the_member_that_can_win() -> None:
+    """Candidates without the newest epoch stand in turn with ever higher terms; a member
+    with that epoch denies them and must still time out and stand itself (a soak saw 9-16 s
+    elections while each denied request restarted the one winner's timer)."""
+    e = Election("x", CFG, random.Random(0))
+    e.reset_deadline(0.0)
+    deadline = e.deadline
+    for term, t in ((2, 0.5), (3, 1.0), (4, 1.4)):
+        reply = e.on_request_vote(RequestVote(sender="y", epoch=4, term=term), t, 5)
+        assert not reply.granted and e.term == term
+    assert e.deadline == deadline  # denied requests leave the timer alone
+    granted = e.on_request_vote(RequestVote(sender="z", epoch=5, term=5), 1.5, 5)
+    assert granted.granted and e.deadline > deadline  # a granted vote restarts it
