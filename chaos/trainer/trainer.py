@@ -77,9 +77,10 @@ log = logging.getLogger("chaos.trainer")
 
 
 
-_JOIN_AGAIN_ATTEMPTS = 3
-"""Registrations a trainer that joins again (evicted, or its entry failed) tries before its
-join's error reaches the training script."""
+_JOIN_AGAIN_PAUSE_S = 1.0
+"""A trainer whose join again failed (its donors gone meanwhile) registers again after this
+long times the failed attempts so far, at most :data:`_JOIN_AGAIN_PAUSE_MAX_S`."""
+_JOIN_AGAIN_PAUSE_MAX_S = 5.0
 
 
 class _Rejoined(Exception):
@@ -476,23 +477,33 @@ class Trainer:
 
     def _join_again(self) -> None:
         """Registers again as a joiner and pulls the current state; a pull that fails (its
-        donors gone or cut off meanwhile) is tried again under a new plan, up to
-        ``_JOIN_AGAIN_ATTEMPTS`` times (events ``join_again_failed``).
+        donors gone or cut off meanwhile) is tried again under a new plan (events
+        ``join_again_failed``), paced, until ``stall_timeout_s`` has passed (``None``: for as
+        long as it takes: a cluster that can heal is not given up on).
 
         Raises:
-            ChaosTimeout: the last attempt's join or pull did not finish in time.
-            ReplicationError: the last attempt could not pull the state.
+            ChaosTimeout: the last attempt's join or pull did not finish in time, and
+                ``stall_timeout_s`` has passed.
+            ReplicationError: the last attempt could not pull the state, and
+                ``stall_timeout_s`` has passed.
         """
         self._donor.retire()
-        for attempt in range(1, _JOIN_AGAIN_ATTEMPTS + 1):
+        limit = self.config.stall_timeout_s
+        deadline = math.inf if limit is None else time.monotonic() + limit
+        attempt = 0
+        while True:
+            attempt += 1
             try:
                 self._register_and_sync(True, time.monotonic(), rejoin=True)
                 return
             except (ReplicationError, ChaosTimeout) as exc:
-                if attempt == _JOIN_AGAIN_ATTEMPTS:
+                pause = min(_JOIN_AGAIN_PAUSE_MAX_S, _JOIN_AGAIN_PAUSE_S * attempt)
+                if time.monotonic() + pause >= deadline:
                     raise
                 self._event("join_again_failed", attempt=attempt, error=str(exc)[:300])
-                log.warning("%s: joining again failed (%s); trying again", self.node_id, exc)
+                log.warning("%s: joining again failed (%s); trying again in %.0f s",
+                            self.node_id, exc, pause)  # fmt: skip
+                time.sleep(pause)  # a paced retry: donors come back or the plan changes
 
     def _install_newer(self, p: Policy) -> None:
         """Installs the policy a wait after a failed round returned (the rerun needs exactly

@@ -1,0 +1,59 @@
+"""A trainer that joins again (evicted, or its entry pull failed) keeps trying while its
+donors come and go, and gives up only at the user's own limit (``stall_timeout_s``).
+
+The registration and pull are stood in for: what is tested is the retry policy around them
+(the real joins again run in tests/trainer/test_catch_up.py and test_straggler.py).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+import chaos.trainer.trainer as trainer_module
+from chaos.errors import ReplicationError
+from chaos.trainer.trainer import Trainer
+
+
+def _joiner(failures: int, stall_timeout_s: float | None) -> Any:
+    calls: list[bool] = []
+    events: list[tuple[str, dict[str, Any]]] = []
+
+    def register_and_sync(*_args: Any, **_kwargs: Any) -> None:
+        calls.append(True)
+        if len(calls) <= failures:
+            raise ReplicationError("no donor left to pull the state from: every donor is gone")
+
+    return SimpleNamespace(
+        _donor=SimpleNamespace(retire=lambda: None),
+        config=SimpleNamespace(stall_timeout_s=stall_timeout_s),
+        _register_and_sync=register_and_sync,
+        _event=lambda name, **kw: events.append((name, kw)),
+        node_id="n1", calls=calls, events=events,
+    )  # fmt: skip
+
+
+def test_a_join_again_whose_donors_keep_going_is_retried_until_it_succeeds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pauses: list[float] = []
+    monkeypatch.setattr(trainer_module.time, "sleep", pauses.append)
+    joiner = _joiner(failures=7, stall_timeout_s=None)  # more than the old limit of 3
+    Trainer._join_again(joiner)
+    assert len(joiner.calls) == 8
+    assert [kw["attempt"] for name, kw in joiner.events] == list(range(1, 8))
+    assert pauses == [1.0, 2.0, 3.0, 4.0, 5.0, 5.0, 5.0]  # paced, capped
+
+
+def test_a_join_again_gives_up_at_the_users_stall_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(trainer_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(trainer_module.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    joiner = _joiner(failures=1000, stall_timeout_s=10.0)
+    with pytest.raises(ReplicationError, match="no donor left"):
+        Trainer._join_again(joiner)
+    assert len(joiner.calls) == 4  # pauses 1 + 2 + 3 = 6 s; a fourth would end past 10 s
