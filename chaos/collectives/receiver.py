@@ -117,6 +117,10 @@ class Receiver:
         early = self._inbox.next_ready()
         if early is not None:
             return early
+        # the monitors first, once per receive (each poll then reads the ones with events): a
+        # connection that dropped and came back since the last poll (between rounds, say)
+        # must not fail this round on the stale drop
+        self._peers.drain_monitors()
         deadline = time.monotonic() + timeout_s
         probe_at = time.monotonic() + self._config.quiet_probe_s
         while True:
@@ -139,9 +143,6 @@ class Receiver:
 
     def _wait(self, deadline: float, waiting_for: str | Callable[[], str]) -> InLane | None:
         """Polls until something arrives (or a slice passes); a readable lane is returned."""
-        # the monitors first: a connection that dropped and came back since the last poll
-        # (between rounds, say) must not fail this round on the stale drop
-        self._peers.drain_monitors()
         self._peers.check_failed()
         left = deadline - time.monotonic()
         if left <= 0:

@@ -112,8 +112,6 @@ class EpochLedger:
         self.ops: dict[str, PendingOp] = {}
         self.last_sync: SyncPolicyWire | None = None
         self.last_update: ClusterUpdate | None = None
-        # the topology epoch a restart commit stamped, while the structure stays in force
-        self._restart_topology: int | None = None
         # the global batch and the trainers' throughputs: every commit carries their split
         self.batches = BatchSplitter()
 
@@ -273,12 +271,12 @@ class EpochLedger:
         Returns:
             The update's ``restart_allreduce``.
         """
-        if restart:
-            self._restart_topology = sync.topology_epoch
-            return True
-        if sync.topology_epoch != self._restart_topology:
-            self._restart_topology = None
-        return self._restart_topology is not None
+        prev = self.last_update
+        return restart or (
+            prev is not None
+            and prev.restart_allreduce
+            and prev.sync.topology_epoch == sync.topology_epoch
+        )
 
     def _announce(self, upd: ClusterUpdate, members: set[str]) -> None:
         """Sends a committed update to every member and logs the ``committed`` event.
