@@ -67,10 +67,13 @@ def test_members_train_on_while_a_joiner_catches_up(cluster: Cluster) -> None:
     assert pulled is not None and entered is not None, d.log()
     s0, s_enter = pulled["step"], entered["step"]
     # a and b are not donors (d's only neighbour is c): they stepped between the snapshot and
-    # d's entry, in a three-member world
-    assert s_enter > s0
+    # d's entry, in a three-member world. The record of the entry step itself may name the
+    # four-member policy: a member whose round of that step was interrupted by the entry's
+    # commit completes it under the new policy with the result the others kept (computed by
+    # the three), so only the steps before it are checked
+    assert s_enter > s0 + 1
     for m in (a, b):
-        during = [r for r in m.records() if "digest" in r and s0 < r["step"] <= s_enter]
+        during = [r for r in m.records() if "digest" in r and s0 < r["step"] < s_enter]
         off = [(r["step"], r["epoch"], r["world"]) for r in during if r["world"] != 3]
         assert during and not off, (m.id, s0, s_enter, off, _events(a, b, c, d))
     caught = _event(d, "replayed")
