@@ -3,8 +3,8 @@
 A cluster of real devices (:mod:`chaos.emulate.runner`) trains while Poisson-timed random
 faults hit it: joins of new devices, graceful leaves, ``kill -9`` of any device (the scheduler
 and cut vertices of the overlay included, the whole process group), link cuts (bridges
-included), partitions (a random minority or majority of the devices cut off from the rest) and
-heals (every cut link and partition restored). Killed and departed devices are replaced by new
+included), partitions (a random minority or majority of the devices, close to one another in
+the network, cut off from the rest) and heals (every cut link and partition restored). Killed and departed devices are replaced by new
 joiners, so the cluster stays between its bounds and the campaign can run for hours.
 
 This module is the run loop: it follows the plan, draws each event's victims from the overlay
@@ -426,7 +426,7 @@ class Campaign:
         minority = list(range(1, (n - 1) // 2 + 1))
         majority = list(range(n // 2 + 1, n))
         sizes = (majority if ev.side == "majority" else minority) or minority or majority
-        side = tuple(sorted(self.rng.sample(live, self.rng.choice(sizes))))
+        side = self.runner.draw_side(live, self.rng.choice(sizes), self.rng)
         rec = self._mark("partition", label=f"partition {','.join(side)}")
         self.runner._partition(Event(at_s=0.0, kind="partition", nodes=side), rec)
         return rec

@@ -342,6 +342,9 @@ def per_kind(rows: list[dict[str, Any]], events: list[dict[str, Any]]) -> dict[s
             entry["bridge"] = sum(1 for e in evs if e.get("bridge"))
         if kind == "partition":
             entry["majority_side"] = sum(1 for e in evs if e.get("majority"))
+            # no group of running devices that can reach one another holds a majority: every
+            # device must pause until a heal (several faults at once can do that)
+            entry["no_majority"] = sum(1 for e in evs if e.get("connected_majority") is False)
         out[kind] = entry
     return out
 

@@ -90,7 +90,8 @@ def report(camp: CampaignRecord, result: RunResult, samples: list[dict[str, Any]
                  for n in devices}  # fmt: skip
     rows = resume_times(injections, devices, result.daemon_events, lifetimes)
     for row, ev in zip(rows, injections, strict=True):
-        for k in ("cut_vertex", "scheduler", "bridge", "majority", "nodes", "note"):
+        for k in ("cut_vertex", "scheduler", "bridge", "majority", "connected_majority", "groups",
+                  "nodes", "note"):
             if k in ev:
                 row[k] = ev[k]
     mark_single(rows)
@@ -158,6 +159,8 @@ def format_table(doc: dict[str, Any]) -> str:
             notes.append(f"{e['bridge']} of a bridge")
         if kind == "partition":
             notes.append(f"{e['majority_side']} cut off a majority")
+            if e.get("no_majority"):
+                notes.append(f"{e['no_majority']} left no connected majority")
         lines.append(f"{kind:<11}{e['injected']:>9}{e['resumed']:>9}{e['not_resumed']:>5}"
                      f"{_fmt_s(e['resume_p50_s']):>8}{_fmt_s(e['resume_p99_s']):>8}"
                      f"{_fmt_s(e['resume_max_s']):>8}{e['single']:>8}"

@@ -31,6 +31,12 @@ import networkx as nx
 
 from chaos.emulate.netns import NetworkSetupError
 from chaos.emulate.network import LinkSpec, Network, NetworkConfig
+from chaos.emulate.partitions import (
+    clustered_side,
+    connected_majority,
+    live_components,
+    partition_cut,
+)
 from chaos.emulate.scenario import Event, Scenario
 from chaos.emulate.schedule import BandwidthSchedule, ScheduleConfig, random_overlay
 from chaos.errors import ChaosTimeout
@@ -699,8 +705,10 @@ class Runner:
 
     def _partition(self, ev: Event, rec: dict[str, Any]) -> None:
         """Cuts a set of devices off from every other device: in the namespaces, every link
-        crossing the cut is blackholed (links to killed devices included, whose namespaces
-        still forward); on loopback, the side's daemons get the named fault ``partition`` (keep
+        between the side's region and the rest's is blackholed (a killed device's namespace
+        still forwards: it stays with the side nearer to it, see
+        :mod:`chaos.emulate.partitions`), and ``groups``/``connected_majority`` record what the
+        cut left; on loopback, the side's daemons get the named fault ``partition`` (keep
         the side) and every other daemon ``cut_link`` to the side's members."""
         live = sorted(self.running())
         side = tuple(sorted(ev.nodes)) if ev.nodes else self._draw_minority(live)
@@ -711,10 +719,16 @@ class Runner:
                    majority=2 * len(side) > len(live))  # fmt: skip
         self.partitions.append(side)
         if self.shaped:
-            crossing = [(a, b) for a, b in sorted(self._net.links()) if (a in side) != (b in side)]
+            up = self._net.graph()
+            crossing = partition_cut(self._net.links(), up, side, live)
             self._cut_links(crossing, rec)
-            rec["links_cut"] = len(crossing)
+            up.remove_edges_from(crossing)
+            groups = live_components(up, live)
+            rec.update(links_cut=len(crossing), groups=groups,
+                       connected_majority=connected_majority(groups, live))  # fmt: skip
             return
+        groups = sorted([list(side), rest], key=lambda g: (-len(g), g))
+        rec.update(groups=groups, connected_majority=connected_majority(groups, live))
         orders = {n: ["partition", *side] for n in side}
         orders.update({n: ["cut_link", *side] for n in rest})
         refused = self._faults(orders)
@@ -726,7 +740,15 @@ class Runner:
         if len(live) < 2:
             raise EmulationError(f"no partition of {live}")
         k = self.pick_rng.randint(1, max(1, (len(live) - 1) // 2))
-        return tuple(sorted(self.pick_rng.sample(live, k)))
+        return self.draw_side(live, k, self.pick_rng)
+
+    def draw_side(self, live: list[str], k: int, rng: random.Random) -> tuple[str, ...]:
+        """``k`` running devices to cut off: in the namespaces, devices close to one another
+        (:func:`~chaos.emulate.partitions.clustered_side`); on loopback, where every device
+        reaches every other directly, any ``k``."""
+        if self.shaped:
+            return clustered_side(self._net.graph(), live, k, rng)
+        return tuple(sorted(rng.sample(live, k)))
 
     def _heal(self, ev: Event, rec: dict[str, Any]) -> None:
         """Restores every link cut and every partition (loopback: ``fault clear`` on every

@@ -428,6 +428,11 @@ def test_run_partitions_a_cut_vertex_side_and_heals_in_namespaces(tmp_path: Path
     doc = json.loads(out.read_text())
     part = next(e for e in doc["harness_events"] if e["kind"] == "partition")
     assert part["nodes"] == ["n3"] and part["links_cut"] >= 1
+    # what the cut left: n3 alone, and every running device in one group or another
+    assert ["n3"] in part["groups"]
+    assert sorted(n for g in part["groups"] for n in g) == ["n0", "n1", "n2", "n3"]
+    biggest = max(len(g) for g in part["groups"])
+    assert part["connected_majority"] is (biggest == 3)
     heal = next(e for e in doc["harness_events"] if e["kind"] == "heal")
     assert heal["partitions"] == [["n3"]]
     assert doc["continuity"]["training_continued"] is True
