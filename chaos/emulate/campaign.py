@@ -4,8 +4,9 @@ A cluster of real devices (:mod:`chaos.emulate.runner`) trains while Poisson-tim
 faults hit it: joins of new devices, graceful leaves, ``kill -9`` of any device (the scheduler
 and cut vertices of the overlay included, the whole process group), link cuts (bridges
 included), partitions (a random minority or majority of the devices, close to one another in
-the network, cut off from the rest) and heals (every cut link and partition restored). Killed and departed devices are replaced by new
-joiners, so the cluster stays between its bounds and the campaign can run for hours.
+the network, cut off from the rest) and heals (every cut link and partition restored). Killed
+and departed devices are replaced by new joiners, so the cluster stays between its bounds and
+the campaign can run for hours.
 
 This module is the run loop: it follows the plan, draws each event's victims from the overlay
 of that moment, injects the faults and samples the processes. The other jobs are beside it:
