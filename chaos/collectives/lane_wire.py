@@ -31,6 +31,7 @@ import struct
 from chaos.collectives.frames import HEADER_BYTES
 from chaos.collectives.lane_crypto import TAG_BYTES, LaneCipher
 from chaos.errors import ProtocolError
+from chaos.sockets import user_timeout
 from chaos.wire import LANE_HELLO as _HELLO
 from chaos.wire import LANE_HELLO_BODY as _HELLO_BODY
 from chaos.wire import LANE_MAGIC as _MAGIC
@@ -135,7 +136,10 @@ def set_timeo(sock: socket.socket, option: int, seconds: float) -> None:
 
 
 def tune_socket(sock: socket.socket) -> None:
+    """No Nagle delay, and the user timeout every long-lived connection takes
+    (:func:`chaos.sockets.user_timeout`: a lane stuck after a cut closes and falls back)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    user_timeout(sock)
 
 
 def flat(view: memoryview) -> memoryview:
