@@ -28,9 +28,9 @@ import networkx as nx
 from chaos.emulate.campaign_plan import CAMPAIGN_KINDS
 
 __all__ = [
-    "SINGLE_FAULT_KINDS", "annotate_members", "bridges", "cut_vertices", "ettr", "lineage",
-    "lineage_times", "mark_single", "per_kind", "resource_summary", "resume_times", "single_faults",
-    "step_integrity", "step_records", "world_sizes",
+    "SINGLE_FAULT_KINDS", "annotate_load", "annotate_members", "bridges", "cut_vertices", "ettr",
+    "lineage", "lineage_times", "mark_single", "per_kind", "resource_summary", "resume_times",
+    "single_faults", "step_integrity", "step_records", "world_sizes",
 ]  # fmt: skip
 
 #: The kinds that are faults for the single-fault figures (a heal ends a fault, a join is
@@ -371,6 +371,26 @@ def annotate_members(samples: list[dict[str, Any]],
             s["members"] = mine[i - 1][1]
 
 
+def annotate_load(samples: list[dict[str, Any]],
+                  devices: Mapping[str, list[dict[str, Any]]]) -> None:  # fmt: skip
+    """Gives each trainer sample what its process was connected for: the data-plane links
+    (``links``) and whether it served a joiner (``serving``) at its last step before the sample.
+
+    Args:
+        samples: :func:`resource_summary`'s rows; a trainer's gains ``links`` and ``serving``
+            (left out before its first step, or where its step records lack them).
+        devices: Each device's records (``step`` records with ``links`` and ``serving``).
+    """
+    steps = {n: sorted((float(r["t"]), int(r["links"]), bool(r.get("serving")))
+                       for r in recs if r.get("kind") == "step" and "links" in r)
+             for n, recs in devices.items()}  # fmt: skip
+    for s in samples:
+        mine = steps.get(str(s["node"]), [])
+        i = bisect.bisect_right(mine, (float(s["t"]), math.inf, True))
+        if s.get("proc") == "trainer" and i:
+            _t, s["links"], s["serving"] = mine[i - 1]
+
+
 def resource_summary(samples: list[dict[str, Any]], ready: Mapping[str, float],
                      warmup_s: float) -> dict[str, Any]:  # fmt: skip
     """RSS and open files per device and process, after warm-up: first, last, max ratio.
@@ -379,8 +399,11 @@ def resource_summary(samples: list[dict[str, Any]], ready: Mapping[str, float],
     the plain ratio each process is also compared at equal size: per size (the members of the
     view its daemon had installed, ``members``, else the running devices, ``live``, where the
     samples carry them), the max over the first sample at that size; the worst of those is
-    ``{m}_same_size_ratio``. Growth at equal size is a leak; the plain ratio also moves with
-    churn.
+    ``{m}_same_size_ratio``. A trainer's open files also follow its data-plane links (a tree
+    hub holds several, a leaf one; about five descriptors each) and its donor role, so
+    ``{m}_same_load_ratio`` compares at equal size, links and role (``links``, ``serving``,
+    see :func:`annotate_load`; a daemon's equals its same-size ratio). Growth at equal load is
+    a leak; the plain ratio also moves with churn.
 
     Args:
         samples: ``{"t", "node", "proc" ("trainer" or "daemon"), "rss", "fds"[, "members"]
@@ -414,10 +437,12 @@ def resource_summary(samples: list[dict[str, Any]], ready: Mapping[str, float],
             entry[f"{m}_last"] = rows[-1][m]
             entry[f"{m}_max_ratio"] = max(x[m] for x in rows) / first if first else None
             entry[f"{m}_same_size_ratio"] = _same_size_ratio(rows, m)
+            entry[f"{m}_same_load_ratio"] = _same_size_ratio(rows, m, load=True)
         per[key] = entry
     worst = {k: max((v[k] for v in per.values() if v[k] is not None), default=None)
              for k in ("rss_max_ratio", "fds_max_ratio", "rss_same_size_ratio",
-                       "fds_same_size_ratio")}  # fmt: skip
+                       "fds_same_size_ratio", "rss_same_load_ratio",
+                       "fds_same_load_ratio")}  # fmt: skip
     def within(keys: tuple[str, str]) -> bool | None:
         return all((w := worst[k]) is None or w <= 1.10 for k in keys) if per else None
 
@@ -427,17 +452,24 @@ def resource_summary(samples: list[dict[str, Any]], ready: Mapping[str, float],
             "worst_fds_ratio": worst["fds_max_ratio"],
             "worst_rss_same_size_ratio": worst["rss_same_size_ratio"],
             "worst_fds_same_size_ratio": worst["fds_same_size_ratio"],
-            "flat_within_10pct": flat, "flat_at_same_size": same}  # fmt: skip
+            "worst_rss_same_load_ratio": worst["rss_same_load_ratio"],
+            "worst_fds_same_load_ratio": worst["fds_same_load_ratio"],
+            "flat_within_10pct": flat, "flat_at_same_size": same,
+            "flat_at_same_load": within(("rss_same_load_ratio",
+                                         "fds_same_load_ratio"))}  # fmt: skip
 
 
-def _same_size_ratio(rows: list[dict[str, Any]], m: str) -> float | None:
+def _same_size_ratio(rows: list[dict[str, Any]], m: str, load: bool = False) -> float | None:
     """The worst max-over-first of ``m`` among a process's time-ordered samples taken while
-    the same number of devices ran (``None`` when no size was sampled twice)."""
-    by_size: dict[int, list[float]] = {}
+    the same number of devices ran (with ``load``, also with the same ``links`` and
+    ``serving`` where a sample has them); ``None`` when no such group was sampled twice."""
+    by_size: dict[tuple[int, int, bool], list[float]] = {}
     for x in rows:
         size = x.get("members", x.get("live"))
         if size is not None:
-            by_size.setdefault(int(size), []).append(float(x[m]))
+            key = (int(size), int(x.get("links", -1)), bool(x.get("serving"))) if load \
+                else (int(size), -1, False)
+            by_size.setdefault(key, []).append(float(x[m]))
     ratios = [max(v) / v[0] for v in by_size.values() if len(v) >= 2 and v[0]]
     return max(ratios) if ratios else None
 

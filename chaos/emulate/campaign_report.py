@@ -13,6 +13,7 @@ from dataclasses import asdict
 from typing import Any, Protocol
 
 from chaos.emulate.campaign_metrics import (
+    annotate_load,
     annotate_members,
     ettr,
     lineage,
@@ -102,6 +103,7 @@ def report(camp: CampaignRecord, result: RunResult, samples: list[dict[str, Any]
     outages = device_outages(devices, result.daemon_events, ended, gone)
     faults = [r for r in rows if r["kind"] != "join"]
     annotate_members(samples, result.daemon_events)
+    annotate_load(samples, devices)
     return {
         "config": {**asdict(cfg), "weights": dict(cfg.weights)},
         "network": result.network,
@@ -188,7 +190,10 @@ def format_table(doc: dict[str, Any]) -> str:
                  f"{res['flat_within_10pct']}; at equal cluster size: worst RSS "
                  f"{_fmt_s(res.get('worst_rss_same_size_ratio'))}, open files "
                  f"{_fmt_s(res.get('worst_fds_same_size_ratio'))}, flat within 10%: "
-                 f"{res.get('flat_at_same_size')}")  # fmt: skip
+                 f"{res.get('flat_at_same_size')}; at equal size, data-plane links and donor "
+                 f"role: worst RSS {_fmt_s(res.get('worst_rss_same_load_ratio'))}, open files "
+                 f"{_fmt_s(res.get('worst_fds_same_load_ratio'))}, flat within 10%: "
+                 f"{res.get('flat_at_same_load')}")  # fmt: skip
     for key, v in res["per_process"].items():
         lines.append(f"  {key:<14} rss {v['rss_first'] / 2**20:7.1f} -> "
                      f"{v['rss_last'] / 2**20:7.1f} MiB (max x{v['rss_max_ratio']:.3f}), fds "

@@ -222,6 +222,7 @@ def _train(
         write_record(out, {"kind": "step", "t": t2, "step": trainer.step, "epoch": trainer.epoch,
                            "world": trainer.world_size, "dur_s": t2 - t0,
                            "update_s": t2 - t1, "serving": serving,
+                           "links": trainer.data_links,
                            "loss": float(loss.detach()),
                            "digest": state_digest(model, opt)})  # fmt: skip
         for ev in events.new():

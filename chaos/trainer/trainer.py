@@ -192,6 +192,13 @@ class Trainer:
         return len(self._policy.members) if self._policy else 1
 
     @property
+    def data_links(self) -> int:
+        """How many members this one exchanges allreduce frames with under the installed
+        topology: its data-plane connections (0 alone, or before the first policy)."""
+        topo = self._plane.topology
+        return len(topo.neighbours(self.node_id)) if topo and self.node_id in topo.addresses else 0
+
+    @property
     def local_batch_size(self) -> int | None:
         """This member's share of ``global_batch``: the samples to use in this step (pass it
         as ``update(num_samples=...)``). The scheduler splits the global batch in proportion

@@ -384,6 +384,11 @@ def test_a_short_loopback_campaign_reports_every_field_and_reaps_its_processes(
     assert {"ettr", "useful_steps", "tau_s", "wall_s", "lost_s"} <= set(doc["ettr"])
     assert doc["ettr"]["useful_steps"] > 0
     assert doc["samples"], "no RSS / fd sample"
+    # a trainer's sample carries the data-plane links of its last step (3 devices: 1 or 2
+    # each, 0 while alone), so open files are compared at equal load too
+    loads = [s["links"] for s in doc["samples"] if s["proc"] == "trainer" and "links" in s]
+    assert loads and all(0 <= k <= 2 for k in loads) and max(loads) >= 1
+    assert "worst_fds_same_load_ratio" in doc["resources"]
     assert "committed steps lost" in stdout and "ETTR" in stdout
     assert (tmp_path / "chaos_timeline.png").stat().st_size > 0
     # every device process (trainers and their daemons) is gone
@@ -455,3 +460,30 @@ def test_a_device_the_cluster_evicted_is_not_waited_for() -> None:
                         life)  # fmt: skip
     assert rows[0]["resumed"] and rows[0]["paused"] == ["c"]
     assert rows[0]["resume_s"] == pytest.approx(3.2 - 1.5)  # b, the last member to step
+
+
+def test_trainer_samples_take_the_links_and_role_of_their_last_step() -> None:
+    from chaos.emulate.campaign_metrics import annotate_load
+
+    devices = {"a": [{"kind": "step", "t": 2.0, "links": 1, "serving": False},
+                     {"kind": "trainer_event", "t": 3.0},
+                     {"kind": "step", "t": 6.0, "links": 3, "serving": True}]}  # fmt: skip
+    samples = [{"t": t, "node": "a", "proc": "trainer", "rss": 1, "fds": 1} for t in (1, 4, 7)]
+    samples.append({"t": 7, "node": "a", "proc": "daemon", "rss": 1, "fds": 1})
+    annotate_load(samples, devices)
+    assert [(s.get("links"), s.get("serving")) for s in samples] == [
+        (None, None), (1, False), (3, True), (None, None)]
+
+
+def test_open_files_that_follow_the_data_plane_links_are_flat_at_equal_load() -> None:
+    links = (1, 3, 1, 3, 1)  # a tree hub and a leaf in turn, in one cluster size
+    follows = [{"t": 10.0 * i, "node": "a", "proc": "trainer", "rss": 100, "fds": 60 + 5 * k,
+                "members": 6, "links": k, "serving": False}
+               for i, k in enumerate(links)]  # fmt: skip
+    got = resource_summary(follows, {"a": 0.0}, warmup_s=0.0)
+    assert got["worst_fds_same_size_ratio"] == pytest.approx(75 / 65)  # moves with the links
+    assert got["worst_fds_same_load_ratio"] == 1.0 and got["flat_at_same_load"] is True
+    leaks = [{**x, "fds": x["fds"] + 4 * i} for i, x in enumerate(follows)]
+    got = resource_summary(leaks, {"a": 0.0}, warmup_s=0.0)
+    assert got["worst_fds_same_load_ratio"] == pytest.approx(81 / 65)
+    assert got["flat_at_same_load"] is False
