@@ -279,6 +279,7 @@ class Communicator:
         """
         self._check_open()
         topo = self._require_topology()
+        self._peers.renew_lost(self._lanes.drop)  # a link that dropped since: a fresh socket
         return self._driver.allreduce(
             topo, tensor, op, timeout_s, out, wire_dtype, step, keep_result
         )

@@ -127,6 +127,9 @@ class CollectiveStats:
     """Data frames read from a payload lane (the rest came through ZeroMQ)."""
     lane_frames_placed: int = 0
     """Lane frames read straight into the round's result buffer (no copy)."""
+    links_renewed: int = 0
+    """Links whose connection dropped and whose socket was replaced before a round (see
+    :attr:`chaos.collectives.links.Link.lost`)."""
     handshake_failures: int = 0
     """Connections that failed the CURVE handshake (a communicator with a cluster key): a
     stranger without the cluster key, or with another one, connecting to this node's data

@@ -67,6 +67,14 @@ class Link:
     monitor: zmq.Socket
     connected: bool = False
     lost: bool = False
+    """Whether the connection dropped since this socket was opened (a round fails on it)."""
+    reconnected: bool = False
+    """Whether ZeroMQ connected again after the drop. It does so under the same routing id,
+    which the neighbour's ROUTER may still hold for the old connection (half-open there: the
+    close never arrived; with a cluster key it never hands an id over and drops the new
+    connection's frames), so such a link is not used again: its socket is replaced before the
+    next round (:meth:`~chaos.collectives.peers.PeerSockets.renew_lost`). A link still down
+    keeps failing rounds at once instead."""
     refused: str | None = None
     """Why the last CURVE handshake of this link failed (the neighbour has another cluster
     key), until one succeeds."""

@@ -142,15 +142,39 @@ class PeerSockets:
     def connect(self, wanted: Mapping[str, str], on_close: Callable[[str], None]) -> None:
         """Edits the links in place to those of ``wanted`` (peer -> data endpoint).
 
-        Links that stay (same peer, same address) keep their socket; the others are closed
+        Links that stay (same peer, same address) keep their socket unless their connection
+        dropped and was made again (see :attr:`Link.reconnected`); the others are closed
         (``on_close(peer)`` is called just before) and the new ones opened, in peer order.
         """
-        for peer in [p for p, link in self._links.items() if wanted.get(p) != link.address]:
+        self.drain_monitors()
+        gone = [p for p, link in self._links.items()
+                if wanted.get(p) != link.address or link.reconnected]  # fmt: skip
+        for peer in gone:
             on_close(peer)
             self._close_link(self._links.pop(peer))
         for peer, address in sorted(wanted.items()):
             if peer not in self._links:
                 self._links[peer] = self._open_link(peer, address)
+
+    def renew_lost(self, on_close: Callable[[str], None]) -> list[str]:
+        """Replaces every link whose connection dropped and was made again with a new socket
+        (a fresh routing id) to the same address; call it before a round, so that no frame of
+        the round goes out under an id the neighbour may still hold for a connection that is
+        gone (:attr:`Link.reconnected`). A link still down is kept: the round fails on it.
+
+        Returns:
+            The peers whose link was replaced.
+        """
+        self.drain_monitors()
+        lost = [p for p, link in self._links.items() if link.reconnected]
+        for peer in lost:
+            on_close(peer)
+            old = self._links[peer]
+            self._close_link(old, flush_s=0.0)
+            self._links[peer] = self._open_link(peer, old.address)
+        if lost:
+            self._stats.links_renewed += len(lost)
+        return lost
 
     def _open_link(self, peer: str, address: str) -> Link:
         sock = self.ctx.socket(zmq.DEALER)
@@ -216,7 +240,8 @@ class PeerSockets:
         while link.monitor.poll(0):
             event = recv_monitor_message(link.monitor)["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                link.connected, link.lost, link.refused = True, False, None
+                link.reconnected = link.lost  # lost stays: the id is stale (Link.reconnected)
+                link.connected, link.refused = True, None
             elif event == zmq.EVENT_DISCONNECTED and link.connected:
                 link.lost = True
             elif event in _HANDSHAKE_FAILED:
