@@ -9,9 +9,11 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable
 from typing import cast
 
+import msgspec
 import zmq
 
 from chaos.errors import ChaosTimeout, DaemonGone, ProtocolError
@@ -113,6 +115,7 @@ class DaemonClient:
         *,
         gone: Callable[[], bool] | None = None,
         expect: type | None = None,
+        op_id: str = "",
     ) -> Message:
         """Sends one request and waits for its answer.
 
@@ -124,6 +127,9 @@ class DaemonClient:
                 gone fails at once instead of at the timeout.
             expect: The answer's type; an answer of another type (not a refusal either) is
                 the late answer of an earlier request that timed out, and is skipped.
+            op_id: The request's op id: an :class:`~chaos.protocol.OpResult` for another op is
+                the late answer of an earlier one (a trainer event whose answer came after its
+                timeout, say), and is skipped too.
 
         Returns:
             The answer (possibly a :class:`~chaos.protocol.Refusal`).
@@ -148,7 +154,8 @@ class DaemonClient:
             if self._sock.poll(int(slice_s * 1000) + 1, zmq.POLLIN):
                 parts = self._sock.recv_multipart()
                 answer = decode(parts[-1], DEFAULT_MAX_FRAME_BYTES * 4)
-                if expect is None or isinstance(answer, (expect, Refusal)):
+                late_op = op_id and isinstance(answer, OpResult) and answer.op_id != op_id
+                if (expect is None or isinstance(answer, (expect, Refusal))) and not late_op:
                     return answer
                 log.debug("skipped a late %s answer", type(answer).__name__)
                 continue
@@ -174,7 +181,8 @@ class DaemonClient:
         timeout_s: float | None = None,
         gone: Callable[[], bool] | None = None,
     ) -> Message:
-        answer = self.request(msg, timeout_s, gone=gone, expect=kind)
+        op_id = str(getattr(msg, "op_id", ""))
+        answer = self.request(msg, timeout_s, gone=gone, expect=kind, op_id=op_id)
         if isinstance(answer, Refusal):
             raise RequestRefused(answer.reason.value, answer.detail)
         if not isinstance(answer, kind):
@@ -199,6 +207,9 @@ class DaemonClient:
             RequestRefused: refused on receipt (e.g. ``paused``, ``malformed``).
             ProtocolError: an unexpected answer.
         """
+        if isinstance(msg, (TrainerRegister, TrainerEvent)) and not msg.op_id:
+            # the daemon answers under this id, so a late answer to an earlier op is told apart
+            msg = msgspec.structs.replace(msg, op_id=uuid.uuid4().hex[:12])
         return cast(OpResult, self._expect(msg, OpResult, timeout_s, gone))
 
     def policy(self, timeout_s: float | None = None) -> PolicyReply:

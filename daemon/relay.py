@@ -88,6 +88,12 @@ def process_start(pid: int) -> float | None:
         return 0.0
 
 
+def _op_id(asked: str) -> str:
+    """The op id a relayed trainer message goes under: the client's own when it named one (so
+    that it can tell the answer from a late answer to an earlier op), else a fresh one."""
+    return asked or uuid.uuid4().hex[:12]
+
+
 class TrainerRelay:
     """The local daemon's side: forwards the trainer's messages and remembers what was accepted.
 
@@ -112,9 +118,10 @@ class TrainerRelay:
     def on_register(self, msg: TrainerRegister, reply: ReplyPath | None) -> None:
         """Forwards a registration to the scheduler as :class:`TrainerInfo`."""
         if not self.host.active:
-            self.host.result(reply, "", Reason.UNKNOWN_PEER, "this daemon is not a member (yet)")
+            self.host.result(reply, msg.op_id, Reason.UNKNOWN_PEER,
+                             "this daemon is not a member (yet)")  # fmt: skip
             return
-        op_id = uuid.uuid4().hex[:12]
+        op_id = _op_id(msg.op_id)
         self._sent[op_id] = msg
         info = TrainerInfo(
             sender=self.host.node_id,
@@ -142,9 +149,10 @@ class TrainerRelay:
                 self._progress_at = time.monotonic()
             return
         if not self.host.active:
-            self.host.result(reply, "", Reason.UNKNOWN_PEER, "this daemon is not a member (yet)")
+            self.host.result(reply, msg.op_id, Reason.UNKNOWN_PEER,
+                             "this daemon is not a member (yet)")  # fmt: skip
             return
-        op_id = uuid.uuid4().hex[:12]
+        op_id = _op_id(msg.op_id)
         self._sent[op_id] = msg
         me = self.host.node_id
         # a failed step names the epoch it ran under; other events carry this daemon's epoch

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -302,6 +303,57 @@ def test_a_late_answer_of_a_timed_out_request_is_not_taken_for_the_next_ones(
         got = client.policy(timeout_s=5.0)
         t.join(10)
         assert got.epoch == 9
+    finally:
+        client.close()
+        daemon.close(linger=0)
+        ctx.term()
+
+
+def test_a_late_answer_of_an_earlier_op_is_not_taken_for_the_next_op(tmp_path: Path) -> None:
+    """A trainer event times out; its answer (a refusal: the scheduler had evicted the trainer)
+    comes while the client waits for its registration's answer, of the same kind (OpResult).
+    The client tells them apart by op id (a soak's trainer crashed joining again on 'n18 has no
+    registered trainer', the late answer of its failed-step report)."""
+    import threading
+
+    import zmq
+
+    from chaos.errors import ChaosTimeout
+    from chaos.protocol import OpResult, Reason, TrainerEvent
+    from chaos.protocol.codec import decode
+
+    endpoint = f"ipc://{tmp_path}/d.ipc"
+    ctx: zmq.Context = zmq.Context()
+    daemon = ctx.socket(zmq.ROUTER)
+    daemon.setsockopt(zmq.LINGER, 0)
+    daemon.bind(endpoint)
+    client = DaemonClient(endpoint, timeout_s=0.3)
+    try:
+        with pytest.raises(ChaosTimeout):  # the daemon is slow: no answer in time
+            client.op(TrainerEvent(sender="t", kind="step_failed", detail="n2"))
+        ident, raw = daemon.recv_multipart()
+        first = decode(raw, 1 << 20)
+        assert isinstance(first, TrainerEvent) and first.op_id  # the client named its op
+        late = OpResult(sender="d", op_id=first.op_id, ok=False, reason=Reason.BAD_REQUEST,
+                        detail="t has no registered trainer")  # fmt: skip
+        seen: list[Any] = []
+
+        def answer() -> None:  # once the registration is in: the late answer, then its own
+            if daemon.poll(5000):
+                who, req = daemon.recv_multipart()
+                reg = decode(req, 1 << 20)
+                seen.append(reg)
+                daemon.send_multipart([ident, encode(late)])
+                mine = msgspec.structs.replace(late, op_id=reg.op_id, ok=True, reason=None,
+                                               detail="")  # fmt: skip
+                daemon.send_multipart([who, encode(mine)])
+
+        t = threading.Thread(target=answer)
+        t.start()
+        got = client.register_trainer("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", has_state=True,
+                                      timeout_s=5.0)  # fmt: skip
+        t.join(10)
+        assert got.ok and got.op_id == seen[0].op_id != first.op_id
     finally:
         client.close()
         daemon.close(linger=0)
