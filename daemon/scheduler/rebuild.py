@@ -48,6 +48,9 @@ class ViewRebuild:
         self.trainers = trainers
         self.waiting = waiting
         self.deadline = deadline
+        self.removed = False
+        """Whether a member failed during the rebuild (the commit then restarts the allreduce:
+        the trainers' round in flight still waits on it)."""
 
     def on_report(self, msg: AgentReport, now: float) -> None:
         """Takes an agent's report into the monitor; commits when it was the last awaited, or
@@ -82,8 +85,9 @@ class ViewRebuild:
             ledger.commit("trainer_report", now)
 
     def forget(self, node: str) -> None:
-        """Stops waiting for a member that failed."""
+        """Stops waiting for a member that failed (the rebuilt view leaves it out)."""
         self.waiting.discard(node)
+        self.removed = True
 
     def maybe_finish(self, now: float) -> None:
         """Commits the rebuilt view once every report came or the deadline passed."""
@@ -93,4 +97,10 @@ class ViewRebuild:
             return
         self.waiting.clear()
         self.trainers.replan_syncing()
-        self.ledger.commit("reelection" if self.ledger.epoch > 0 else "bootstrap", now)
+        cause = "reelection" if self.ledger.epoch > 0 else "bootstrap"
+        if self.removed:
+            # like a scale-in: the round in flight waits on the failed member (often the former
+            # scheduler) and would otherwise run to its step timeout or a dropped connection
+            self.ledger.commit(cause, now, apply_at="before_next_allreduce", restart=True)
+        else:
+            self.ledger.commit(cause, now)

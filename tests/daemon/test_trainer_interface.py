@@ -507,6 +507,30 @@ def test_a_report_after_the_rebuild_that_changes_a_trainer_commits_an_epoch() ->
     assert len(host.updates) == 2
 
 
+def test_a_rebuild_that_drops_a_failed_member_restarts_the_allreduce() -> None:
+    """A new scheduler whose rebuild finds a member failed (often the former scheduler, cut
+    off) commits the rebuilt view with a restart, as a scale-in does: the trainers' round in
+    flight waits on that member (a soak's survivors waited 10 s on a cut-off scheduler). A
+    rebuild that lost nobody does not restart."""
+    from chaos.daemon.scheduler.role import SchedulerRole
+
+    for silent, restart in (("", False), ("d", True)):
+        old, _ = _scheduler_role()
+        old.trainers.on_info(_info("a", True, SIZES), None, 1.0)  # an epoch to take over
+        view = old.monitor.to_view(old.epoch, 1, "a")
+        host = RoleHost()
+        role = SchedulerRole(host, old.cfg, view, 10.0)
+        deadline = 10.0 + role.cfg.failure_timeout_s
+        for m in "bcd":
+            if m != silent:
+                role.on_heartbeat(m, None, deadline - 0.1)
+        role.check_failures(deadline + 0.01)
+        assert [u.cause for u in host.updates] == ["reelection"], silent
+        assert host.updates[0].restart_allreduce is restart, silent
+        active = {n.id for n in host.updates[0].view.nodes if n.state == "active"}
+        assert ("d" in active) is not restart
+
+
 def test_a_link_measurement_commits_an_epoch_only_when_it_changes_the_sync_policy() -> None:
     from chaos.protocol import LinkReport
 
