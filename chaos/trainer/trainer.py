@@ -43,6 +43,7 @@ from chaos.errors import (
     ReplicationError,
     RoundInterrupted,
 )
+from chaos.protocol import Reason
 from chaos.replication.steplog import LoggedStep
 from chaos.security import Security
 from chaos.trainer.catch_up import (
@@ -81,6 +82,7 @@ _JOIN_AGAIN_PAUSE_S = 1.0
 """A trainer whose join again failed (its donors gone meanwhile) registers again after this
 long times the failed attempts so far, at most :data:`_JOIN_AGAIN_PAUSE_MAX_S`."""
 _JOIN_AGAIN_PAUSE_MAX_S = 5.0
+_NO_SOURCE = Reason.NO_STATE_SOURCE.value  # the refusal a join again waits out (_join_again)
 
 
 class _Rejoined(Exception):
@@ -488,9 +490,15 @@ class Trainer:
         ``join_again_failed``), paced, until ``stall_timeout_s`` has passed (``None``: for as
         long as it takes: a cluster that can heal is not given up on).
 
+        A registration refused ``no_state_source`` (a scheduler just elected that has not yet
+        heard the state's layout, or a side whose trainers are all gone for now) is tried again
+        the same way.
+
         Raises:
             ChaosTimeout: the last attempt's join or pull did not finish in time, and
                 ``stall_timeout_s`` has passed.
+            ProtocolError: the registration was refused for another reason, or refused
+                ``no_state_source`` when ``stall_timeout_s`` had passed.
             ReplicationError: the last attempt could not pull the state, and
                 ``stall_timeout_s`` has passed.
         """
@@ -503,7 +511,9 @@ class Trainer:
             try:
                 self._register_and_sync(True, time.monotonic(), rejoin=True)
                 return
-            except (ReplicationError, ChaosTimeout) as exc:
+            except (ReplicationError, ChaosTimeout, ProtocolError) as exc:
+                if isinstance(exc, ProtocolError) and getattr(exc, "reason", "") != _NO_SOURCE:
+                    raise  # refused for good: a retry cannot change that
                 pause = min(_JOIN_AGAIN_PAUSE_MAX_S, _JOIN_AGAIN_PAUSE_S * attempt)
                 if time.monotonic() + pause >= deadline:
                     raise

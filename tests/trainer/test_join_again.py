@@ -11,20 +11,23 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from chaos.daemon.client import RequestRefused
 
 import chaos.trainer.trainer as trainer_module
 from chaos.errors import ReplicationError
 from chaos.trainer.trainer import Trainer
 
 
-def _joiner(failures: int, stall_timeout_s: float | None) -> Any:
+def _joiner(failures: int, stall_timeout_s: float | None,
+            error: Exception | None = None) -> Any:  # fmt: skip
     calls: list[bool] = []
     events: list[tuple[str, dict[str, Any]]] = []
 
     def register_and_sync(*_args: Any, **_kwargs: Any) -> None:
         calls.append(True)
         if len(calls) <= failures:
-            raise ReplicationError("no donor left to pull the state from: every donor is gone")
+            raise error or ReplicationError(
+                "no donor left to pull the state from: every donor is gone")
 
     return SimpleNamespace(
         _donor=SimpleNamespace(retire=lambda: None),
@@ -57,3 +60,24 @@ def test_a_join_again_gives_up_at_the_users_stall_timeout(
     with pytest.raises(ReplicationError, match="no donor left"):
         Trainer._join_again(joiner)
     assert len(joiner.calls) == 4  # pauses 1 + 2 + 3 = 6 s; a fourth would end past 10 s
+
+
+def test_a_join_again_refused_for_want_of_a_state_source_waits_for_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A scheduler just elected may not know the state's layout yet: the registration is
+    refused ``no_state_source`` for a while (a campaign's trainers crashed on it)."""
+    monkeypatch.setattr(trainer_module.time, "sleep", lambda s: None)
+    refusal = RequestRefused("no_state_source", "no trainer registered the state layout")
+    joiner = _joiner(failures=3, stall_timeout_s=None, error=refusal)
+    Trainer._join_again(joiner)
+    assert len(joiner.calls) == 4
+
+
+def test_a_join_again_refused_for_good_raises_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trainer_module.time, "sleep", lambda s: None)
+    refusal = RequestRefused("state_conflict", "a and b already train")
+    joiner = _joiner(failures=3, stall_timeout_s=None, error=refusal)
+    with pytest.raises(RequestRefused, match="state_conflict"):
+        Trainer._join_again(joiner)
+    assert len(joiner.calls) == 1
