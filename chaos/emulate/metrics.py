@@ -228,26 +228,48 @@ def summarize(result: RunResult) -> list[dict[str, Any]]:
     return rows
 
 
+def _abandoned(recs: list[dict[str, Any]]) -> set[int]:
+    """The steps a device recorded last before it was evicted: a round it completed as the
+    others lost it (a partition that cut it off after its last receive), whose result they
+    never got and redid without it. Its state is then replaced by a pull when it joins again,
+    so that step is redone work, not a second state the cluster trains on."""
+    steps = sorted((float(r["t"]), int(r["step"])) for r in recs if r.get("kind") == "step")
+    out: set[int] = set()
+    for r in recs:  # an event is written after the step record of the update() it came in
+        if r.get("kind") == "trainer_event" and r.get("event") == "evicted":
+            before = [s for t, s in steps if t < float(r["t"])]
+            if before:
+                out.add(before[-1])
+    return out
+
+
 def consistency(result: RunResult) -> dict[str, int]:
     """Bitwise agreement of the members: at every step two or more devices recorded, their
-    state digests must be equal.
+    state digests must be equal. A device's last step before it was evicted is left out of the
+    comparison (see :func:`_abandoned`) and counted as ``redone`` when it differed.
 
     Returns:
-        ``{"steps_compared": N, "mismatches": M}``.
+        ``{"steps_compared": N, "mismatches": M, "redone": R}``.
     """
     by_step: dict[int, set[str]] = {}
+    left_out: dict[int, set[str]] = {}
     for recs in result.devices.values():
+        gone = _abandoned(recs)
         for r in recs:
             if r.get("kind") == "step" and r.get("digest"):
-                by_step.setdefault(r["step"], set()).add(r["digest"])
+                into = left_out if r["step"] in gone else by_step
+                into.setdefault(r["step"], set()).add(r["digest"])
     counts: dict[int, int] = {}
     for recs in result.devices.values():
         for r in recs:
             if r.get("kind") == "step":
                 counts[r["step"]] = counts.get(r["step"], 0) + 1
     shared = [s for s, n in counts.items() if n >= 2]
+    redone = sum(1 for s in shared if left_out.get(s, set()) - by_step.get(s, set())
+                 and by_step.get(s))  # fmt: skip
     return {"steps_compared": len(shared),
-            "mismatches": sum(1 for s in shared if len(by_step.get(s, ())) > 1)}
+            "mismatches": sum(1 for s in shared if len(by_step.get(s, ())) > 1),
+            "redone": redone}
 
 
 GAP_FACTOR = 5.0

@@ -130,8 +130,17 @@ def test_stall_is_the_largest_excess_step_and_consistency_counts_mismatches() ->
     res.devices["b"] = _steps(0.0, [0.1] * 61)
     row = stall_metrics(res, {"kind": "link_add", "t": 3.0, "cli_s": 0.01}, busy=[(2.5, 7.0)])
     assert row["stall_s"] == pytest.approx(0.25) and row["control_s"] == 0.01
-    assert consistency(res) == {"steps_compared": 61, "mismatches": 0}
+    assert consistency(res) == {"steps_compared": 61, "mismatches": 0, "redone": 0}
     res.devices["b"][10]["digest"] = "other"
+    assert consistency(res)["mismatches"] == 1
+    # b's last step before it was evicted (a partition cut it off as it completed a round the
+    # others then redid without it) is redone work, not a mismatch; any other still is
+    res.devices["b"][10]["digest"] = res.devices["a"][10]["digest"]
+    res.devices["b"][40]["digest"] = "abandoned"
+    evicted_t = res.devices["b"][40]["t"] + 0.05
+    res.devices["b"].append({"kind": "trainer_event", "t": evicted_t, "event": "evicted"})
+    assert consistency(res) == {"steps_compared": 61, "mismatches": 0, "redone": 1}
+    res.devices["b"][39]["digest"] = "other"
     assert consistency(res)["mismatches"] == 1
 
 
