@@ -18,6 +18,12 @@ every such connection also gets a *user timeout* (``TCP_USER_TIMEOUT``, ZeroMQ's
 ZeroMQ connects again at once. A connection attempt gets :data:`CONNECT_TIMEOUT_S` for the same
 reason (a SYN retransmitted into a cut backs off the same way). A slow link still acknowledges
 what gets through, so neither ever closes a connection that is moving data.
+
+A process that sends without copying (``copy=False``) needs pyzmq's zero-copy collector: a
+thread with a ZeroMQ context of its own (about seven descriptors) that pyzmq otherwise starts
+at the first such send, perhaps hours into a run. :func:`start_zero_copy_collector` starts it
+with the process's sockets, so its open files are set from the start and follow only its peers:
+growth at equal load is then a leak, never a late first send.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ __all__ = [
     "KEEPALIVE_INTERVAL_S",
     "USER_TIMEOUT_S",
     "keep_alive",
+    "start_zero_copy_collector",
     "user_timeout",
 ]
 
@@ -77,3 +84,19 @@ def user_timeout(sock: socket.socket) -> None:
     opt = getattr(socket, "TCP_USER_TIMEOUT", None)
     if opt is not None:
         sock.setsockopt(socket.IPPROTO_TCP, opt, _ms(USER_TIMEOUT_S))
+
+
+def start_zero_copy_collector() -> None:
+    """Starts pyzmq's zero-copy collector thread now, if it is not running (idempotent).
+
+    pyzmq frees a buffer sent with ``copy=False`` on a thread of its own, with a ZeroMQ context
+    of its own, that it starts at the first such send. Every long-running process of Chaos
+    that sends without copying (the daemon, a trainer's data plane and shard server) calls
+    this at start-up, so those descriptors are counted from the start (see the module doc).
+    """
+    from zmq.utils.garbage import gc
+
+    with gc._lock:  # the lock pyzmq's own lazy start takes
+        if not gc.is_alive():
+            gc.start()
+    gc._push_socket  # noqa: B018 (opens the socket that uncopied sends' destructors use)

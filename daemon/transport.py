@@ -27,7 +27,7 @@ from chaos.daemon.config import IPC_PATH_MAX
 
 from chaos.errors import ConfigError
 from chaos.security import Security, authenticated_key
-from chaos.sockets import keep_alive
+from chaos.sockets import keep_alive, start_zero_copy_collector
 
 log = logging.getLogger("chaos.daemon.transport")
 
@@ -176,6 +176,7 @@ class Transport:
         self, listen: str, ipc_endpoint: str, max_frame_bytes: int, faults: FaultInjector,
         security: Security | None = None,
     ) -> None:  # fmt: skip
+        start_zero_copy_collector()  # probe chunks go out uncopied: its descriptors from now on
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.security = security if security is not None else Security()
         self.security.authenticate(self.ctx)

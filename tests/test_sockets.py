@@ -6,7 +6,10 @@ behaviour itself, in namespaces: ``tests/emulate/test_stuck_connection.py``)."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 
+import pytest
 import zmq
 
 from chaos.collectives import Communicator, CommunicatorConfig, Topology
@@ -64,3 +67,37 @@ def test_a_plain_socket_gets_the_user_timeout() -> None:
         user_timeout(sock)
         got = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
         assert got == round(USER_TIMEOUT_S * 1000)
+
+
+_FIRST_SEND = r"""
+import os, sys, zmq
+from chaos.sockets import start_zero_copy_collector
+
+def files():
+    return len(os.listdir("/proc/self/fd"))
+
+if sys.argv[1] == "start":
+    start_zero_copy_collector()
+    start_zero_copy_collector()  # idempotent
+ctx = zmq.Context()
+a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+a.bind("inproc://x")
+b.connect("inproc://x")
+before = files()
+a.send(bytes(1 << 20), copy=False)  # over pyzmq's copy threshold: freed by its collector
+b.recv()
+print(before, files())
+"""
+
+
+@pytest.mark.parametrize("mode", ["start", "lazy"])
+def test_a_first_uncopied_send_opens_no_files_once_the_collector_runs(mode: str) -> None:
+    """Started with the process, pyzmq's zero-copy collector adds no descriptors later; left
+    to pyzmq, the first uncopied send opens them (a process's files then jump mid-run)."""
+    out = subprocess.run([sys.executable, "-c", _FIRST_SEND, mode], capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split()  # fmt: skip
+    before, after = int(out[0]), int(out[1])
+    if mode == "start":
+        assert after == before
+    else:
+        assert after > before  # what the start-up call prevents

@@ -31,7 +31,7 @@ from chaos.collectives.frames import decode_header
 from chaos.collectives.links import Link, member_of, routing_id
 from chaos.errors import PeerFailure, ProtocolError
 from chaos.security import Security, authenticated_key
-from chaos.sockets import keep_alive
+from chaos.sockets import keep_alive, start_zero_copy_collector
 
 __all__ = ["PeerSockets"]
 
@@ -77,6 +77,7 @@ class PeerSockets:
         self._config = config
         self._stats = stats if stats is not None else CollectiveStats()
         self.security = security if security is not None else Security()
+        start_zero_copy_collector()  # payloads go out uncopied: its descriptors from now on
         self.ctx = zmq.Context(config.io_threads)
         self.security.authenticate(self.ctx)
         self._router = self.ctx.socket(zmq.ROUTER)

@@ -42,7 +42,7 @@ from chaos.replication.wire import (
     validate_request,
 )
 from chaos.security import Security
-from chaos.sockets import keep_alive
+from chaos.sockets import keep_alive, start_zero_copy_collector
 
 # The server logs under the replication logger, as it did when it lived in chaos.replication.
 log = logging.getLogger("chaos.replication.server")
@@ -180,6 +180,7 @@ class ShardServer:
         self.faults = faults or ServerFaults()
         self.security = security if security is not None else Security()
         # with a key, a context of its own: its ZAP handler is the server's alone
+        start_zero_copy_collector()  # shards go out uncopied: its descriptors from now on
         self._own_ctx = context is None and self.security.enabled
         self._ctx = context or (zmq.Context() if self._own_ctx else zmq.Context.instance())
         self.security.authenticate(self._ctx)
