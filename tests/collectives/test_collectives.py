@@ -656,28 +656,18 @@ def test_a_neighbour_that_reconnected_between_rounds_does_not_fail_the_next_one(
     """A connection dropped during one round and came back before the next: the next round
     must not fail at once on the stale drop (a soak saw a re-entering member fail every
     rerun within a millisecond, 'connection lost', on a neighbour that was up again)."""
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    b = ctx.socket(zmq.ROUTER)
-    port = b.bind_to_random_port("tcp://127.0.0.1")
-    address = f"tcp://127.0.0.1:{port}"
-    b_mon = b.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    b = _StandIn()
     try:
         with Communicator(CommunicatorConfig(node_id="a")) as comm:
-            addrs = {"a": comm.address, "b": address}
+            addrs = {"a": comm.address, "b": b.address}
             comm.update_topology(Topology("ring", ("a", "b"), addrs, 1, ring_order=("a", "b")))
-            if not b_mon.poll(timeout=10_000):
-                raise AssertionError("a never connected to b")
-            b.disable_monitor()
-            b_mon.close(linger=0)
-            b.close(linger=0)  # b goes away mid-round: the round fails on the lost connection
+            b.wait_connected("a never connected to b")
+            b.drop()  # b goes away mid-round: the round fails on the lost connection
             with pytest.raises(PeerFailure) as lost:
                 comm.allreduce(torch.ones(4), timeout_s=10.0, step=0)
             assert lost.value.peer == "b" and not lost.value.timed_out
-            b = ctx.socket(zmq.ROUTER)  # b is back at the same address before the next round
-            b_mon = b.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-            b.bind(address)
-            if not b_mon.poll(timeout=10_000):
-                raise AssertionError("a never reconnected to b")
+            b.come_back()  # at the same address, before the next round
+            b.wait_connected("a never reconnected to b")
             # b is up but sends nothing: a round waits for it. One that starts while a's end
             # of the handshake is still under way may fail on the drop; a later one must not
             outcomes = []
@@ -691,32 +681,60 @@ def test_a_neighbour_that_reconnected_between_rounds_does_not_fail_the_next_one(
                     break
             assert outcomes[-1], f"every round failed on the old drop: {outcomes}"
     finally:
-        b.close(linger=0)
-        b_mon.close(linger=0)
+        b.close()
 
 
-def _bind_again(sock: zmq.Socket[bytes], address: str) -> None:
-    """Binds ``address``, which a socket just closed may hold a moment longer (ZeroMQ
-    releases it on its I/O thread)."""
-    deadline = time.monotonic() + 10.0
-    while True:
-        try:
-            sock.bind(address)
+class _StandIn:
+    """Neighbour ``b`` played by a bare ROUTER on loopback, which can go away and come back at
+    the same address; its monitor reports each completed handshake."""
+
+    def __init__(self) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._open(None)
+
+    def _open(self, address: str | None) -> None:
+        self.sock = self._ctx.socket(zmq.ROUTER)
+        self._mon = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        if address is None:
+            port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+            self.address = f"tcp://127.0.0.1:{port}"
             return
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+        deadline = time.monotonic() + 10.0  # a socket just closed may hold it a moment longer
+        while True:
+            try:
+                self.sock.bind(address)
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
+    def wait_connected(self, failure: str) -> None:
+        """Waits (10 s at most) for a peer's handshake; raises ``AssertionError(failure)``."""
+        if not self._mon.poll(timeout=10_000):
+            raise AssertionError(failure)
 
-def _ids_seen(router: zmq.Socket[bytes], wait_s: float) -> set[bytes]:
-    """The routing ids of every message ``router`` receives within ``wait_s``."""
-    ids: set[bytes] = set()
-    deadline = time.monotonic() + wait_s
-    while (left := deadline - time.monotonic()) > 0:
-        if router.poll(timeout=int(left * 1000)):
-            ids.add(router.recv_multipart()[0])
-    return ids
+    def ids_seen(self, wait_s: float) -> set[bytes]:
+        """The routing ids of every message received within ``wait_s``."""
+        ids: set[bytes] = set()
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            if self.sock.poll(timeout=int(left * 1000)):
+                ids.add(self.sock.recv_multipart()[0])
+        return ids
+
+    def drop(self) -> None:
+        """Goes away: the connections to it drop."""
+        self.sock.disable_monitor()
+        self.close()
+
+    def come_back(self) -> None:
+        """Binds its address again, with a new socket."""
+        self._open(self.address)
+
+    def close(self) -> None:  # noqa: D102
+        self._mon.close(linger=0)
+        self.sock.close(linger=0)
 
 
 def test_a_link_whose_connection_dropped_goes_out_under_a_new_id() -> None:
@@ -725,41 +743,31 @@ def test_a_link_whose_connection_dropped_goes_out_under_a_new_id() -> None:
     hands an id over, and drops the new connection's frames: a demo's members all waited on a
     round after a partition healed). So a lost link's socket is replaced before the next round,
     and the neighbour sees a new id."""
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    b = ctx.socket(zmq.ROUTER)
-    port = b.bind_to_random_port("tcp://127.0.0.1")
-    address = f"tcp://127.0.0.1:{port}"
-    b_mon = b.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    b = _StandIn()
     try:
         with Communicator(CommunicatorConfig(node_id="a")) as comm:
-            addrs = {"a": comm.address, "b": address}
+            addrs = {"a": comm.address, "b": b.address}
             comm.update_topology(Topology("ring", ("a", "b"), addrs, 1, ring_order=("a", "b")))
             with pytest.raises(PeerTimeout):  # b never answers; a's frames reach it
                 comm.allreduce(torch.ones(4), timeout_s=0.5, step=0)
-            first = _ids_seen(b, 1.0)
+            first = b.ids_seen(1.0)
             assert first and {member_of(i) for i in first} == {"a"}
-            b.disable_monitor()
-            b_mon.close(linger=0)
-            b.close(linger=0)  # the connection drops; b comes back at the same address
-            b = ctx.socket(zmq.ROUTER)
-            b_mon = b.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-            _bind_again(b, address)
-            if not b_mon.poll(timeout=10_000):
-                raise AssertionError("a never reconnected to b")
+            b.drop()  # the connection drops; b comes back at the same address
+            b.come_back()
+            b.wait_connected("a never reconnected to b")
             # a round may start before a's monitor has reported the drop and the reconnection:
             # it then fails on the lost connection, and the next one goes out on a new socket
             with pytest.raises(PeerFailure):
                 comm.allreduce(torch.ones(4), timeout_s=0.5, step=1)
-            _ids_seen(b, 0.5)
+            b.ids_seen(0.5)
             with pytest.raises(PeerFailure):
                 comm.allreduce(torch.ones(4), timeout_s=0.5, step=2)
-            later = _ids_seen(b, 1.0)
+            later = b.ids_seen(1.0)
             assert later and {member_of(i) for i in later} == {"a"}
             assert not later & first, "a's frames still go out under the id of the old connection"
             assert comm.stats.links_renewed == 1
     finally:
-        b.close(linger=0)
-        b_mon.close(linger=0)
+        b.close()
 
 
 class _NoLinks:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import random
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
+import zmq
 from chaos.daemon.cli import main
 from chaos.daemon.client import DaemonClient
 from chaos.daemon.config import IPC_PATH_MAX, DaemonConfig, ipc_endpoint_for, load_config
@@ -267,94 +270,88 @@ def test_election_rules() -> None:
     assert e2.role == Role.FOLLOWER and e2.term == 9
 
 
+@pytest.fixture
+def slow_daemon(tmp_path: Path) -> Iterator[tuple[zmq.Socket[bytes], DaemonClient]]:
+    """A bare ROUTER playing the daemon on IPC, and a client of it that gives up after 0.3 s."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    daemon = ctx.socket(zmq.ROUTER)
+    daemon.setsockopt(zmq.LINGER, 0)
+    endpoint = f"ipc://{tmp_path}/d.ipc"
+    daemon.bind(endpoint)
+    client = DaemonClient(endpoint, timeout_s=0.3)
+    try:
+        yield daemon, client
+    finally:
+        client.close()
+        daemon.close(linger=0)
+        ctx.term()
+
+
+def _answer_late(daemon: zmq.Socket[bytes], ident: bytes, late: Any,
+                 own: Callable[[bytes], Any]) -> threading.Thread:  # fmt: skip
+    """Once the client's next request is in: sends ``late`` (the answer to the request that
+    timed out, which came from ``ident``), then ``own(request)``, that request's answer."""
+
+    def run() -> None:
+        if daemon.poll(5000):
+            who, req = daemon.recv_multipart()
+            daemon.send_multipart([ident, encode(late)])
+            daemon.send_multipart([who, encode(own(req))])
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
 def test_a_late_answer_of_a_timed_out_request_is_not_taken_for_the_next_ones(
-    tmp_path: Path,
+    slow_daemon: tuple[zmq.Socket[bytes], DaemonClient],
 ) -> None:
     """A request times out; its answer comes later, while the client waits for the answer to
     its next request of another kind. The client skips it (a trainer crashed on 'unexpected
     answer OpResult' when a report's late answer met its policy request)."""
-    import threading
-
-    import zmq
-
     from chaos.errors import ChaosTimeout
     from chaos.protocol import OpResult, PolicyReply
 
-    endpoint = f"ipc://{tmp_path}/d.ipc"
-    ctx: zmq.Context = zmq.Context()
-    daemon = ctx.socket(zmq.ROUTER)
-    daemon.setsockopt(zmq.LINGER, 0)
-    daemon.bind(endpoint)
-    client = DaemonClient(endpoint, timeout_s=0.3)
-    try:
-        with pytest.raises(ChaosTimeout):
-            client.op(LeaveCommand(sender="t"))  # the daemon is slow: no answer in time
-        ident, _leave = daemon.recv_multipart()
-        late = OpResult(sender="d", op_id="op1", ok=True)
-        policy = PolicyReply(sender="d", epoch=9, term=1, members=["d"], sync=None)
-        def answer() -> None:  # once the policy request is in: the late answer, then its own
-            if daemon.poll(5000):
-                who, _req = daemon.recv_multipart()
-                daemon.send_multipart([ident, encode(late)])
-                daemon.send_multipart([who, encode(policy)])
-
-        t = threading.Thread(target=answer)
-        t.start()
-        got = client.policy(timeout_s=5.0)
-        t.join(10)
-        assert got.epoch == 9
-    finally:
-        client.close()
-        daemon.close(linger=0)
-        ctx.term()
+    daemon, client = slow_daemon
+    with pytest.raises(ChaosTimeout):
+        client.op(LeaveCommand(sender="t"))  # the daemon is slow: no answer in time
+    ident, _leave = daemon.recv_multipart()
+    late = OpResult(sender="d", op_id="op1", ok=True)
+    policy = PolicyReply(sender="d", epoch=9, term=1, members=["d"], sync=None)
+    t = _answer_late(daemon, ident, late, lambda _req: policy)
+    got = client.policy(timeout_s=5.0)
+    t.join(10)
+    assert got.epoch == 9
 
 
-def test_a_late_answer_of_an_earlier_op_is_not_taken_for_the_next_op(tmp_path: Path) -> None:
+def test_a_late_answer_of_an_earlier_op_is_not_taken_for_the_next_op(
+    slow_daemon: tuple[zmq.Socket[bytes], DaemonClient],
+) -> None:
     """A trainer event times out; its answer (a refusal: the scheduler had evicted the trainer)
     comes while the client waits for its registration's answer, of the same kind (OpResult).
     The client tells them apart by op id (a soak's trainer crashed joining again on 'n18 has no
     registered trainer', the late answer of its failed-step report)."""
-    import threading
-
-    import zmq
-
     from chaos.errors import ChaosTimeout
     from chaos.protocol import OpResult, Reason, TrainerEvent
     from chaos.protocol.codec import decode
 
-    endpoint = f"ipc://{tmp_path}/d.ipc"
-    ctx: zmq.Context = zmq.Context()
-    daemon = ctx.socket(zmq.ROUTER)
-    daemon.setsockopt(zmq.LINGER, 0)
-    daemon.bind(endpoint)
-    client = DaemonClient(endpoint, timeout_s=0.3)
-    try:
-        with pytest.raises(ChaosTimeout):  # the daemon is slow: no answer in time
-            client.op(TrainerEvent(sender="t", kind="step_failed", detail="n2"))
-        ident, raw = daemon.recv_multipart()
-        first = decode(raw, 1 << 20)
-        assert isinstance(first, TrainerEvent) and first.op_id  # the client named its op
-        late = OpResult(sender="d", op_id=first.op_id, ok=False, reason=Reason.BAD_REQUEST,
-                        detail="t has no registered trainer")  # fmt: skip
-        seen: list[Any] = []
+    daemon, client = slow_daemon
+    with pytest.raises(ChaosTimeout):  # the daemon is slow: no answer in time
+        client.op(TrainerEvent(sender="t", kind="step_failed", detail="n2"))
+    ident, raw = daemon.recv_multipart()
+    first = decode(raw, 1 << 20)
+    assert isinstance(first, TrainerEvent) and first.op_id  # the client named its op
+    late = OpResult(sender="d", op_id=first.op_id, ok=False, reason=Reason.BAD_REQUEST,
+                    detail="t has no registered trainer")  # fmt: skip
+    seen: list[Any] = []
 
-        def answer() -> None:  # once the registration is in: the late answer, then its own
-            if daemon.poll(5000):
-                who, req = daemon.recv_multipart()
-                reg = decode(req, 1 << 20)
-                seen.append(reg)
-                daemon.send_multipart([ident, encode(late)])
-                mine = msgspec.structs.replace(late, op_id=reg.op_id, ok=True, reason=None,
-                                               detail="")  # fmt: skip
-                daemon.send_multipart([who, encode(mine)])
+    def own(req: bytes) -> OpResult:  # the registration's own answer, under its op id
+        seen.append(decode(req, 1 << 20))
+        return msgspec.structs.replace(late, op_id=seen[0].op_id, ok=True, reason=None,
+                                       detail="")  # fmt: skip
 
-        t = threading.Thread(target=answer)
-        t.start()
-        got = client.register_trainer("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", has_state=True,
-                                      timeout_s=5.0)  # fmt: skip
-        t.join(10)
-        assert got.ok and got.op_id == seen[0].op_id != first.op_id
-    finally:
-        client.close()
-        daemon.close(linger=0)
-        ctx.term()
+    t = _answer_late(daemon, ident, late, own)
+    got = client.register_trainer("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", has_state=True,
+                                  timeout_s=5.0)  # fmt: skip
+    t.join(10)
+    assert got.ok and got.op_id == seen[0].op_id != first.op_id
