@@ -9,7 +9,7 @@ Commands::
                        [--cluster-key FILE] [--insecure] [--enable-fault-injection]
                        [--fault NAME:PEER,...] [--max-peer-sockets N] [--max-measurements N]
                        [--join-rate R] [--join-burst N] [--straggler-grace S]
-                       [--behind-grace S]
+                       [--behind-grace S] [--join-timeout S]
     chaos-daemon status [--connect tcp://HOST:PORT] [--cluster-key FILE] [--json]
     chaos-daemon leave [--connect tcp://HOST:PORT] [--cluster-key FILE]
     chaos-daemon link add|remove PEER_ID [--connect tcp://HOST:PORT] [--cluster-key FILE]
@@ -172,6 +172,11 @@ def keygen(file: str) -> None:
 @click.option("--max-measurements", type=int, help="Most link measurements at once (64).")
 @click.option("--join-rate", type=float, help="Join requests accepted per second (20).")
 @click.option("--join-burst", type=int, help="Join requests accepted at once (64).")
+@click.option(
+    "--join-timeout",
+    type=float,
+    help="A joiner not admitted within this long exits with an error (30 s).",
+)
 def start(
     node_id: str | None,
     listen: str | None,
@@ -193,6 +198,7 @@ def start(
     max_measurements: int | None,
     join_rate: float | None,
     join_burst: int | None,
+    join_timeout: float | None,
 ) -> None:
     """Run a daemon in the foreground; SIGINT, SIGTERM and SIGHUP make it leave gracefully.
 
@@ -219,6 +225,7 @@ def start(
         "max_measurements": max_measurements,
         "join_rate_per_s": join_rate,
         "join_burst": join_burst,
+        "join_timeout_s": join_timeout,
     }
     try:
         cfg = load_config(cli, config_file)

@@ -43,6 +43,8 @@ class TrainerConfig:
             :class:`TrainingStalled`.
         stall_progress_s: How often a waiting step reports that it still waits.
         join_timeout_s: Longest wait for the daemon to join and the scheduler to plan the join.
+            An embedded daemon tries its join contacts (again and again: some may be cut off
+            or paused for a while) for as long, as its ``--join-timeout``.
         join_queue_timeout_s: Longest time a joiner waits in line while the scheduler admits
             other joiners one at a time (its registration or ``caught_up`` refused
             ``overloaded``: another joiner is catching up or entering); this time does not

@@ -20,7 +20,15 @@ from chaos.trainer.donor import Donor
 from chaos.trainer.embedded import EmbeddedDaemon
 from chaos.trainer.session import DaemonSession, StepBeacon
 
-__all__ = ["connect_session", "make_donor", "open_data_plane", "start_embedded"]
+__all__ = ["connect_session", "embedded_args", "make_donor", "open_data_plane", "start_embedded"]
+
+
+def embedded_args(cfg: TrainerConfig) -> tuple[str, ...]:
+    """The embedded daemon's ``chaos-daemon start`` arguments beyond its id, address and
+    contacts: its join timeout is the trainer's, so it tries its contacts (some may be cut off
+    or paused for a while) for as long as the trainer waits; ``cfg.daemon_args`` come last, and
+    a ``--join-timeout`` among them wins."""
+    return ("--join-timeout", str(cfg.join_timeout_s), *cfg.daemon_args)
 
 
 def start_embedded(node_id: str, cfg: TrainerConfig, join: str | None,
@@ -35,7 +43,7 @@ def start_embedded(node_id: str, cfg: TrainerConfig, join: str | None,
         node_id,
         listen or free_tcp_address(cfg.host),
         join,
-        cfg.daemon_args,
+        embedded_args(cfg),
         cfg.daemon_dir,
         cluster_key=cfg.cluster_key,
     )

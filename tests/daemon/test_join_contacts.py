@@ -77,6 +77,14 @@ def test_a_single_unanswered_contact_still_times_out(cluster: Cluster) -> None:
     assert "join_failed" in _names(j)
 
 
+def test_the_join_timeout_flag_overrides_the_config_file(cluster: Cluster) -> None:
+    cluster.config.write_text(cluster.config.read_text() + "join_timeout_s = 600.0\n")
+    j = cluster.spawn("j", extra=("--join", _dead_endpoint(), "--join-timeout", "1.5"),
+                      wait=False)  # fmt: skip
+    assert j.proc.wait(timeout=60) == 4
+    assert "join_failed" in _names(j)
+
+
 # -------------------------------------------------------------------- the endpoints
 
 

@@ -46,6 +46,22 @@ def test_a_join_that_cannot_complete_stops_the_embedded_daemon(tmp_path: Path) -
     assert alive == [], [p.cmdline() for p in alive]
 
 
+def test_the_embedded_daemon_tries_its_contacts_as_long_as_the_trainer_waits() -> None:
+    """Its own join timeout (30 s by default) gave a join up while the trainer still waited (a
+    soak's joiner exited after 30 s against contacts cut off for a while). The flag itself:
+    ``tests/daemon/test_join_contacts.py``."""
+
+    from chaos.daemon.cli import start
+
+    from chaos.trainer.config import TrainerConfig
+    from chaos.trainer.wiring import embedded_args
+
+    for extra, expected in (((), 300.0), (("--join-timeout", "7"), 7.0)):
+        args = embedded_args(TrainerConfig(join_timeout_s=300.0, daemon_args=extra))
+        ctx = start.make_context("start", ["--id", "n", *args])  # parsed as the daemon would
+        assert ctx.params["join_timeout"] == expected
+
+
 def test_a_daemon_that_does_not_answer_closes_the_data_plane() -> None:
     """The daemon address answers nothing: registration times out after the data plane was
     opened, and the constructor closes it again."""
