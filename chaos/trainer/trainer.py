@@ -43,7 +43,6 @@ from chaos.errors import (
     ReplicationError,
     RoundInterrupted,
 )
-from chaos.protocol import Reason
 from chaos.replication.steplog import LoggedStep
 from chaos.security import Security
 from chaos.trainer.catch_up import (
@@ -69,6 +68,7 @@ from chaos.trainer.exit_signals import (  # capture_exit_event and request_exit 
 from chaos.trainer.exit_signals import install_exit_handlers
 from chaos.trainer.exit_signals import request_exit as request_exit
 from chaos.trainer.gradients import GradientPacker
+from chaos.trainer.join_retry import join_until
 from chaos.trainer.session import DaemonSession, Policy
 from chaos.trainer.session import TrainingStalled as TrainingStalled  # part of this API
 from chaos.trainer.throughput import ThroughputMeter
@@ -78,11 +78,6 @@ log = logging.getLogger("chaos.trainer")
 
 
 
-_JOIN_AGAIN_PAUSE_S = 1.0
-"""A trainer whose join again failed (its donors gone meanwhile) registers again after this
-long times the failed attempts so far, at most :data:`_JOIN_AGAIN_PAUSE_MAX_S`."""
-_JOIN_AGAIN_PAUSE_MAX_S = 5.0
-_NO_SOURCE = Reason.NO_STATE_SOURCE.value  # the refusal a join again waits out (_join_again)
 
 
 class _Rejoined(Exception):
@@ -171,7 +166,10 @@ class Trainer:
             self._plane = open_data_plane(self.node_id, cfg, key, self._newer_policy)
             self._donor = make_donor(model, optimizer, self.node_id, self._plane, cfg, key,
                                      self._event, self.extra_state)  # fmt: skip
-            self._register_and_sync(join is not None, t0)
+            if join is not None and not cfg.restored:
+                self._join_until(t0 + cfg.join_timeout_s, t0)
+            else:
+                self._register_and_sync(join is not None, t0)
         except BaseException:
             self.close()
             raise
@@ -485,42 +483,34 @@ class Trainer:
         self._join_again()
 
     def _join_again(self) -> None:
-        """Registers again as a joiner and pulls the current state; a pull that fails (its
-        donors gone or cut off meanwhile) is tried again under a new plan (events
-        ``join_again_failed``), paced, until ``stall_timeout_s`` has passed (``None``: for as
-        long as it takes: a cluster that can heal is not given up on).
-
-        A registration refused ``no_state_source`` (a scheduler just elected that has not yet
-        heard the state's layout, or a side whose trainers are all gone for now) is tried again
-        the same way.
+        """Registers again as a joiner and pulls the current state, until ``stall_timeout_s``
+        has passed (``None``: for as long as it takes: a cluster that can heal is not given up
+        on); see :meth:`_join_until`.
 
         Raises:
             ChaosTimeout: the last attempt's join or pull did not finish in time, and
                 ``stall_timeout_s`` has passed.
-            ProtocolError: the registration was refused for another reason, or refused
-                ``no_state_source`` when ``stall_timeout_s`` had passed.
+            ProtocolError: the registration was refused for another reason than
+                ``no_state_source``, or refused so when ``stall_timeout_s`` had passed.
             ReplicationError: the last attempt could not pull the state, and
                 ``stall_timeout_s`` has passed.
         """
         self._donor.retire()
         limit = self.config.stall_timeout_s
-        deadline = math.inf if limit is None else time.monotonic() + limit
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                self._register_and_sync(True, time.monotonic(), rejoin=True)
-                return
-            except (ReplicationError, ChaosTimeout, ProtocolError) as exc:
-                if isinstance(exc, ProtocolError) and getattr(exc, "reason", "") != _NO_SOURCE:
-                    raise  # refused for good: a retry cannot change that
-                pause = min(_JOIN_AGAIN_PAUSE_MAX_S, _JOIN_AGAIN_PAUSE_S * attempt)
-                if time.monotonic() + pause >= deadline:
-                    raise
-                self._event("join_again_failed", attempt=attempt, error=str(exc)[:300])
-                log.warning("%s: joining again failed (%s); trying again in %.0f s",
-                            self.node_id, exc, pause)  # fmt: skip
-                time.sleep(pause)  # a paced retry: donors come back or the plan changes
+        self._join_until(math.inf if limit is None else time.monotonic() + limit)
+
+    def _join_until(self, deadline: float, t0: float | None = None) -> None:
+        """Registers as a joiner and pulls the state, retrying a failed pull or a
+        ``no_state_source`` refusal until ``deadline`` (monotonic; see :func:`join_until`). The
+        first join passes ``t0`` (when the trainer started, for its ``ready`` time) and
+        ``join_timeout_s`` after it; joining again passes neither.
+
+        Raises:
+            ChaosTimeout, ProtocolError, ReplicationError: as :func:`join_until`.
+        """
+        join_until(lambda: self._register_and_sync(True, time.monotonic() if t0 is None else t0,
+                                                   rejoin=t0 is None),
+                   deadline, self.node_id, self._event)  # fmt: skip
 
     def _install_newer(self, p: Policy) -> None:
         """Installs the policy a wait after a failed round returned (the rerun needs exactly

@@ -1,5 +1,6 @@
 """A trainer that joins again (evicted, or its entry pull failed) keeps trying while its
-donors come and go, and gives up only at the user's own limit (``stall_timeout_s``).
+donors come and go, and gives up only at the user's own limit (``stall_timeout_s``); a first
+join does the same within ``join_timeout_s``.
 
 The registration and pull are stood in for: what is tested is the retry policy around them
 (the real joins again run in tests/trainer/test_catch_up.py and test_straggler.py).
@@ -13,36 +14,38 @@ from typing import Any
 import pytest
 from chaos.daemon.client import RequestRefused
 
-import chaos.trainer.trainer as trainer_module
+import chaos.trainer.join_retry as retry_module
 from chaos.errors import ReplicationError
 from chaos.trainer.trainer import Trainer
 
 
 def _joiner(failures: int, stall_timeout_s: float | None,
             error: Exception | None = None) -> Any:  # fmt: skip
-    calls: list[bool] = []
+    calls: list[tuple[Any, Any]] = []
     events: list[tuple[str, dict[str, Any]]] = []
 
-    def register_and_sync(*_args: Any, **_kwargs: Any) -> None:
-        calls.append(True)
+    def register_and_sync(*args: Any, **kwargs: Any) -> None:
+        calls.append((args, kwargs))
         if len(calls) <= failures:
             raise error or ReplicationError(
                 "no donor left to pull the state from: every donor is gone")
 
-    return SimpleNamespace(
+    joiner = SimpleNamespace(
         _donor=SimpleNamespace(retire=lambda: None),
         config=SimpleNamespace(stall_timeout_s=stall_timeout_s),
         _register_and_sync=register_and_sync,
         _event=lambda name, **kw: events.append((name, kw)),
         node_id="n1", calls=calls, events=events,
     )  # fmt: skip
+    joiner._join_until = lambda *a, **kw: Trainer._join_until(joiner, *a, **kw)
+    return joiner
 
 
 def test_a_join_again_whose_donors_keep_going_is_retried_until_it_succeeds(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     pauses: list[float] = []
-    monkeypatch.setattr(trainer_module.time, "sleep", pauses.append)
+    monkeypatch.setattr(retry_module.time, "sleep", pauses.append)
     joiner = _joiner(failures=7, stall_timeout_s=None)  # more than the old limit of 3
     Trainer._join_again(joiner)
     assert len(joiner.calls) == 8
@@ -54,8 +57,8 @@ def test_a_join_again_gives_up_at_the_users_stall_timeout(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clock = [100.0]
-    monkeypatch.setattr(trainer_module.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(trainer_module.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(retry_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(retry_module.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
     joiner = _joiner(failures=1000, stall_timeout_s=10.0)
     with pytest.raises(ReplicationError, match="no donor left"):
         Trainer._join_again(joiner)
@@ -67,7 +70,7 @@ def test_a_join_again_refused_for_want_of_a_state_source_waits_for_one(
 ) -> None:
     """A scheduler just elected may not know the state's layout yet: the registration is
     refused ``no_state_source`` for a while (a campaign's trainers crashed on it)."""
-    monkeypatch.setattr(trainer_module.time, "sleep", lambda s: None)
+    monkeypatch.setattr(retry_module.time, "sleep", lambda s: None)
     refusal = RequestRefused("no_state_source", "no trainer registered the state layout")
     joiner = _joiner(failures=3, stall_timeout_s=None, error=refusal)
     Trainer._join_again(joiner)
@@ -75,9 +78,27 @@ def test_a_join_again_refused_for_want_of_a_state_source_waits_for_one(
 
 
 def test_a_join_again_refused_for_good_raises_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(trainer_module.time, "sleep", lambda s: None)
+    monkeypatch.setattr(retry_module.time, "sleep", lambda s: None)
     refusal = RequestRefused("state_conflict", "a and b already train")
     joiner = _joiner(failures=3, stall_timeout_s=None, error=refusal)
     with pytest.raises(RequestRefused, match="state_conflict"):
         Trainer._join_again(joiner)
     assert len(joiner.calls) == 1
+
+
+def test_a_first_join_whose_donors_went_is_retried_within_the_join_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A campaign's joiner exited when every donor of its plan was gone by the time it pulled;
+    the cluster had others to pull from a moment later."""
+    clock = [100.0]
+    monkeypatch.setattr(retry_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(retry_module.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    joiner = _joiner(failures=2, stall_timeout_s=None)
+    Trainer._join_until(joiner, 100.0 + 60.0, 100.0)
+    assert len(joiner.calls) == 3
+    # every attempt keeps the trainer's start time (its ready time counts from there) and is a
+    # first join (a restored state is not thrown away)
+    assert all(args == (True, 100.0) and kw == {"rejoin": False} for args, kw in joiner.calls)
+    with pytest.raises(ReplicationError):  # past join_timeout_s: the error, as before
+        Trainer._join_until(_joiner(failures=1000, stall_timeout_s=None), 100.0 + 60.0, 100.0)
