@@ -1,9 +1,11 @@
 """How a trainer keeps joining while its donors come and go: the retry policy, apart from the
 registration and the pull it retries (:meth:`Trainer._join_until`).
 
-A pull whose donors all went (killed, or cut off by a partition) and a registration refused
+A pull whose donors all went (killed, or cut off by a partition), a registration refused
 ``no_state_source`` (a scheduler just elected that has not yet heard the state's layout, or a
-side whose trainers are all gone for now) are tried again, paced, until a deadline; anything
+side whose trainers are all gone for now), and a request still refused for a transient reason
+after the session's own retries (``paused``: a minority side; see
+:func:`chaos.trainer.session.transient`) are tried again, paced, until a deadline; anything
 else, or anything past the deadline, is raised. A cluster that can heal is not given up on
 before the user's own limit.
 """
@@ -17,6 +19,7 @@ from typing import Any
 
 from chaos.errors import ChaosTimeout, ProtocolError, ReplicationError
 from chaos.protocol import Reason
+from chaos.trainer.session import transient
 
 __all__ = ["PAUSE_MAX_S", "PAUSE_S", "join_until"]
 
@@ -43,8 +46,8 @@ def join_until(attempt: Callable[[], None], deadline: float, node_id: str,
     Raises:
         ChaosTimeout: the last attempt's join or pull did not finish in time, past the
             deadline.
-        ProtocolError: the registration was refused for another reason than
-            ``no_state_source`` (a retry cannot change that), or so refused past the deadline.
+        ProtocolError: the registration was refused for good (a retry cannot change that),
+            or refused ``no_state_source`` or for a transient reason past the deadline.
         ReplicationError: the last attempt could not pull the state, past the deadline.
     """
     tries = 0
@@ -54,7 +57,9 @@ def join_until(attempt: Callable[[], None], deadline: float, node_id: str,
             attempt()
             return
         except (ReplicationError, ChaosTimeout, ProtocolError) as exc:
-            if isinstance(exc, ProtocolError) and getattr(exc, "reason", "") != _NO_SOURCE:
+            if isinstance(exc, ProtocolError) and not (
+                getattr(exc, "reason", "") == _NO_SOURCE or transient(exc)
+            ):
                 raise  # refused for good
             pause = min(PAUSE_MAX_S, PAUSE_S * tries)
             if time.monotonic() + pause >= deadline:

@@ -61,6 +61,13 @@ BEACON_INTERVAL_S = 0.2
 trainer waits inside ``update()``); the daemon forwards the latest once per heartbeat."""
 
 
+def transient(exc: ChaosError) -> bool:
+    """Whether a request failed for a reason that a scheduler change or a partition explains
+    (no answer, or refused ``timeout``, ``paused``, ``not_scheduler``, ``unknown_peer`` or
+    ``overloaded``): the cluster can heal, and the request is worth sending again."""
+    return isinstance(exc, ChaosTimeout) or getattr(exc, "reason", None) in _TRANSIENT
+
+
 class TrainingStalled(ChaosTimeout):
     """A step could not be completed: no new policy came after a failure within the trainer's
     ``stall_timeout_s`` (never, when that is ``None``), or the daemon did not answer within

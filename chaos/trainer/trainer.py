@@ -69,7 +69,7 @@ from chaos.trainer.exit_signals import install_exit_handlers
 from chaos.trainer.exit_signals import request_exit as request_exit
 from chaos.trainer.gradients import GradientPacker
 from chaos.trainer.join_retry import join_until
-from chaos.trainer.session import DaemonSession, Policy
+from chaos.trainer.session import DaemonSession, Policy, transient
 from chaos.trainer.session import TrainingStalled as TrainingStalled  # part of this API
 from chaos.trainer.throughput import ThroughputMeter
 from chaos.trainer.wiring import connect_session, make_donor, open_data_plane, start_embedded
@@ -708,17 +708,37 @@ class Trainer:
         self._install_newer(p)
 
     def _maybe_reregister(self) -> None:
-        """Adam creates its state on the first step: tell the scheduler the new layout."""
+        """Adam creates its state on the first step: tell the scheduler the new layout.
+
+        A paused daemon (a minority side of a partition) or a scheduler change holds that up:
+        it is sent again, with a ``waiting`` event about every 15 s, until ``stall_timeout_s``
+        (``None``: for as long as it takes; a campaign trainer crashed on a 15 s limit).
+
+        Raises:
+            TrainingStalled: not taken within ``stall_timeout_s``.
+            ProtocolError: refused for good.
+        """
         sizes = self._donor.layout_change(self._step, self._epoch)
-        if sizes is not None:
-            plane = self._plane
-            self._session.register(
-                plane.address,
-                plane.shard_address,
-                has_state=True,
-                tensor_sizes=sizes,
-                timeout_s=5.0,
-            )
+        if sizes is None:
+            return
+        plane, limit, started = self._plane, self.config.stall_timeout_s, time.monotonic()
+        while True:
+            try:
+                self._session.register(plane.address, plane.shard_address, has_state=True,
+                                       tensor_sizes=sizes, timeout_s=5.0)  # fmt: skip
+                return
+            except ChaosError as exc:
+                waited = time.monotonic() - started
+                if not transient(exc):
+                    raise
+                if limit is not None and waited >= limit:
+                    raise TrainingStalled(f"the state's new layout not taken in {waited:.0f} s "
+                                          f"({exc})") from exc  # fmt: skip
+                self._event("waiting", what="the scheduler to take the state's new layout",
+                            waited_s=round(waited, 1), paused=self._session.daemon_paused,
+                            epoch=self._epoch, step=self._step)  # fmt: skip
+                log.warning("%s: the state's new layout not taken yet (%s); still waiting",
+                            self.node_id, exc)  # fmt: skip
 
     def fail_at(self, step: int, after_frames: int = 0) -> None:
         """Fault injection by name: this device dies (``kill -9``) mid-allreduce of ``step``.

@@ -102,3 +102,15 @@ def test_a_first_join_whose_donors_went_is_retried_within_the_join_timeout(
     assert all(args == (True, 100.0) and kw == {"rejoin": False} for args, kw in joiner.calls)
     with pytest.raises(ReplicationError):  # past join_timeout_s: the error, as before
         Trainer._join_until(_joiner(failures=1000, stall_timeout_s=None), 100.0 + 60.0, 100.0)
+
+
+def test_a_join_again_refused_paused_past_the_sessions_retries_waits_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A minority side's daemon refuses ``paused`` for as long as the partition lasts; the
+    session's own retries end after 15 s, the join does not."""
+    monkeypatch.setattr(retry_module.time, "sleep", lambda s: None)
+    joiner = _joiner(failures=5, stall_timeout_s=None,
+                     error=RequestRefused("paused", "no scheduler with a majority"))  # fmt: skip
+    Trainer._join_again(joiner)
+    assert len(joiner.calls) == 6
