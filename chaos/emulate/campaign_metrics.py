@@ -403,7 +403,13 @@ def resource_summary(samples: list[dict[str, Any]], ready: Mapping[str, float],
     hub holds several, a leaf one; about five descriptors each) and its donor role, so
     ``{m}_same_load_ratio`` compares at equal size, links and role (``links``, ``serving``,
     see :func:`annotate_load`; a daemon's equals its same-size ratio). Growth at equal load is
-    a leak; the plain ratio also moves with churn.
+    a leak; the plain ratio also moves with churn. Max over first reads one transient sample
+    as growth, though (connections down during a partition, a socket per contact while a
+    daemon joins again), and a first sample taken in such a dip too; ``{m}_settled_ratio``
+    asks whether a level *stays*: per process and load (size, links, role) sampled at least
+    :data:`SETTLED_MIN_SAMPLES` times, the median of the later half of those samples over the
+    median of the earlier half, the worst of those. A leak raises the later half's median; a
+    transient of a few samples moves neither.
 
     Args:
         samples: ``{"t", "node", "proc" ("trainer" or "daemon"), "rss", "fds"[, "members"]
@@ -414,10 +420,12 @@ def resource_summary(samples: list[dict[str, Any]], ready: Mapping[str, float],
     Returns:
         ``{"per_process": {"node/proc": {"samples", "rss_first", "rss_last", "rss_max_ratio",
         "rss_same_size_ratio", "fds_first", "fds_last", "fds_max_ratio",
-        "fds_same_size_ratio"}}, "worst_rss_ratio", "worst_fds_ratio",
-        "worst_rss_same_size_ratio", "worst_fds_same_size_ratio", "flat_within_10pct",
-        "flat_at_same_size"}``; processes with fewer than two samples after warm-up are left
-        out, and a same-size ratio is ``None`` with no size sampled twice.
+        "fds_same_size_ratio", ..._same_load_ratio, ..._settled_ratio}}, "worst_rss_ratio",
+        "worst_fds_ratio", "worst_{rss,fds}_same_size_ratio", "worst_{...}_same_load_ratio",
+        "worst_{...}_settled_ratio", "flat_within_10pct", "flat_at_same_size",
+        "flat_at_same_load", "settled_within_10pct"}``; processes with fewer than two samples
+        after warm-up are left out, and a same-size ratio is ``None`` with no size sampled
+        twice.
     """
     series: dict[str, list[dict[str, Any]]] = {}
     for s in samples:
@@ -438,11 +446,13 @@ def resource_summary(samples: list[dict[str, Any]], ready: Mapping[str, float],
             entry[f"{m}_max_ratio"] = max(x[m] for x in rows) / first if first else None
             entry[f"{m}_same_size_ratio"] = _same_size_ratio(rows, m)
             entry[f"{m}_same_load_ratio"] = _same_size_ratio(rows, m, load=True)
+            entry[f"{m}_settled_ratio"] = settled_ratio(rows, m)
         per[key] = entry
     worst = {k: max((v[k] for v in per.values() if v[k] is not None), default=None)
              for k in ("rss_max_ratio", "fds_max_ratio", "rss_same_size_ratio",
                        "fds_same_size_ratio", "rss_same_load_ratio",
-                       "fds_same_load_ratio")}  # fmt: skip
+                       "fds_same_load_ratio", "rss_settled_ratio",
+                       "fds_settled_ratio")}  # fmt: skip
     def within(keys: tuple[str, str]) -> bool | None:
         return all((w := worst[k]) is None or w <= 1.10 for k in keys) if per else None
 
@@ -456,7 +466,42 @@ def resource_summary(samples: list[dict[str, Any]], ready: Mapping[str, float],
             "worst_fds_same_load_ratio": worst["fds_same_load_ratio"],
             "flat_within_10pct": flat, "flat_at_same_size": same,
             "flat_at_same_load": within(("rss_same_load_ratio",
-                                         "fds_same_load_ratio"))}  # fmt: skip
+                                         "fds_same_load_ratio")),
+            "worst_rss_settled_ratio": worst["rss_settled_ratio"],
+            "worst_fds_settled_ratio": worst["fds_settled_ratio"],
+            "settled_within_10pct": within(("rss_settled_ratio",
+                                            "fds_settled_ratio"))}  # fmt: skip
+
+
+SETTLED_MIN_SAMPLES = 4
+"""The fewest samples of one process at one load that :func:`settled_ratio` compares."""
+
+
+def _load_key(x: dict[str, Any]) -> tuple[int, int, bool] | None:
+    size = x.get("members", x.get("live"))
+    if size is None:
+        return None
+    return (int(size), int(x.get("links", -1)), bool(x.get("serving")))
+
+
+def settled_ratio(rows: list[dict[str, Any]], m: str) -> float | None:
+    """The worst, over the loads (size, links, role) a process was sampled at
+    :data:`SETTLED_MIN_SAMPLES` times or more, of the median of ``m`` over the later half of
+    those time-ordered samples divided by the median over the earlier half; ``None`` when no
+    load was sampled that often (see :func:`resource_summary`)."""
+    by_load: dict[tuple[int, int, bool], list[float]] = {}
+    for x in rows:
+        key = _load_key(x)
+        if key is not None:
+            by_load.setdefault(key, []).append(float(x[m]))
+    ratios = []
+    for v in by_load.values():
+        if len(v) >= SETTLED_MIN_SAMPLES:
+            half = len(v) // 2
+            early = statistics.median(v[:half])
+            if early:
+                ratios.append(statistics.median(v[len(v) - half:]) / early)
+    return max(ratios) if ratios else None
 
 
 def _same_size_ratio(rows: list[dict[str, Any]], m: str, load: bool = False) -> float | None:

@@ -193,7 +193,11 @@ def format_table(doc: dict[str, Any]) -> str:
                  f"{res.get('flat_at_same_size')}; at equal size, data-plane links and donor "
                  f"role: worst RSS {_fmt_s(res.get('worst_rss_same_load_ratio'))}, open files "
                  f"{_fmt_s(res.get('worst_fds_same_load_ratio'))}, flat within 10%: "
-                 f"{res.get('flat_at_same_load')}")  # fmt: skip
+                 f"{res.get('flat_at_same_load')}; settled (later half's median over the "
+                 f"earlier half's, per load): worst RSS "
+                 f"{_fmt_s(res.get('worst_rss_settled_ratio'))}, open files "
+                 f"{_fmt_s(res.get('worst_fds_settled_ratio'))}, within 10%: "
+                 f"{res.get('settled_within_10pct')}")  # fmt: skip
     for key, v in res["per_process"].items():
         lines.append(f"  {key:<14} rss {v['rss_first'] / 2**20:7.1f} -> "
                      f"{v['rss_last'] / 2**20:7.1f} MiB (max x{v['rss_max_ratio']:.3f}), fds "

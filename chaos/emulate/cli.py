@@ -326,13 +326,15 @@ def cleanup_command(prefix: str, force: bool) -> None:
 def _register_run_commands() -> None:
     from chaos.emulate.commands import (
         chaos_command,
+        chaos_report_command,
         compare_command,
         compare_plot_command,
         demo_command,
         run_command,
     )
 
-    for cmd in (demo_command, run_command, compare_command, compare_plot_command, chaos_command):
+    for cmd in (demo_command, run_command, compare_command, compare_plot_command, chaos_command,
+                chaos_report_command):  # fmt: skip
         main.add_command(cmd)
 
 

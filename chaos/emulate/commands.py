@@ -560,3 +560,31 @@ def chaos_command(nodes: int, duration: float, rate: float, seed: int, json_path
 
         path = plot_campaign(doc, plot_dir / "chaos_timeline.png")
         click.echo(f"wrote {path}", err=True)
+
+
+@click.command("chaos-report")
+@click.argument("run_json", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write the report, its resources recomputed, here.")  # fmt: skip
+def chaos_report_command(run_json: Path, json_path: Path | None) -> None:
+    """Prints the report of a ``chaos`` run's JSON again, its RSS and open-file figures
+    recomputed from the stored samples by this version's definitions (a run made before a
+    figure existed gains it)."""
+    from chaos.emulate.campaign import format_table
+    from chaos.emulate.campaign_metrics import resource_summary
+
+    try:
+        doc = json.loads(run_json.read_text())
+        ready: dict[str, float] = {}
+        for name, recs in doc["devices"].items():
+            first = next((r for r in recs if r.get("kind") == "ready"), None)
+            if first is not None:
+                ready[name] = float(first["t"])
+        doc["resources"] = resource_summary(doc["samples"], ready,
+                                            float(doc["config"]["warmup_s"]))  # fmt: skip
+        table = format_table(doc)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise click.ClickException(f"{run_json} is not a chaos run's JSON: {exc!r}") from exc
+    click.echo(table)
+    if json_path is not None:
+        _write(json_path, doc)

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -390,6 +391,17 @@ def test_a_short_loopback_campaign_reports_every_field_and_reaps_its_processes(
     assert loads and all(0 <= k <= 2 for k in loads) and max(loads) >= 1
     assert "worst_fds_same_load_ratio" in doc["resources"]
     assert "committed steps lost" in stdout and "ETTR" in stdout
+    # the report again from the JSON: the same resources, recomputed from the samples
+    again = subprocess.run([*CLI, "chaos-report", str(out), "--json", str(tmp_path / "r.json")],
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    redone = json.loads((tmp_path / "r.json").read_text())["resources"]
+    assert redone["per_process"] and set(redone["per_process"]) <= set(doc["per_process"])
+    for key, entry in redone["per_process"].items():  # the same figures, and the new one
+        assert entry["fds_same_load_ratio"] == doc["resources"]["per_process"][key][
+            "fds_same_load_ratio"]
+        assert "fds_settled_ratio" in entry
+    assert "committed steps lost" in again.stdout and "settled" in again.stdout
     assert (tmp_path / "chaos_timeline.png").stat().st_size > 0
     # every device process (trainers and their daemons) is gone
     pids = [d for d in _descendants_alive(proc.pid)]
@@ -487,3 +499,40 @@ def test_open_files_that_follow_the_data_plane_links_are_flat_at_equal_load() ->
     got = resource_summary(leaks, {"a": 0.0}, warmup_s=0.0)
     assert got["worst_fds_same_load_ratio"] == pytest.approx(81 / 65)
     assert got["flat_at_same_load"] is False
+
+
+def _daemon_series(fds: list[int]) -> list[dict[str, Any]]:
+    return [{"t": 5.0 * i, "node": "a", "proc": "daemon", "rss": 100, "fds": f, "members": 8}
+            for i, f in enumerate(fds)]  # fmt: skip
+
+
+def test_a_level_that_comes_back_is_settled_and_one_that_stays_up_is_not() -> None:
+    """A first sample in a dip (connections down during a partition) and a bump of a few
+    samples (a socket per contact while joining again) read as growth max over first, not
+    settled; a step that stays (a thread with its own context started mid-run) reads as
+    both."""
+    transient = _daemon_series([49, 56, 56, 63, 63, 56, 56, 56, 56, 56, 56, 56])
+    got = resource_summary(transient, {"a": 0.0}, warmup_s=0.0)
+    assert got["worst_fds_same_load_ratio"] == pytest.approx(63 / 49)
+    assert got["worst_fds_settled_ratio"] == 1.0 and got["settled_within_10pct"] is True
+    stays = _daemon_series([49, 49, 49, 49, 49, 56, 56, 56, 56, 56])
+    got = resource_summary(stays, {"a": 0.0}, warmup_s=0.0)
+    assert got["worst_fds_settled_ratio"] == pytest.approx(56 / 49)
+    assert got["settled_within_10pct"] is False
+
+
+def test_too_few_samples_at_one_load_are_not_judged_settled() -> None:
+    got = resource_summary(_daemon_series([40, 60, 60]), {"a": 0.0}, warmup_s=0.0)
+    assert got["worst_fds_settled_ratio"] is None and got["settled_within_10pct"] is True
+
+
+def test_chaos_report_refuses_a_file_that_is_not_a_runs_json(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from chaos.emulate.cli import main
+
+    bad = tmp_path / "bad.json"
+    for text in ("{}", "not json", json.dumps({"devices": {}, "samples": 3})):
+        bad.write_text(text)
+        res = CliRunner().invoke(main, ["chaos-report", str(bad)])
+        assert res.exit_code != 0 and "not a chaos run's JSON" in res.output, res.output
