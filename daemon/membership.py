@@ -103,6 +103,8 @@ class Membership:
         self._join_neighbors: list[str] = []
         self._rejoining = False
         self._join_deadline = float("inf")
+        self._unknown_neighbors: str | None = None
+        """The last refusal of a first join's wanted neighbours (the error if it times out)."""
         self._next_join = float("inf")
         self._leave_op = ""
         self._leave_reply: ReplyPath | None = None
@@ -191,7 +193,10 @@ class Membership:
         the join on to the next contact (unless nothing was sent to the current one yet: the
         refusal answered an earlier contact). A rejoin whose neighbours are refused
         (``unknown_peer``, ``unreachable``: one left or failed meanwhile) asks again without
-        them, once.
+        them, once. A first join whose wanted neighbours are so refused waits for them (they
+        may be cut off, or failed and joining again) and asks again at each join interval,
+        until ``join_timeout_s``, whose error then names them (a campaign joiner exited at once
+        when the harness's chosen neighbours were cut off a moment after it chose them).
         """
         h = self.host
         if h.state != DaemonState.JOINING or msg.ref_type != "join_request":
@@ -200,6 +205,14 @@ class Membership:
             # a rejoin's neighbours are this node's wish, not the user's: one may have gone
             h.event("rejoin_neighbors_dropped", reason=msg.reason, neighbors=self._join_neighbors)
             self._join_neighbors = []
+            return True
+        if self._join_neighbors and msg.reason in _NEIGHBOR_GONE:
+            detail = f"{msg.reason} {msg.detail}"
+            if detail != self._unknown_neighbors:
+                log.warning("join refused by %s: %s; waiting for them until the join timeout",
+                            msg.sender or "?", detail)  # fmt: skip
+                h.event("join_neighbors_unknown", reason=msg.reason, detail=msg.detail)
+            self._unknown_neighbors = detail
             return True
         if msg.reason not in _RETRY_REASONS:
             log.error("join refused by %s: %s %s", msg.sender or "?", msg.reason, msg.detail)
@@ -326,8 +339,10 @@ class Membership:
         h = self.host
         if h.state == DaemonState.JOINING:
             if now > self._join_deadline:
-                h.event("join_failed", reason=Reason.TIMEOUT)
-                log.error("join timed out after %.1f s", h.cfg.join_timeout_s)
+                h.event("join_failed", reason=Reason.TIMEOUT, detail=self._unknown_neighbors)
+                log.error("join timed out after %.1f s%s", h.cfg.join_timeout_s,
+                          f" (the neighbours asked for: {self._unknown_neighbors})"
+                          if self._unknown_neighbors else "")  # fmt: skip
                 h.finish(4)
             elif now >= self._next_join:
                 self._send_join(now)

@@ -77,6 +77,31 @@ def test_a_single_unanswered_contact_still_times_out(cluster: Cluster) -> None:
     assert "join_failed" in _names(j)
 
 
+def test_a_joiner_waits_for_a_wanted_neighbour_that_is_not_a_member_yet(
+    cluster: Cluster,
+) -> None:
+    """The neighbour asked for joins a moment later (it was cut off, or is joining again): the
+    joiner is admitted then, with that link (a campaign joiner exited at once instead)."""
+    n1, n2 = cluster.start(2)
+    j = cluster.spawn("j", join=n2, neighbors=("n3",), wait=False)
+    wait_until(lambda: "join_neighbors_unknown" in _names(j), "j refused for want of n3")
+    assert j.proc.poll() is None  # still joining
+    cluster.spawn("n3", join=n1, neighbors=("n1",))
+    wait_until(lambda: "j" in cluster.members(n1), "j admitted once n3 is a member")
+    assert j.proc.poll() is None
+
+
+def test_a_wanted_neighbour_that_never_comes_fails_the_join_at_its_timeout(
+    cluster: Cluster,
+) -> None:
+    n1, _n2 = cluster.start(2)
+    j = cluster.spawn("j", join=n1, neighbors=("ghost",), extra=("--join-timeout", "3"),
+                      wait=False)  # fmt: skip
+    assert j.proc.wait(timeout=60) == 4  # the join timeout, not a refusal at once (3)
+    failed = next(e for e in j.events() if e["event"] == "join_failed")
+    assert "ghost" in (failed.get("detail") or "")
+
+
 def test_the_join_timeout_flag_overrides_the_config_file(cluster: Cluster) -> None:
     cluster.config.write_text(cluster.config.read_text() + "join_timeout_s = 600.0\n")
     j = cluster.spawn("j", extra=("--join", _dead_endpoint(), "--join-timeout", "1.5"),
