@@ -339,7 +339,8 @@ class Membership:
         h = self.host
         if h.state == DaemonState.JOINING:
             if now > self._join_deadline:
-                h.event("join_failed", reason=Reason.TIMEOUT, detail=self._unknown_neighbors)
+                more = {"detail": self._unknown_neighbors} if self._unknown_neighbors else {}
+                h.event("join_failed", reason=Reason.TIMEOUT, **more)
                 log.error("join timed out after %.1f s%s", h.cfg.join_timeout_s,
                           f" (the neighbours asked for: {self._unknown_neighbors})"
                           if self._unknown_neighbors else "")  # fmt: skip

@@ -396,7 +396,8 @@ def test_a_short_loopback_campaign_reports_every_field_and_reaps_its_processes(
                            capture_output=True, text=True, timeout=120)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
     redone = json.loads((tmp_path / "r.json").read_text())["resources"]
-    assert redone["per_process"] and set(redone["per_process"]) <= set(doc["per_process"])
+    assert redone["per_process"]
+    assert set(redone["per_process"]) <= set(doc["resources"]["per_process"])
     for key, entry in redone["per_process"].items():  # the same figures, and the new one
         assert entry["fds_same_load_ratio"] == doc["resources"]["per_process"][key][
             "fds_same_load_ratio"]
