@@ -477,11 +477,18 @@ SETTLED_MIN_SAMPLES = 4
 """The fewest samples of one process at one load that :func:`settled_ratio` compares."""
 
 
-def _load_key(x: dict[str, Any]) -> tuple[int, int, bool] | None:
-    size = x.get("members", x.get("live"))
-    if size is None:
-        return None
-    return (int(size), int(x.get("links", -1)), bool(x.get("serving")))
+def _by_load(rows: list[dict[str, Any]], m: str, load: bool = True) -> list[list[float]]:
+    """``m`` of a process's time-ordered samples, grouped by the number of devices then
+    running (with ``load``, also by ``links`` and ``serving`` where a sample has them);
+    samples without a size are left out."""
+    groups: dict[tuple[int, int, bool], list[float]] = {}
+    for x in rows:
+        size = x.get("members", x.get("live"))
+        if size is not None:
+            key = (int(size), int(x.get("links", -1)), bool(x.get("serving"))) if load \
+                else (int(size), -1, False)
+            groups.setdefault(key, []).append(float(x[m]))
+    return list(groups.values())
 
 
 def settled_ratio(rows: list[dict[str, Any]], m: str) -> float | None:
@@ -489,13 +496,8 @@ def settled_ratio(rows: list[dict[str, Any]], m: str) -> float | None:
     :data:`SETTLED_MIN_SAMPLES` times or more, of the median of ``m`` over the later half of
     those time-ordered samples divided by the median over the earlier half; ``None`` when no
     load was sampled that often (see :func:`resource_summary`)."""
-    by_load: dict[tuple[int, int, bool], list[float]] = {}
-    for x in rows:
-        key = _load_key(x)
-        if key is not None:
-            by_load.setdefault(key, []).append(float(x[m]))
     ratios = []
-    for v in by_load.values():
+    for v in _by_load(rows, m):
         if len(v) >= SETTLED_MIN_SAMPLES:
             half = len(v) // 2
             early = statistics.median(v[:half])
@@ -508,14 +510,7 @@ def _same_size_ratio(rows: list[dict[str, Any]], m: str, load: bool = False) -> 
     """The worst max-over-first of ``m`` among a process's time-ordered samples taken while
     the same number of devices ran (with ``load``, also with the same ``links`` and
     ``serving`` where a sample has them); ``None`` when no such group was sampled twice."""
-    by_size: dict[tuple[int, int, bool], list[float]] = {}
-    for x in rows:
-        size = x.get("members", x.get("live"))
-        if size is not None:
-            key = (int(size), int(x.get("links", -1)), bool(x.get("serving"))) if load \
-                else (int(size), -1, False)
-            by_size.setdefault(key, []).append(float(x[m]))
-    ratios = [max(v) / v[0] for v in by_size.values() if len(v) >= 2 and v[0]]
+    ratios = [max(v) / v[0] for v in _by_load(rows, m, load) if len(v) >= 2 and v[0]]
     return max(ratios) if ratios else None
 
 

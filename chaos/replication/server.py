@@ -179,8 +179,8 @@ class ShardServer:
         self.config = config or ShardServerConfig()
         self.faults = faults or ServerFaults()
         self.security = security if security is not None else Security()
-        # with a key, a context of its own: its ZAP handler is the server's alone
         start_zero_copy_collector()  # shards go out uncopied: its descriptors from now on
+        # with a key, a context of its own: its ZAP handler is the server's alone
         self._own_ctx = context is None and self.security.enabled
         self._ctx = context or (zmq.Context() if self._own_ctx else zmq.Context.instance())
         self.security.authenticate(self._ctx)

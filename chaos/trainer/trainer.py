@@ -77,9 +77,6 @@ from chaos.trainer.wiring import connect_session, make_donor, open_data_plane, s
 log = logging.getLogger("chaos.trainer")
 
 
-
-
-
 class _Rejoined(Exception):
     """The scheduler had evicted this trainer (a straggler); it joined again inside
     ``update()``, pulling the current state, so the step's gradients are stale: the step is
@@ -490,8 +487,9 @@ class Trainer:
         Raises:
             ChaosTimeout: the last attempt's join or pull did not finish in time, and
                 ``stall_timeout_s`` has passed.
-            ProtocolError: the registration was refused for another reason than
-                ``no_state_source``, or refused so when ``stall_timeout_s`` had passed.
+            ProtocolError: the registration was refused for good, or refused
+                ``no_state_source`` or for a transient reason when ``stall_timeout_s`` had
+                passed.
             ReplicationError: the last attempt could not pull the state, and
                 ``stall_timeout_s`` has passed.
         """
@@ -500,8 +498,9 @@ class Trainer:
         self._join_until(math.inf if limit is None else time.monotonic() + limit)
 
     def _join_until(self, deadline: float, t0: float | None = None) -> None:
-        """Registers as a joiner and pulls the state, retrying a failed pull or a
-        ``no_state_source`` refusal until ``deadline`` (monotonic; see :func:`join_until`). The
+        """Registers as a joiner and pulls the state, retrying a failed pull, a
+        ``no_state_source`` refusal or a transient one (``paused``) until ``deadline``
+        (monotonic; see :func:`join_until`). The
         first join passes ``t0`` (when the trainer started, for its ``ready`` time) and
         ``join_timeout_s`` after it; joining again passes neither.
 
