@@ -114,11 +114,12 @@ class CollectiveStats:
     dropped_early_overflow: int = 0
     early_buffered: int = 0
     results_sent: int = 0
+    """Kept round results sent to a neighbour that was a step behind (:attr:`Op.RESULT`),
+    including those passed on after this node caught up itself."""
     quiet_probes: int = 0
     """BEHIND notices sent because the neighbour a round waited for stayed quiet."""
     frames_lost_by_fault: int = 0
     """Data frames not sent because of :meth:`Communicator.lose_frames_to` (fault injection)."""
-    """Kept round results sent to a neighbour that was a step behind (:attr:`Op.RESULT`)."""
     caught_up: int = 0
     """Rounds this node completed with a neighbour's kept result instead of running them."""
     lane_frames_sent: int = 0

@@ -85,10 +85,13 @@ class RoundDriver:
         key, acc, run = self._setup_round(topo, tensor, op, timeout_s, out, wire_dtype, step)
         caught = self._execute_round(run, key, tensor)
         self._failed_step = None
-        if caught is not None:
-            self._stats.caught_up += 1
-            acc = caught
-        return self._finish(tensor, out, acc, keep_result, key[1])
+        if caught is None:
+            return self._finish(tensor, out, acc, keep_result, key[1])
+        self._stats.caught_up += 1
+        result = self._finish(tensor, out, caught[0], keep_result, key[1])
+        # the neighbours still in this round wait for its result from this node
+        self._notices.pass_on(key, caught[1])
+        return result
 
     def _setup_round(
         self,
@@ -131,7 +134,9 @@ class RoundDriver:
         self._notices.announce(key)
         return key, acc, run
 
-    def _execute_round(self, run: Round, key: Key, tensor: torch.Tensor) -> torch.Tensor | None:
+    def _execute_round(
+        self, run: Round, key: Key, tensor: torch.Tensor
+    ) -> tuple[torch.Tensor, str] | None:
         """Runs the round; on a failure, tells the neighbours and re-raises.
 
         Args:
@@ -141,7 +146,7 @@ class RoundDriver:
 
         Returns:
             ``None`` when the round completed here, or the result a neighbour sent because this
-            node was a step behind (see :attr:`Op.RESULT`).
+            node was a step behind (see :attr:`Op.RESULT`), with that neighbour.
 
         Raises:
             PeerFailure: a neighbour failed, or the round was interrupted; the step is marked
@@ -149,13 +154,14 @@ class RoundDriver:
                 for a newer round seen elsewhere, told of that round).
             ProtocolError: a neighbour's frames disagree with this call; handled likewise.
         """
-        caught: torch.Tensor | None = None
+        caught: tuple[torch.Tensor, str] | None = None
         try:
             try:
                 run.execute()
             except CaughtUp as done:
                 self._lanes.cancel()  # this round's own frames are stale now
-                caught = result_of(done.frame, tensor)  # a bad result fails the round
+                # a bad result fails the round
+                caught = (result_of(done.frame, tensor), done.frame.peer)
         except BaseException as exc:
             self._lanes.cancel()  # the round's buffers may be reused at once
             if not isinstance(exc, (PeerFailure, ProtocolError)):

@@ -110,6 +110,9 @@ class Inbox:
             elif k[1] > key[1] and len(self._early) < self._max_early:
                 self._early.append(frame)  # a later step's
             return None
+        if header.op == Op.RESULT and k < key:
+            self._stats.dropped_stale += 1  # a result passed on to this node, which has it
+            return None
         if k[1] == key[1] - 1:
             # the peer still runs the step this node completed: it never got that round's
             # result (a member died while it was going out); send it the kept result

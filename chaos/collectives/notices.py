@@ -8,6 +8,8 @@ Internal to :mod:`chaos.collectives`. Three notices help members that are not in
   that is no longer a neighbour gets it through a notice-only socket of its own.
 * ``BEHIND`` asks a neighbour a step ahead for the result of the step this node is still in.
 * ``RESULT`` sends a neighbour a step behind the kept result of the step this node completed.
+  A node that completed a step with a neighbour's kept result passes it on to its other
+  neighbours still in that step (they wait for it from this node).
 
 ``ABORT`` tells the neighbours that this node gave a round up. :func:`sort_early` sorts the
 frames and notices that arrived before their round started (pure: no sockets).
@@ -92,6 +94,10 @@ class LinkSockets(Protocol):
 
     def sockets(self) -> list[zmq.Socket]:
         """Every data link's socket."""
+        ...
+
+    def peers(self) -> list[str]:
+        """The neighbours (one data link each)."""
         ...
 
 
@@ -219,6 +225,24 @@ class PeerNotices:
         except zmq.ZMQError:
             return
         self._stats.results_sent += 1
+
+    def pass_on(self, key: Key, source: str) -> None:
+        """Offers the kept result of round ``key``, which this node got from ``source`` instead
+        of completing the round, to every other neighbour not known to be a step ahead.
+
+        A neighbour that sent this node its part of the round waits for the result from it,
+        and a node that caught up sends nothing more in that round: without this, such a
+        neighbour (a child in a tree whose parent caught up) waited until its quiet probe.
+        A neighbour that already has the result drops it (see :meth:`Inbox.route
+        <chaos.collectives.inbox.Inbox.route>`).
+
+        Args:
+            key: The round that completed with ``source``'s kept result.
+            source: The neighbour that sent it.
+        """
+        for peer in self._links.peers():
+            if peer != source and peer not in self._asked:
+                self.offer_result(peer, key)
 
     def abort(self, key: Key, failed: str) -> None:
         """Tells every neighbour that this node gave up round ``key`` because of ``failed``

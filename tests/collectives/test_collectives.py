@@ -55,14 +55,17 @@ def _input(name: str, numel: int, seed: int, dtype: str) -> torch.Tensor:
     return torch.randn(numel, generator=gen, dtype=torch.float32).to(getattr(torch, dtype))
 
 
-def _worker(name: str, commands: Any, replies: Any, lanes: bool = True) -> None:
+def _worker(
+    name: str, commands: Any, replies: Any, lanes: bool = True, quiet_probe_s: float = 2.0
+) -> None:
     """A cluster member: runs the commands it is sent and replies with what happened.
 
     With ``lanes``, every tensor (however small) travels on payload lanes once they are up.
     """
     torch.set_num_threads(1)
     config = CommunicatorConfig(node_id=name, chunk_bytes=CHUNK_BYTES, timeout_s=30.0,
-                                lanes=lanes, lane_min_bytes=0)  # fmt: skip
+                                lanes=lanes, lane_min_bytes=0,
+                                quiet_probe_s=quiet_probe_s)  # fmt: skip
     comm = Communicator(config)
     replies.put(("address", name, comm.address))
     while True:
@@ -124,16 +127,20 @@ def _allreduce(comm: Communicator, name: str, spec: dict[str, Any]) -> tuple[str
 class Cluster:
     """Drives spawned members ``n0 .. n{k-1}``; see :func:`cluster`."""
 
-    def __init__(self, size: int, lanes: bool = True) -> None:
+    def __init__(
+        self, size: int, lanes: bool = True, quiet_probe_s: dict[str, float] | None = None
+    ) -> None:
         ctx = mp.get_context("spawn")
+        quiet = quiet_probe_s or {}
         self.names = [f"n{i}" for i in range(size)]
         # One reply queue per member: a member killed mid-write (fail_at) can leave a shared
         # queue's lock held, which would silence every other member.
         self.replies = {n: ctx.Queue() for n in self.names}
         self.commands = {n: ctx.Queue() for n in self.names}
         self.procs = {
-            n: ctx.Process(target=_worker, args=(n, self.commands[n], self.replies[n], lanes),
-                           daemon=True)
+            n: ctx.Process(target=_worker, daemon=True,
+                           args=(n, self.commands[n], self.replies[n], lanes,
+                                 quiet.get(n, 2.0)))
             for n in self.names
         }  # fmt: skip
         self.addresses: dict[str, str] = {}
@@ -193,8 +200,10 @@ class Cluster:
 
 
 @contextmanager
-def cluster(size: int, lanes: bool = True) -> Iterator[Cluster]:
-    c = Cluster(size, lanes)
+def cluster(
+    size: int, lanes: bool = True, quiet_probe_s: dict[str, float] | None = None
+) -> Iterator[Cluster]:
+    c = Cluster(size, lanes, quiet_probe_s)
     try:
         c.start()
         yield c
@@ -378,6 +387,41 @@ def test_a_member_whose_result_frames_were_lost_asks_the_neighbour_a_step_ahead(
         assert info["result"].tobytes() == got.tobytes()  # the step the others applied
         assert info["caught_up"] == 1 and info["input_intact"]
         c.commands["n2"].put(("allreduce", {**spec, "seed": 3}))
+        step2 = {m: c._reply(m) for m in members}
+        _check({m: (k, i) for m, (k, _, i) in step2.items()},
+               _reference(members, numel, 3, "mean", "float32"), 1e-5, 1e-5)  # fmt: skip
+
+
+def test_a_member_that_caught_up_passes_the_result_on_to_its_child() -> None:
+    """The root's broadcast of step 1 to n2 is lost; n3 hangs off n2. n2 and n3 stay in step 1
+    while the root and n1 run step 2. n2's quiet probe gets it the root's kept result, and n2
+    passes that on to n3, which had sent n2 its part and waits for the result from n2 (and
+    n2, having caught up, sends nothing more in step 1). n3 never probes here (its quiet probe
+    is longer than the round's timeout): without the pass-on it timed out."""
+    members = ["n0", "n1", "n2", "n3"]
+    numel = 20_000
+    quiet = {"n2": 0.3, "n3": 600.0}
+    with cluster(4, quiet_probe_s=quiet) as c:
+        c.topology(members, "tree", parent={"n0": None, "n1": "n0", "n2": "n0", "n3": "n2"})
+        spec = {"numel": numel, "op": "mean", "timeout_s": 30.0, "keep": True}
+        _check(c.allreduce(members, seed=1, **spec),
+               _reference(members, numel, 1, "mean", "float32"), 1e-5, 1e-5)  # fmt: skip
+        c.send(["n0"], "lose_frames_to", {"peer": "n2", "step": 1})
+        for m in members:
+            c.commands[m].put(("allreduce", {**spec, "seed": 2}))
+        ahead = {m: c._reply(m) for m in ("n0", "n1")}
+        assert {m: k for m, (k, _, _) in ahead.items()} == {"n0": "result", "n1": "result"}
+        got = ahead["n0"][2]["result"]
+        for m in ("n0", "n1"):
+            c.commands[m].put(("allreduce", {**spec, "seed": 3}))
+        behind = {m: c._reply(m) for m in ("n2", "n3")}
+        for m, (kind, _, info) in behind.items():
+            assert kind == "result", (m, info)
+            assert info["result"].tobytes() == got.tobytes(), m  # the step the others applied
+            assert info["caught_up"] == 1 and info["input_intact"], (m, info)
+        assert behind["n2"][2]["results_sent"] == 1  # passed on to n3 only
+        for m in ("n2", "n3"):
+            c.commands[m].put(("allreduce", {**spec, "seed": 3}))
         step2 = {m: c._reply(m) for m in members}
         _check({m: (k, i) for m, (k, _, i) in step2.items()},
                _reference(members, numel, 3, "mean", "float32"), 1e-5, 1e-5)  # fmt: skip
