@@ -211,6 +211,11 @@ def resume_times(
     in that time). A device that stops running before it steps (killed, left, crashed later)
     is not waited for. When every device paused, training did not resume.
 
+    A device that was not a member of the newest view installed by ``t`` (it was joining, or
+    joining again after an eviction) is not waited for either, except after a ``heal``: the
+    fault did not stop its training, and its join is measured as a join (before, a fault that
+    came while a device rejoined after the previous heal was charged the rest of that rejoin).
+
     Args:
         injections: The harness events (``t``, ``kind``, ``node``).
         devices: Each device's records.
@@ -219,7 +224,7 @@ def resume_times(
 
     Returns:
         One row per injection: ``{"t", "kind", "label", "resumed", "resume_s", "waited",
-        "paused", "not_resumed"}``.
+        "paused", "joining", "not_resumed"}``.
     """
     pauses: dict[str, list[float]] = {}
     views: list[tuple[float, int, frozenset[str]]] = []
@@ -237,11 +242,14 @@ def resume_times(
     for ev in injections:
         t = float(ev["t"])
         until = next((x for x in starts if x > t), math.inf)
-        inside = [v for v in views if v[0] <= until]
-        member = max(inside, key=lambda v: (v[1], v[0]))[2] if inside else None
-        waited, paused, missing, last = [], [], [], t
+        member = _newest([v for v in views if v[0] <= until])
+        before = None if ev["kind"] == "heal" else _newest([v for v in views if v[0] <= t])
+        waited, paused, joining, missing, last = [], [], [], [], t
         for n, (ready, gone) in sorted(lifetimes.items()):
             if not ready <= t < gone or n == ev.get("node"):
+                continue
+            if before is not None and n not in before:
+                joining.append(n)  # not training at t: its join is measured as a join
                 continue
             if member is not None and n not in member:
                 paused.append(n)  # out of the cluster: evicted, not joined again yet
@@ -263,8 +271,14 @@ def resume_times(
         resumed = bool(waited) and not missing
         rows.append({"t": t, "kind": ev["kind"], "label": ev.get("label", ev["kind"]),
                      "resumed": resumed, "resume_s": last - t if resumed else None,
-                     "waited": waited, "paused": paused, "not_resumed": missing})  # fmt: skip
+                     "waited": waited, "paused": paused, "joining": joining,
+                     "not_resumed": missing})  # fmt: skip
     return rows
+
+
+def _newest(views: list[tuple[float, int, frozenset[str]]]) -> frozenset[str] | None:
+    """The members of the view of the highest epoch among ``views`` (``None``: no view)."""
+    return max(views, key=lambda v: (v[1], v[0]))[2] if views else None
 
 
 def _quantile(xs: list[float], q: float) -> float | None:

@@ -30,7 +30,10 @@ from chaos.emulate.campaign_plan import CampaignConfig, PlannedEvent
 from chaos.emulate.metrics import device_outages
 from chaos.emulate.runner import Runner, RunResult
 
-__all__ = ["FAULTS", "CampaignRecord", "format_table", "report"]
+__all__ = [
+    "FAULTS", "CampaignRecord", "fault_figures", "fault_rows", "format_table", "recompute",
+    "report", "stored_lifetimes",
+]
 
 
 class CampaignRecord(Protocol):
@@ -89,19 +92,12 @@ def report(camp: CampaignRecord, result: RunResult, samples: list[dict[str, Any]
     injections = [e for e in camp.events if e["kind"] in FAULTS]
     lifetimes = {n: (camp.ready_t.get(n, math.inf), camp.gone_t.get(n, math.inf))
                  for n in devices}  # fmt: skip
-    rows = resume_times(injections, devices, result.daemon_events, lifetimes)
-    for row, ev in zip(rows, injections, strict=True):
-        for k in ("cut_vertex", "scheduler", "bridge", "majority", "connected_majority", "groups",
-                  "nodes", "note"):
-            if k in ev:
-                row[k] = ev[k]
-    mark_single(rows)
+    rows = fault_rows(injections, devices, result.daemon_events, lifetimes)
     hist = lineage(devices, survivors)
     integrity = step_integrity(devices, survivors)
     times = lineage_times(devices, hist)
     gone = {n: str(d.gone) for n, d in camp.runner.devices.items() if d.gone}
     outages = device_outages(devices, result.daemon_events, ended, gone)
-    faults = [r for r in rows if r["kind"] != "join"]
     annotate_members(samples, result.daemon_events)
     annotate_load(samples, devices)
     return {
@@ -110,10 +106,7 @@ def report(camp: CampaignRecord, result: RunResult, samples: list[dict[str, Any]
         "note": "devices replicate a state of the model's size; only a small head trains",
         "started": started, "ended": ended, "wall_s": ended - started,
         "plan_events": len(camp.plan),
-        "injected_faults": len(faults),
-        "per_kind": per_kind(rows, injections),
-        "single_faults": single_faults(rows),
-        "all_resumed": all(r["resumed"] for r in faults),
+        **fault_figures(rows, injections),
         "committed_steps_lost": integrity["lost"],
         "divergent_states": integrity["divergent"],
         "integrity": integrity,
@@ -124,6 +117,7 @@ def report(camp: CampaignRecord, result: RunResult, samples: list[dict[str, Any]
         "ettr": ettr(times, started, ended),
         "resources": resource_summary(samples, camp.ready_t, cfg.warmup_s),
         "survivors": survivors,
+        "lifetimes": {n: [_finite(a), _finite(b)] for n, (a, b) in lifetimes.items()},
         "outages": outages,
         "injections": rows,
         "harness_events": result.harness_events,
@@ -136,6 +130,83 @@ def report(camp: CampaignRecord, result: RunResult, samples: list[dict[str, Any]
 
 def _fmt_s(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
+
+
+def fault_rows(
+    injections: list[dict[str, Any]],
+    devices: Mapping[str, list[dict[str, Any]]],
+    daemon_events: list[dict[str, Any]],
+    lifetimes: Mapping[str, tuple[float, float]],
+) -> list[dict[str, Any]]:
+    """One row per injection (see :func:`~chaos.emulate.campaign_metrics.resume_times`), with
+    what the harness noted of the fault (cut vertex, scheduler, ...) and whether it came alone
+    (see :func:`~chaos.emulate.campaign_metrics.mark_single`)."""
+    rows = resume_times(injections, devices, daemon_events, lifetimes)
+    for row, ev in zip(rows, injections, strict=True):
+        for k in ("cut_vertex", "scheduler", "bridge", "majority", "connected_majority", "groups",
+                  "nodes", "note"):
+            if k in ev:
+                row[k] = ev[k]
+    mark_single(rows)
+    return rows
+
+
+def fault_figures(rows: list[dict[str, Any]], injections: list[dict[str, Any]]
+                  ) -> dict[str, Any]:  # fmt: skip
+    """The report's fault figures from :func:`fault_rows`: per kind, single faults, and
+    whether every fault resumed."""
+    faults = [r for r in rows if r["kind"] != "join"]
+    return {"injected_faults": len(faults), "per_kind": per_kind(rows, injections),
+            "single_faults": single_faults(rows),
+            "all_resumed": all(r["resumed"] for r in faults)}  # fmt: skip
+
+
+def stored_lifetimes(doc: Mapping[str, Any]) -> dict[str, tuple[float, float]]:
+    """Each device's ``(ready, gone)`` times from a stored report (``inf``: never).
+
+    A report written before it stored them has them rebuilt: ``ready`` from the device's
+    first ``ready`` record, ``gone`` from the harness's first kill, leave, crash or failed
+    join of it.
+
+    Raises:
+        KeyError, TypeError, ValueError: ``doc`` is not a campaign report.
+    """
+    if "lifetimes" in doc:
+        return {n: (_infinite(a), _infinite(b)) for n, (a, b) in doc["lifetimes"].items()}
+    gone: dict[str, float] = {}
+    for e in doc["harness_events"]:
+        if e["kind"] in ("kill", "leave", "leave_timeout", "crash", "join_failed"):
+            gone.setdefault(str(e["node"]), float(e["t"]))
+    out = {}
+    for name, recs in doc["devices"].items():
+        first = next((r for r in recs if r.get("kind") == "ready"), None)
+        ready = float(first["t"]) if first is not None else math.inf
+        out[name] = (ready, gone.get(name, math.inf))
+    return out
+
+
+def recompute(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc``, a stored report, with its fault and resource figures recomputed by this
+    version's definitions (a run made before a figure existed gains it).
+
+    Raises:
+        KeyError, TypeError, ValueError: ``doc`` is not a campaign report.
+    """
+    lifetimes = stored_lifetimes(doc)
+    injections = [e for e in doc["harness_events"] if e["kind"] in FAULTS]
+    rows = fault_rows(injections, doc["devices"], doc["daemon_events"], lifetimes)
+    ready = {n: a for n, (a, _b) in lifetimes.items() if a < math.inf}
+    resources = resource_summary(doc["samples"], ready, float(doc["config"]["warmup_s"]))
+    return {**doc, **fault_figures(rows, injections), "injections": rows,
+            "resources": resources}  # fmt: skip
+
+
+def _finite(t: float) -> float | None:
+    return None if math.isinf(t) else t
+
+
+def _infinite(t: float | None) -> float:
+    return math.inf if t is None else float(t)
 
 
 def _last_error(tail: str) -> str:

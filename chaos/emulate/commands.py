@@ -567,21 +567,15 @@ def chaos_command(nodes: int, duration: float, rate: float, seed: int, json_path
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the report, its resources recomputed, here.")  # fmt: skip
 def chaos_report_command(run_json: Path, json_path: Path | None) -> None:
-    """Prints the report of a ``chaos`` run's JSON again, its RSS and open-file figures
-    recomputed from the stored samples by this version's definitions (a run made before a
-    figure existed gains it)."""
+    """Prints the report of a ``chaos`` run's JSON again, its fault figures (when each fault
+    resumed, single faults) and its RSS and open-file figures recomputed from the stored
+    events and samples by this version's definitions (a run made before a figure existed, or
+    before a definition changed, gains the new one)."""
     from chaos.emulate.campaign import format_table
-    from chaos.emulate.campaign_metrics import resource_summary
+    from chaos.emulate.campaign_report import recompute
 
     try:
-        doc = json.loads(run_json.read_text())
-        ready: dict[str, float] = {}
-        for name, recs in doc["devices"].items():
-            first = next((r for r in recs if r.get("kind") == "ready"), None)
-            if first is not None:
-                ready[name] = float(first["t"])
-        doc["resources"] = resource_summary(doc["samples"], ready,
-                                            float(doc["config"]["warmup_s"]))  # fmt: skip
+        doc = recompute(json.loads(run_json.read_text()))
         table = format_table(doc)
     except (ValueError, KeyError, TypeError) as exc:
         raise click.ClickException(f"{run_json} is not a chaos run's JSON: {exc!r}") from exc

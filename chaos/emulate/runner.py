@@ -690,8 +690,10 @@ class Runner:
         (where the control plane loses the link's frames; the data plane follows the policy)."""
         links = [(a, b) for a, b in links if (min(a, b), max(a, b)) not in self.cut]
         if self.shaped:
-            for a, b in links:
-                self._net.cut_link(a, b)
+            self._net.cut_links(links)
+            # in force from now: a step that started while the cuts went in may still finish
+            # across them, and must not count as training that resumed after the fault
+            rec["requested_t"], rec["t"] = rec["t"], time.time()
         else:
             orders: dict[str, list[str]] = {}
             for a, b in links:
@@ -756,9 +758,9 @@ class Runner:
         rec.update(t=time.time(), links=sorted(f"{a}-{b}" for a, b in self.cut),
                    partitions=[list(p) for p in self.partitions])  # fmt: skip
         if self.shaped:
-            for a, b in sorted(self.cut):
-                if (a, b) in self._net.links() and self._net.is_cut(a, b):
-                    self._net.restore_link(a, b)
+            self._net.restore_links([(a, b) for a, b in sorted(self.cut)
+                                     if (a, b) in self._net.links() and self._net.is_cut(a, b)])
+            rec["requested_t"], rec["t"] = rec["t"], time.time()  # in force from now
         else:
             refused = self._faults({n: ["clear"] for n in self.running()})
             if refused:

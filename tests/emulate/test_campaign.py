@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -37,6 +38,7 @@ from chaos.emulate.campaign_metrics import (
     step_integrity,
 )
 from chaos.emulate.campaign_plan import CampaignConfig, draw_plan
+from chaos.emulate.campaign_report import stored_lifetimes
 from chaos.emulate.metrics import device_outages
 from chaos.emulate.netns import list_namespaces
 from chaos.emulate.scenario import scenario_from_dict
@@ -248,6 +250,43 @@ def test_resume_waits_for_every_running_device_that_is_not_paused() -> None:
     assert table["partition"]["resumed"] == 1 and table["kill"]["not_resumed"] == 1
 
 
+def test_a_fault_does_not_wait_for_a_device_that_was_joining_again_at_it() -> None:
+    """c was evicted (not in the view current at the kill) and steps again only once its
+    rejoin is done: the kill of d resumed when a and b stepped; c's rejoin is a join. A heal
+    at the same moment waits for c: bringing it back is what a heal does."""
+    devs = {"a": _steps(0.0, 1, 10) + _steps(1.5, 11, 5),
+            "b": _steps(0.0, 1, 10) + _steps(1.6, 11, 5),
+            "c": _steps(0.0, 1, 4) + _steps(6.0, 11, 5),
+            "d": _steps(0.0, 1, 10)}  # fmt: skip
+    daemon = [{"node": "a", "event": "view_installed", "ts": 0.1, "epoch": 1,
+               "members": ["a", "b", "c", "d"]},
+              {"node": "a", "event": "view_installed", "ts": 0.5, "epoch": 2,
+               "members": ["a", "b", "d"]},  # c evicted
+              {"node": "a", "event": "view_installed", "ts": 2.5, "epoch": 4,
+               "members": ["a", "b", "c"]}]  # d gone, c back  # fmt: skip
+    life = {n: (0.0, float("inf")) for n in "abc"} | {"d": (0.0, 1.0)}
+    kill = [{"t": 1.0, "kind": "kill", "node": "d", "label": "kill d"}]
+    row = resume_times(kill, devs, daemon, life)[0]
+    assert row["resumed"] and row["resume_s"] == pytest.approx(1.6 - 1.0)  # b's first step after it
+    assert row["joining"] == ["c"] and row["waited"] == ["a", "b"]
+    heal = [{"t": 1.0, "kind": "heal", "label": "heal"}]
+    row = resume_times(heal, devs, daemon, life)[0]
+    assert row["joining"] == [] and "c" in row["waited"]
+    assert row["resume_s"] == pytest.approx(6.0 - 1.0)
+
+
+def test_a_stored_report_gives_back_its_lifetimes_or_has_them_rebuilt() -> None:
+    doc = {"lifetimes": {"a": [1.0, None], "b": [None, 7.0]}}
+    assert stored_lifetimes(doc) == {"a": (1.0, math.inf), "b": (math.inf, 7.0)}
+    old = {"devices": {"a": [{"kind": "ready", "t": 1.0}, {"kind": "step", "t": 2.0}],
+                       "b": [{"kind": "ready", "t": 3.0}], "j": []},
+           "harness_events": [{"kind": "join", "t": 0.5, "node": "j"},
+                              {"kind": "kill", "t": 5.0, "node": "b"},
+                              {"kind": "join_failed", "t": 6.0, "node": "j"}]}  # fmt: skip
+    assert stored_lifetimes(old) == {"a": (1.0, math.inf), "b": (3.0, 5.0),
+                                     "j": (math.inf, 6.0)}  # fmt: skip
+
+
 def _row(t: float, kind: str, resume_s: float | None) -> dict[str, object]:
     return {"t": t, "kind": kind, "label": kind, "resumed": resume_s is not None,
             "resume_s": resume_s}  # fmt: skip
@@ -395,7 +434,11 @@ def test_a_short_loopback_campaign_reports_every_field_and_reaps_its_processes(
     again = subprocess.run([*CLI, "chaos-report", str(out), "--json", str(tmp_path / "r.json")],
                            capture_output=True, text=True, timeout=120)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
-    redone = json.loads((tmp_path / "r.json").read_text())["resources"]
+    again_doc = json.loads((tmp_path / "r.json").read_text())
+    # the same fault figures, from the lifetimes the report stored
+    assert again_doc["single_faults"] == doc["single_faults"]
+    assert again_doc["injections"] == doc["injections"]
+    redone = again_doc["resources"]
     assert redone["per_process"]
     assert set(redone["per_process"]) <= set(doc["resources"]["per_process"])
     for key, entry in redone["per_process"].items():  # the same figures, and the new one

@@ -8,6 +8,8 @@ root; every namespace is reaped by the fixture of ``test_emulate_network.py``, e
 
 from __future__ import annotations
 
+import pytest
+
 from chaos.emulate import Network
 from tests.emulate.test_emulate_network import (
     MBIT,
@@ -63,3 +65,28 @@ def test_a_partition_still_separates_its_sides() -> None:
         assert net.routes("a")["b"] == "d"
         assert _reachable(net, "a", "b")
         assert _reachable(net, "d", "c")
+
+
+@needs_root
+def test_a_partition_cut_in_one_batch_separates_its_sides_and_restores_in_one() -> None:
+    """cut_links puts every crossing link's blackhole in before recomputing the routes once
+    (a partition in force at once); a bad batch cuts nothing."""
+    with Network(_cfg("abcd", RING)) as net:
+        with pytest.raises(ValueError, match="named twice"):
+            net.cut_links([("a", "b"), ("b", "a")])
+        with pytest.raises(KeyError):
+            net.cut_links([("a", "b"), ("a", "c")])  # no a-c link
+        assert not net.is_cut("a", "b")
+        net.cut_links([("a", "b"), ("c", "d")])
+        assert net.is_cut("a", "b") and net.is_cut("c", "d")
+        assert net.routes("a") == {"d": "d"} and net.routes("c") == {"b": "b"}
+        assert _unreachable(net, "a", "b") and _unreachable(net, "d", "c")
+        assert _reachable(net, "a", "d") and _reachable(net, "b", "c")
+        with pytest.raises(ValueError, match="already cut"):
+            net.cut_links([("b", "c"), ("a", "b")])
+        assert not net.is_cut("b", "c")
+        net.restore_links([("a", "b"), ("c", "d")])
+        assert net.routes("a")["b"] == "b"
+        assert _reachable(net, "a", "b") and _reachable(net, "d", "c")
+        with pytest.raises(ValueError, match="not cut"):
+            net.restore_links([("a", "b")])
