@@ -157,10 +157,12 @@ class ClientRequests:
 
     def follow_scheduler(self, scheduler: str | None, term: int, now: float) -> None:
         """Sends the requests still waiting again when another scheduler (or a new term) takes
-        over: the old scheduler may have died before it answered, and nothing else would tell
-        the new one. Each gets at least ``op_timeout_s`` anew (a registration keeps its longer
-        deadline). A held request goes to the first scheduler known. A scheduler that took a
-        request twice answers it twice (a repeated registration or event changes nothing more);
+        over, or when a scheduler is known again after none was: the old scheduler may have
+        died before it answered, or have lost this member (cut off, failed, joined again), and
+        nothing else would tell it. Each gets at least ``op_timeout_s`` anew (a registration
+        keeps its longer deadline). A held request goes to the first scheduler known. A
+        scheduler that took a request twice answers it twice (a repeated registration or event
+        changes nothing more);
         the client takes the first answer.
 
         Args:
@@ -169,6 +171,10 @@ class ClientRequests:
             now: ``time.monotonic()``.
         """
         if scheduler is None:
+            # a scheduler known again after this (the same one, after this daemon was cut off
+            # and joined again) gets the waiting requests again: it may have dropped them
+            # with this member, and nothing else would tell it
+            self._scheduler = (None, 0)
             return
         changed = (scheduler, term) != self._scheduler
         self._scheduler = (scheduler, term)

@@ -297,6 +297,9 @@ class Transport:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, _PEER_HWM)
             sock.setsockopt(zmq.MAXMSGSIZE, 4 * self.max_frame_bytes)
+            # a connection sending when its link went down is dropped and made again (user
+            # timeout), not left retransmitting on a back-off long after the link is back
+            keep_alive(sock)
             self.security.client(sock)
             sock.connect(address)
         except zmq.ZMQError as exc:

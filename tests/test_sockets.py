@@ -8,9 +8,11 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import zmq
+from chaos.daemon.transport import FaultInjector, Transport
 
 from chaos.collectives import Communicator, CommunicatorConfig, Topology
 from chaos.replication.server import ShardServer
@@ -60,6 +62,32 @@ def test_the_data_plane_and_the_shard_server_probe_their_connections() -> None:
         assert link is not None and _probes(link) == EXPECTED
     with ShardServer() as server:
         assert _probes(server._sock) == EXPECTED
+
+
+def test_the_daemons_peer_sockets_and_a_notice_socket_probe_their_connections(
+    tmp_path: Path,
+) -> None:
+    """A daemon's DEALERs carry its heartbeats: one cut while sending must be dropped and made
+    again, not left retransmitting on a back-off after the link is back (a campaign's member
+    stayed unheard by its scheduler for half a minute after a heal)."""
+    transport = Transport("tcp://127.0.0.1:*", f"ipc://{tmp_path}/d.ipc", 1 << 20,
+                          FaultInjector())  # fmt: skip
+    try:
+        transport.ensure_peer("p", "tcp://127.0.0.1:9")
+        sock = transport.dealers["p"][1]
+        assert _probes(sock) == EXPECTED
+        assert sock.getsockopt(zmq.TCP_MAXRT) == round(USER_TIMEOUT_S * 1000)
+    finally:
+        transport.close()
+    with Communicator(CommunicatorConfig(node_id="a", listen="tcp://127.0.0.1:*")) as a:
+        addrs = {"a": a.address, "b": "tcp://127.0.0.1:9", "c": "tcp://127.0.0.1:10"}
+        a.update_topology(Topology("ring", ("a", "b"), addrs, 1, ring_order=("a", "b")))
+        notices = a._notices
+        notices.retain(addrs, 1)
+        notices.tell_newer("c", (1, 0))  # not a neighbour: a notice-only socket
+        assert notices.notice_sockets == 1
+        (notice,) = notices._sockets.values()
+        assert _probes(notice) == EXPECTED
 
 
 def test_a_plain_socket_gets_the_user_timeout() -> None:

@@ -29,6 +29,7 @@ from chaos.collectives.config import CollectiveStats
 from chaos.collectives.frames import Op, encode_header
 from chaos.collectives.links import Frame, routing_id, send_notice
 from chaos.security import Security
+from chaos.sockets import keep_alive
 
 __all__ = ["EarlySort", "LinkSockets", "PeerNotices", "sort_early"]
 
@@ -181,6 +182,7 @@ class PeerNotices:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.ROUTING_ID, routing_id(self._node_id, notice=True))
             sock.setsockopt(zmq.LINGER, 0)
+            keep_alive(sock)
             self._security.client(sock)
             sock.connect(address)
             self._sockets[address] = sock
