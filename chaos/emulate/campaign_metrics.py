@@ -107,10 +107,11 @@ def step_integrity(devices: Mapping[str, list[dict[str, Any]]],
       digest at ``s``: the cluster went back and redid it differently.
     * A **divergent state** is a step at which two devices that recorded it under the same
       epoch, or two survivors (each by its last record of that step), hold different digests:
-      members that must be bitwise equal are not. A survivor's last record of the run is left
-      out of the second rule when it is off the history: a round it finished just as it was cut
-      off, which the others reran without it, and on which it never trained (it would pull
-      the current state when it joins again); such tips are listed in ``abandoned_tips``.
+      members that must be bitwise equal are not. A survivor's record off the history is left
+      out of the second rule when it is its last record of the run, or when the survivor
+      replaced its state (pulled the cluster's, joining again) before its next step: a round
+      it finished just as it was cut off, which the others reran without it, and on which it
+      never trained; such tips are listed in ``abandoned_tips``.
     * A **redone** step is an uncommitted ``(s, D)`` off the survivors' history (a round some
       member finished and the others reran after a failure); it costs time, not correctness.
 
@@ -128,12 +129,15 @@ def step_integrity(devices: Mapping[str, list[dict[str, Any]]],
     tips: list[list[Any]] = []
     for node, recs in devices.items():
         steps = step_records(recs)
+        pulls = sorted(float(r["t"]) for r in recs if _replaces_state(r))
         for i, r in enumerate(steps):
             key = (int(r["step"]), str(r["digest"]))
             holders.setdefault(key, set()).add(node)
             world[key] = max(world.get(key, 0), int(r.get("world", 1)))
             by_epoch.setdefault((key[0], int(r.get("epoch", 0))), set()).add(key[1])
-            if node in surv and i == len(steps) - 1 and hist.get(key[0]) != key[1]:
+            nxt = float(steps[i + 1]["t"]) if i + 1 < len(steps) else math.inf
+            dropped = nxt == math.inf or any(float(r["t"]) < p <= nxt for p in pulls)
+            if node in surv and dropped and hist.get(key[0]) != key[1]:
                 tips.append([node, key[0]])  # never built on: not a second state in use
             elif node in surv:
                 by_survivor.setdefault(key[0], {})[node] = key[1]
@@ -148,6 +152,15 @@ def step_integrity(devices: Mapping[str, list[dict[str, Any]]],
             "lost_steps": lost[:20], "divergent": len(divergent),
             "divergent_steps": divergent[:20], "redone": len(redone),
             "abandoned_tips": tips[:20]}  # fmt: skip
+
+
+def _replaces_state(rec: Mapping[str, Any]) -> bool:
+    """Whether a device record marks its trainer taking a state pulled from the cluster (a
+    join, or a join again), which replaces whatever it trained before."""
+    if rec.get("kind") == "ready":
+        return True
+    return rec.get("kind") == "trainer_event" and rec.get("event") in (
+        "snapshot_pulled", "replication_done")
 
 
 def lineage_times(devices: Mapping[str, list[dict[str, Any]]],

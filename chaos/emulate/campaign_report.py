@@ -186,8 +186,8 @@ def stored_lifetimes(doc: Mapping[str, Any]) -> dict[str, tuple[float, float]]:
 
 
 def recompute(doc: dict[str, Any]) -> dict[str, Any]:
-    """``doc``, a stored report, with its fault and resource figures recomputed by this
-    version's definitions (a run made before a figure existed gains it).
+    """``doc``, a stored report, with its fault, integrity and resource figures recomputed by
+    this version's definitions (a run made before a figure existed gains it).
 
     Raises:
         KeyError, TypeError, ValueError: ``doc`` is not a campaign report.
@@ -197,8 +197,11 @@ def recompute(doc: dict[str, Any]) -> dict[str, Any]:
     rows = fault_rows(injections, doc["devices"], doc["daemon_events"], lifetimes)
     ready = {n: a for n, (a, _b) in lifetimes.items() if a < math.inf}
     resources = resource_summary(doc["samples"], ready, float(doc["config"]["warmup_s"]))
+    integrity = step_integrity(doc["devices"], doc["survivors"])
     return {**doc, **fault_figures(rows, injections), "injections": rows,
-            "resources": resources}  # fmt: skip
+            "resources": resources, "integrity": integrity,
+            "committed_steps_lost": integrity["lost"],
+            "divergent_states": integrity["divergent"]}  # fmt: skip
 
 
 def _finite(t: float) -> float | None:

@@ -212,6 +212,23 @@ def test_a_survivor_cut_off_with_a_round_the_others_reran_is_not_divergent() -> 
     assert got["divergent"] == 1 and got["divergent_steps"] == [11]  # it built on it
 
 
+def test_a_tip_a_survivor_replaced_by_joining_again_is_abandoned_not_divergent() -> None:
+    """x finished round 11 as it was cut off; a and b reran it without x. x then joined
+    again, pulling the cluster's state (at step 13), and trained on that: its round 11 was
+    never built on. Without the pull between, its next step would be built on it."""
+    devs = {n: _steps(0.0, 1, 10) for n in ("a", "b", "x")}
+    devs["x"].append({"kind": "step", "t": 1.05, "step": 11, "world": 3, "epoch": 1,
+                      "digest": "only-x"})  # fmt: skip
+    for n in ("a", "b"):
+        devs[n] += _steps(3.0, 11, 5, digest="r", world=2, epoch=2)
+    devs["x"] += [{"kind": "trainer_event", "t": 3.25, "event": "snapshot_pulled", "step": 13},
+                  *_steps(3.3, 14, 2, digest="r", world=3, epoch=3)]  # fmt: skip
+    got = step_integrity(devs, ["a", "b", "x"])
+    assert got == {**got, "lost": 0, "divergent": 0, "abandoned_tips": [["x", 11]]}
+    devs["x"] = [r for r in devs["x"] if r["kind"] == "step"]  # no pull: built on it
+    assert step_integrity(devs, ["a", "b", "x"])["divergent_steps"] == [11]
+
+
 def test_ettr_counts_useful_steps_at_the_normal_step_time() -> None:
     # 100 steps at 0.1 s, a 10 s stall, 100 more: 200 useful steps of 0.1 s in 30 s of wall
     devs = {"a": _steps(0.0, 1, 100) + _steps(19.9, 101, 100)}
