@@ -56,8 +56,9 @@ def test_a_registration_lost_with_a_member_cut_off_is_sent_again_when_it_rejoins
     cluster: Cluster,
 ) -> None:
     """n3 relays its trainer's registration to the scheduler just as n3 is cut off (the others
-    drop its frames): the registration is lost with n3, whom the scheduler then evicts. After the heal n3 joins
-    again under the same scheduler and term; the registration goes to it again, and the
+    drop its frames): the registration is lost with n3, whom the scheduler then evicts. After
+    the heal n3 joins again under the same scheduler and term; the registration goes to it
+    again, and the
     trainer's join completes. Before, a scheduler known again unchanged was not sent the
     waiting requests, and the trainer waited for an answer until its deadline (a campaign's
     trainer so stayed out of training to the end of the run)."""
