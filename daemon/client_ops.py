@@ -162,8 +162,7 @@ class ClientRequests:
         nothing else would tell it. Each gets at least ``op_timeout_s`` anew (a registration
         keeps its longer deadline). A held request goes to the first scheduler known. A
         scheduler that took a request twice answers it twice (a repeated registration or event
-        changes nothing more);
-        the client takes the first answer.
+        changes nothing more); the client takes the first answer.
 
         Args:
             scheduler: The scheduler this daemon now knows (``None``: none, e.g. an election).

@@ -565,12 +565,12 @@ def chaos_command(nodes: int, duration: float, rate: float, seed: int, json_path
 @click.command("chaos-report")
 @click.argument("run_json", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Also write the report, its resources recomputed, here.")  # fmt: skip
+              help="Also write the report, its figures recomputed, here.")  # fmt: skip
 def chaos_report_command(run_json: Path, json_path: Path | None) -> None:
     """Prints the report of a ``chaos`` run's JSON again, its fault figures (when each fault
-    resumed, single faults) and its RSS and open-file figures recomputed from the stored
-    events and samples by this version's definitions (a run made before a figure existed, or
-    before a definition changed, gains the new one)."""
+    resumed, single faults), integrity figures and RSS and open-file figures recomputed from
+    the stored events and samples by this version's definitions (a run made before a figure
+    existed, or before a definition changed, gains the new one)."""
     from chaos.emulate.campaign import format_table
     from chaos.emulate.campaign_report import recompute
 

@@ -523,18 +523,7 @@ class Network:
             KeyError: no such link (nothing is cut).
             ValueError: a link is already cut, or named twice (nothing is cut).
         """
-        with self._lock:
-            cuts = self._links_in_state(links, cut=False)
-            per_node: dict[str, list[str]] = {}
-            for link in cuts:
-                for node, peer in ((link.a, link.b), (link.b, link.a)):
-                    per_node.setdefault(node, []).append(
-                        f"qdisc replace dev to-{self._index[peer]} root blackhole")
-            for node, cmds in per_node.items():
-                self._tc(node, cmds)
-            for link in cuts:
-                link.cut = True
-            self._update_routes()
+        self._switch(links, cut=True)
 
     def restore_link(self, a: str, b: str) -> None:
         """Undoes :meth:`cut_link` (see :meth:`restore_links`).
@@ -553,19 +542,29 @@ class Network:
             KeyError: no such link (nothing is restored).
             ValueError: a link is not cut, or named twice (nothing is restored).
         """
+        self._switch(links, cut=False)
+
+    def _switch(self, links: Sequence[tuple[str, str]], cut: bool) -> None:
+        """Cuts (``cut``) or restores ``links``: one ``tc`` batch per namespace, then the
+        routes recomputed once.
+
+        Raises:
+            KeyError, ValueError: as :meth:`_links_in_state` (nothing is changed).
+        """
         with self._lock:
-            cut = self._links_in_state(links, cut=True)
+            chosen = self._links_in_state(links, cut=not cut)
             per_node: dict[str, list[str]] = {}
-            for link in cut:
+            for link in chosen:
                 for node, peer in ((link.a, link.b), (link.b, link.a)):
                     dev = f"to-{self._index[peer]}"
-                    per_node.setdefault(node, []).extend(
-                        [f"qdisc del dev {dev} root",
-                         *self._shape_cmds(dev, link.bandwidth_bps, "add")])  # fmt: skip
+                    cmds = ([f"qdisc replace dev {dev} root blackhole"] if cut else
+                            [f"qdisc del dev {dev} root",
+                             *self._shape_cmds(dev, link.bandwidth_bps, "add")])  # fmt: skip
+                    per_node.setdefault(node, []).extend(cmds)
             for node, cmds in per_node.items():
                 self._tc(node, cmds)
-            for link in cut:
-                link.cut = False
+            for link in chosen:
+                link.cut = cut
             self._update_routes()
 
     def _links_in_state(self, links: Sequence[tuple[str, str]], cut: bool) -> list[_Link]:
