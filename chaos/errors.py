@@ -19,6 +19,11 @@ class ConfigError(ChaosError, ValueError):
     """A configuration value, file or command-line argument is invalid."""
 
 
+class CounterLimit(ChaosError):
+    """A term or an epoch is at the wire limit (:data:`~chaos.protocol.MAX_COUNTER`): the next
+    one could not be encoded, so it is not made."""
+
+
 class ProtocolError(ChaosError):
     """A wire message is malformed, oversized, of the wrong version or otherwise refused."""
 
@@ -74,11 +79,15 @@ class ReplicationError(ChaosError):
     Attributes:
         failed_donors: Donor id -> why it was dropped (a refusal reason code, ``"timeout"``,
             ``"disconnected"``).
+        unreachable: The donor addresses that refused connections (nothing listens there,
+            from this device), sorted; empty when no donor was unreachable.
     """
 
-    def __init__(self, message: str, failed_donors: dict[str, str] | None = None) -> None:
+    def __init__(self, message: str, failed_donors: dict[str, str] | None = None, *,
+                 unreachable: tuple[str, ...] = ()) -> None:  # fmt: skip
         super().__init__(message)
         self.failed_donors = dict(failed_donors or {})
+        self.unreachable = tuple(sorted(set(unreachable)))
 
 
 class RoundInterrupted(PeerFailure):
@@ -91,3 +100,20 @@ class RoundInterrupted(PeerFailure):
     def __init__(self, reason: str, *, reported_by: str = "") -> None:
         super().__init__("", reason, reported_by=reported_by)
         self.args = (f"allreduce interrupted: {reason}",)
+
+
+class NonFiniteGradient(ChaosError):
+    """A step's averaged gradients were not finite (NaN or inf, or a device's gradients over
+    ``TrainerConfig.max_grad_norm``), with ``TrainerConfig.nonfinite="raise"``: every member
+    raises it in the same ``update()``, none having stepped its optimizer.
+
+    Attributes:
+        step: The step whose gradients were bad.
+        devices: The members whose contribution was bad, sorted (empty: the sum of finite
+            contributions overflowed).
+    """
+
+    def __init__(self, message: str, *, step: int, devices: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.step = step
+        self.devices = tuple(devices)

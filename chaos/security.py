@@ -17,6 +17,14 @@ The model (``docs/security.md`` has the reasoning and the threat model):
 
 Without a cluster key (:attr:`Security.enabled` is ``False``) sockets are plain; the daemon
 allows that only on loopback unless started with ``--insecure``.
+
+A refused handshake does not show on the socket itself, only on its ZeroMQ socket monitor:
+:class:`HandshakeWatch` opens that monitor with :data:`HANDSHAKE_FAILED_EVENTS`, receives its
+events without blocking, counts them and hands the first few (then every so many) to the caller
+to log, so a stranger reconnecting in a loop cannot flood the log. The daemon's transport and
+client, the collectives' data endpoint and the replication shard server use it; monitors that
+also follow other events (a link's connect and disconnect, a donor's) share the mask and
+:func:`handshake_error`.
 """
 
 from __future__ import annotations
@@ -27,17 +35,21 @@ import os
 import secrets
 import stat
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 from chaos.errors import ConfigError
 
 __all__ = [
-    "CLUSTER_KEY_BYTES", "ClusterKey", "Keypair", "Security", "authenticated_key",
+    "CLUSTER_KEY_BYTES", "HANDSHAKE_FAILED_EVENTS", "ClusterKey", "HandshakeRefusal",
+    "HandshakeWatch", "Keypair", "Security", "authenticated_key", "handshake_error",
 ]  # fmt: skip
 
 CLUSTER_KEY_BYTES = 32
@@ -272,3 +284,118 @@ def _quiet_log() -> object:
     import logging
 
     return logging.getLogger("chaos.security.zap")
+
+
+# ----------------------------------------------------------------------------- handshakes
+
+HANDSHAKE_FAILED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                           | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                           | zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # fmt: skip
+"""The monitor event mask of a failed handshake (of any kind)."""
+
+_ERRORS: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication",
+}
+
+
+def handshake_error(event: int) -> str | None:
+    """The kind of a failed-handshake monitor event (``"protocol"``...), ``None`` for another
+    event."""
+    return _ERRORS.get(int(event))
+
+
+@dataclass(frozen=True)
+class HandshakeRefusal:
+    """One failed handshake a :class:`HandshakeWatch` received.
+
+    Attributes:
+        count: How many the watch has received so far, this one included.
+        endpoint: The endpoint the monitor names (this socket's own for a server).
+        detail: The kind of failure (``"no detail"``, ``"protocol"``, ``"authentication"``).
+    """
+
+    count: int
+    endpoint: str
+    detail: str
+
+
+class HandshakeWatch:
+    """The monitor of one socket's failed CURVE handshakes.
+
+    Open it before the socket binds or connects (a mechanism mismatch fails the first handshake
+    only: ZeroMQ does not retry it), and :meth:`close` it before the socket.
+
+    Args:
+        sock: The socket to watch.
+        on_refused: Called with every refusal received (e.g. to count it in the caller's stats).
+        report: Called with the refusals to log: the first ``log_first``, then every
+            ``log_every``-th (none after the first ones when ``log_every`` is 0).
+        log_first: How many refusals are reported one by one.
+        log_every: After those, report every this many (0: never).
+
+    Attributes:
+        monitor: The monitor socket (register it with a poller for ``POLLIN``).
+        failures: The refusals received so far.
+    """
+
+    def __init__(
+        self,
+        sock: zmq.Socket[Any],
+        *,
+        on_refused: Callable[[HandshakeRefusal], object] | None = None,
+        report: Callable[[HandshakeRefusal], object] | None = None,
+        log_first: int = 0,
+        log_every: int = 0,
+    ) -> None:
+        if log_first < 0 or log_every < 0:
+            raise ValueError(f"log_first and log_every must be >= 0, got {log_first}, {log_every}")
+        self._sock = sock
+        self.monitor: zmq.Socket[Any] = sock.get_monitor_socket(HANDSHAKE_FAILED_EVENTS)
+        self.failures = 0
+        self._on_refused = on_refused
+        self._report = report
+        self._log_first = log_first
+        self._log_every = log_every
+
+    def pending(self) -> bool:
+        """Whether a refusal is waiting to be received (nothing is received)."""
+        return bool(self.monitor.poll(0, zmq.POLLIN))
+
+    def take(self) -> HandshakeRefusal | None:
+        """Receives one waiting refusal without blocking (``None``: none waits); counts it,
+        passes it to ``on_refused`` and, within the log limits, to ``report``."""
+        try:
+            event = recv_monitor_message(self.monitor, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        self.failures += 1
+        endpoint = event.get("endpoint", b"")
+        where = endpoint.decode(errors="replace") if isinstance(endpoint, bytes) else endpoint
+        refusal = HandshakeRefusal(
+            self.failures, str(where), handshake_error(int(event["event"])) or "error"
+        )
+        if self._on_refused is not None:
+            self._on_refused(refusal)
+        if self._report is not None and self.logs(refusal.count):
+            self._report(refusal)
+        return refusal
+
+    def logs(self, count: int) -> bool:
+        """Whether the ``count``-th refusal is reported (the first ones, then every Mth)."""
+        if count <= self._log_first:
+            return True
+        return self._log_every > 0 and count % self._log_every == 0
+
+    def drain(self, limit: int | None = None) -> int:
+        """Receives the waiting refusals (at most ``limit``) without blocking; how many."""
+        n = 0
+        while (limit is None or n < limit) and self.take() is not None:
+            n += 1
+        return n
+
+    def close(self) -> None:
+        """Stops monitoring the socket and closes the monitor (the socket stays open)."""
+        self._sock.disable_monitor()
+        self.monitor.close(linger=0)

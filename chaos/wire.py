@@ -27,13 +27,17 @@ BYTE_ORDER = "<"
 
 # ----------------------------------------------------------------------------- control plane
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 8
 """The control plane's messages (:mod:`chaos.protocol.messages`), daemon to daemon, CLI and
 trainer to daemon. 3: one :class:`~chaos.protocol.messages.Refusal` for every msgpack channel
 (``req_id``, the shard server's reason codes). 4: a join's refusal may list other members'
 addresses for the joiner to try (``Refusal.members``). 5: catch-up joins (a registration's
 ``catch_up``, a replication plan's snapshot step ``at_step``, the trainer event
-``caught_up``)."""
+``caught_up``). 6: the trainer event ``nonfinite`` (a skipped step's offending ``devices``),
+which the scheduler evicts repeat offenders by. 7: signed votes and the scheduler's certificate
+(``VoteReply.signature``, ``SchedulerHeartbeat.cert``, ``ClusterUpdate.cert``,
+``NodeInfo.sign_key``, ``JoinRequest.sign_key``); the reasons ``id_in_use`` and
+``unverified_scheduler``. 8: a join's incarnation nonce (``JoinRequest.incarnation``)."""
 
 # ----------------------------------------------------------------------------- replication
 
@@ -52,8 +56,10 @@ pulls only the chunks it does not hold."""
 
 # ----------------------------------------------------------------------------- data plane
 
-FRAME_VERSION = 2
-"""The allreduce frame header (:mod:`chaos.collectives.frames`)."""
+FRAME_VERSION = 3
+"""The allreduce frame header (:mod:`chaos.collectives.frames`). 3: the dtype code 5, the
+blockwise int8 format (:mod:`chaos.collectives.compress`), whose ``nelem`` counts payload
+bytes."""
 
 FRAME_HEADER = struct.Struct(BYTE_ORDER + "BBBBIQQII")
 """version u8, op u8, dtype u8, reserved u8, seg u32, epoch u64, step u64, chunk u32,

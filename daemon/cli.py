@@ -3,13 +3,18 @@
 Commands::
 
     chaos-daemon keygen FILE
+    chaos-daemon metrics-token [--cluster-key FILE] [--out FILE]
     chaos-daemon start --id ID --listen tcp://HOST:PORT [--join tcp://HOST:PORT[,...] ...]
                        [--neighbor ID ...] [--config FILE.toml] [--heartbeat-interval S]
                        [--failure-timeout S] [--metrics-port P] [--metrics-host HOST]
+                       [--metrics-max-connections N] [--metrics-idle-timeout S]
+                       [--metrics-threads N]
                        [--cluster-key FILE] [--insecure] [--enable-fault-injection]
+                       [--allow-remote-operator]
                        [--fault NAME:PEER,...] [--max-peer-sockets N] [--max-measurements N]
                        [--join-rate R] [--join-burst N] [--straggler-grace S]
-                       [--behind-grace S] [--join-timeout S]
+                       [--behind-grace S] [--offender-limit N] [--offender-window STEPS]
+                       [--join-timeout S]
     chaos-daemon status [--connect tcp://HOST:PORT] [--cluster-key FILE] [--json]
     chaos-daemon leave [--connect tcp://HOST:PORT] [--cluster-key FILE]
     chaos-daemon link add|remove PEER_ID [--connect tcp://HOST:PORT] [--cluster-key FILE]
@@ -49,6 +54,7 @@ from chaos.daemon.config import (
     load_config,
     parse_join_endpoints,
 )
+from chaos.daemon.metrics import metrics_token
 
 from chaos.errors import ChaosError, ChaosTimeout, ConfigError
 from chaos.protocol import FaultName, StatusReply
@@ -115,6 +121,44 @@ def keygen(file: str) -> None:
     click.echo(f"wrote cluster key {path} (fingerprint {key.fingerprint()})")
 
 
+@main.command("metrics-token")
+@_key_option
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False),
+    help="Write the token to this file (mode 0600, replaced if it exists) instead of stdout.",
+)
+def metrics_token_command(cluster_key: str | None, out: str | None) -> None:
+    """Print the bearer token the metrics endpoint of a keyed daemon requires.
+
+    Every daemon with this cluster key expects the same token (derived from the key; it does not
+    reveal the key). Give it to Prometheus as the scrape job's authorization credentials_file.
+    """
+    key_file = _key_file(cluster_key)
+    if key_file is None:
+        raise click.UsageError(
+            f"no cluster key: pass --cluster-key FILE or set ${_ENV_KEY} (a daemon without a "
+            "key asks for no token)"
+        )
+    try:
+        token = metrics_token(ClusterKey.load(key_file))
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if out is None:
+        click.echo(token)
+        return
+    try:
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.write(fd, f"{token}\n".encode())
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {out}: {exc.strerror}") from exc
+    click.echo(f"wrote the metrics token to {out}")
+
+
 @main.command()
 @click.option("--id", "node_id", help=f"Unique node id ({NODE_ID_RULE}).")
 @click.option("--listen", help="TCP endpoint to bind, tcp://HOST:PORT.")
@@ -143,10 +187,29 @@ def keygen(file: str) -> None:
     type=float,
     help="A trainer waiting a step behind the others this long is evicted (3 s; 0: off).",
 )
+@click.option(
+    "--offender-limit",
+    type=int,
+    help="A device named in this many skipped non-finite steps is evicted (3; 0: off).",
+)
+@click.option(
+    "--offender-window",
+    type=int,
+    help="... within this many steps (100).",
+)
 @click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port.")
 @click.option(
-    "--metrics-host", help="Address the metrics endpoint binds (default: the --listen host)."
+    "--metrics-host", help="Address the metrics endpoint binds (default: loopback)."
 )
+@click.option(
+    "--metrics-max-connections", type=int, help="Most metrics connections open at once (32)."
+)
+@click.option(
+    "--metrics-idle-timeout",
+    type=float,
+    help="An idle metrics connection is closed after this long (10 s; whole seconds).",
+)
+@click.option("--metrics-threads", type=int, help="Threads answering metrics requests (2).")
 @click.option(
     "--replication-strategy",
     type=click.Choice(list(REPLICATION_STRATEGIES)),
@@ -164,6 +227,13 @@ def keygen(file: str) -> None:
     is_flag=True,
     default=None,
     help="Accept the fault command and --fault presets (tests and the harness only).",
+)
+@click.option(
+    "--allow-remote-operator",
+    is_flag=True,
+    default=None,
+    help="Accept leave, link and fault over TCP from any cluster key holder (default: only on "
+    "the local IPC socket). Needs --cluster-key.",
 )
 @click.option(
     "--fault", "faults", multiple=True, help="Fault active from the start, NAME:PEER,... (repeat)."
@@ -187,12 +257,18 @@ def start(
     failure_timeout: float | None,
     straggler_grace: float | None,
     behind_grace: float | None,
+    offender_limit: int | None,
+    offender_window: int | None,
     metrics_port: int | None,
     metrics_host: str | None,
+    metrics_max_connections: int | None,
+    metrics_idle_timeout: float | None,
+    metrics_threads: int | None,
     replication_strategy: str | None,
     cluster_key: str | None,
     insecure: bool | None,
     enable_fault_injection: bool | None,
+    allow_remote_operator: bool | None,
     faults: tuple[str, ...],
     max_peer_sockets: int | None,
     max_measurements: int | None,
@@ -213,13 +289,19 @@ def start(
         "failure_timeout_s": failure_timeout,
         "straggler_grace_s": straggler_grace,
         "behind_grace_s": behind_grace,
+        "offender_limit": offender_limit,
+        "offender_window_steps": offender_window,
         "metrics_port": metrics_port,
         "metrics_host": metrics_host,
+        "metrics_max_connections": metrics_max_connections,
+        "metrics_idle_timeout_s": metrics_idle_timeout,
+        "metrics_threads": metrics_threads,
         "replication_strategy": replication_strategy,
         "run_dir": os.environ.get(_ENV_DIR) or None,
         "cluster_key": _key_file(cluster_key),
         "insecure": insecure,
         "enable_fault_injection": enable_fault_injection,
+        "allow_remote_operator": allow_remote_operator,
         "faults": tuple(faults),
         "max_peer_sockets": max_peer_sockets,
         "max_measurements": max_measurements,
@@ -268,6 +350,14 @@ def _warn_if_exposed(cfg: DaemonConfig) -> None:
             "--cluster-key FILE to every daemon instead.",
             err=True,
         )
+    host = cfg.resolved_metrics_host
+    if cfg.metrics_port is not None and not is_loopback_endpoint(f"tcp://[{host}]:1"):
+        click.echo(
+            f"WARNING: --metrics-host {host}: the metrics endpoint is plain HTTP. It asks for "
+            "the bearer token (chaos-daemon metrics-token), but the token and the metrics "
+            "cross the network in the clear. Firewall it to your monitoring host.",
+            err=True,
+        )
     if cfg.enable_fault_injection:
         click.echo(
             "WARNING: --enable-fault-injection: the fault command can cut this daemon's links "
@@ -313,6 +403,7 @@ def _status_dict(st: StatusReply) -> dict[str, Any]:
         "links": links,
         "sync": msgspec.to_builtins(st.sync) if st.sync else None,
         "notes": list(st.notes),
+        "audit": msgspec.to_builtins(st.audit) if st.audit else None,
     }
 
 
@@ -355,6 +446,11 @@ def status(connect: str | None, cluster_key: str | None, as_json: bool) -> None:
     elif st.sync is not None:
         extra = f" root {st.sync.root}" if st.sync.kind == "tree" else " " + "-".join(st.sync.ring)
         click.echo(f"sync policy: {st.sync.kind}{extra}")
+    if st.audit is not None:
+        a = st.audit
+        verdict = "agreed" if a.agreed else "MEMBERS DIFFERED"
+        click.echo(f"state audit: last step {a.step} {verdict}  ({a.audits} audits, "
+                   f"{a.mismatches} mismatches, {a.healed} healed here)")  # fmt: skip
     for note in st.notes:
         click.echo(f"note: {note}")
 

@@ -38,15 +38,13 @@ from chaos.protocol import (
     encode,
 )
 from chaos.protocol.ids import check_daemon_endpoint
-from chaos.security import Security
+from chaos.security import HandshakeWatch, Security
 
 log = logging.getLogger(__name__)
 
 _GONE_CHECK_S = 0.05
-_HANDSHAKE_CHECK_S = 0.1
-_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # fmt: skip
 """How often a request given ``gone`` checks whether the daemon has exited."""
+_HANDSHAKE_CHECK_S = 0.1
 
 
 class RequestRefused(ProtocolError):
@@ -99,11 +97,11 @@ class DaemonClient:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock: zmq.Socket[bytes] = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._handshake: zmq.Socket[bytes] | None = None
+        self._handshake: HandshakeWatch | None = None
         if endpoint.startswith("tcp://"):
             if security is not None:
                 security.client(self._sock)
-            self._handshake = self._sock.get_monitor_socket(_HANDSHAKE_FAILED)
+            self._handshake = HandshakeWatch(self._sock)
         self._keyed = security is not None and security.enabled
         self._security = security if security is not None else Security()
         self._sock.connect(endpoint)
@@ -165,9 +163,8 @@ class DaemonClient:
 
     def _check_handshake(self) -> None:
         """Raises when the connection failed its security handshake (a key mismatch)."""
-        if self._handshake is None or not self._handshake.poll(0, zmq.POLLIN):
+        if self._handshake is None or self._handshake.take() is None:
             return
-        self._handshake.recv_multipart()
         if self._keyed:
             hint = "it has no cluster key or another one than this client's --cluster-key"
         else:
@@ -254,16 +251,25 @@ class DaemonClient:
             RequestRefused: refused, e.g. ``state_conflict``, ``no_state_source``, ``paused``,
                 ``malformed`` (a bad address or size list).
         """
-        msg = TrainerRegister(
+        reg = TrainerRegister(
             data_address=data_address,
             shard_address=shard_address,
             has_state=has_state,
             tensor_sizes=None if tensor_sizes is None else list(tensor_sizes),
             state_digest=state_digest,
+            catch_up=catch_up,
+        )
+        return self.register(reg, timeout_s)
+
+    def register(self, reg: TrainerRegister, timeout_s: float | None = None) -> OpResult:
+        """Registers this node's training process as ``reg`` says (see
+        :meth:`register_trainer` for the fields, the result and the errors), as this process,
+        and with this client's key as the data plane's key."""
+        msg = msgspec.structs.replace(
+            reg,
             pid=os.getpid(),  # the daemon watches this process: its exit ends the registration
             # with a cluster key, the data plane's frames are accepted only from this key
             public_key=self._security.public_key if self._security.enabled else "",
-            catch_up=catch_up,
         )
         return _checked(self.op(msg, timeout_s))
 
@@ -274,6 +280,7 @@ class DaemonClient:
         detail: str = "",
         timeout_s: float | None = None,
         epoch: int = 0,
+        step: int = 0,
     ) -> OpResult:
         """Reports a trainer event to the scheduler (``ready``: the state is in place).
 
@@ -286,6 +293,9 @@ class DaemonClient:
             detail: Free text (at most 1024 characters).
             timeout_s: Wait at most this long (default: the client's timeout).
             epoch: The trainer's epoch (used by ``step_failed``).
+            step: The trainer's step (``ready``: the step it enters at; the local daemon
+                starts the trainer's silence clock there, so a trainer stopped before its first
+                progress report is still found a straggler).
 
         Returns:
             The scheduler's result.
@@ -294,7 +304,7 @@ class DaemonClient:
             ChaosTimeout: no answer in time.
             RequestRefused: refused (e.g. ``bad_request``: no trainer registered here).
         """
-        msg = TrainerEvent(kind=kind, elapsed_s=elapsed_s, detail=detail, epoch=epoch)
+        msg = TrainerEvent(kind=kind, elapsed_s=elapsed_s, detail=detail, epoch=epoch, step=step)
         return _checked(self.op(msg, timeout_s))
 
     def link(self, peer: str, add: bool, timeout_s: float | None = None) -> OpResult:
@@ -323,8 +333,7 @@ class DaemonClient:
     def close(self) -> None:
         """Closes the socket."""
         if self._handshake is not None:
-            self._sock.disable_monitor()
-            self._handshake.close(linger=0)
+            self._handshake.close()
         self._sock.close(linger=0)
         self._ctx.term()
 

@@ -106,6 +106,12 @@ class DaemonConfig:
             over in milliseconds when it can, so this is shorter than ``straggler_grace_s``;
             raise it only if progress reports are delayed (it must exceed 2 heartbeat
             intervals). 0 turns the check off.
+        offender_limit: A device whose gradients made this many steps non-finite (each step
+            named by a majority of the training members, which all skipped it) within
+            ``offender_window_steps`` steps is evicted from the sync policy (event
+            ``offender_evicted``); it joins again, pulling the state, and its count starts
+            afresh. 0 turns the rule off.
+        offender_window_steps: The window of ``offender_limit``, in training steps.
         join_timeout_s: A joiner that is not admitted within this long exits with an error.
         op_timeout_s: A primitive whose policy is not acknowledged by every member within this
             long completes as failed.
@@ -128,7 +134,19 @@ class DaemonConfig:
         enable_fault_injection: Accept the ``fault`` command and the ``faults`` presets (tests
             and the harness). Off: both are refused (``forbidden``; a ``faults`` preset is a
             configuration error).
-        metrics_host: Address the metrics endpoint binds (``None``: the host of ``listen``).
+        allow_remote_operator: Accept the operator commands (``leave``, ``link``, ``fault``)
+            over TCP from any cluster key holder, not only on the local IPC socket. Needs
+            ``cluster_key``. Off (the default): a key holder that is not this daemon's user
+            cannot make it leave or re-link.
+        metrics_host: Address the metrics endpoint binds (``None``: loopback). Another than a
+            loopback address needs ``cluster_key`` (the endpoint is plain HTTP; with a key every
+            request must carry the bearer token ``chaos-daemon metrics-token`` prints).
+        metrics_max_connections: Most connections the metrics endpoint holds open at once; more
+            wait in the kernel's accept queue, holding no descriptor or thread of the daemon.
+        metrics_idle_timeout_s: A metrics connection idle this long (no request in progress)
+            is closed; whole seconds (the server counts in seconds).
+        metrics_threads: Worker threads answering metrics requests (the endpoint's threads are
+            these and one more, whatever the number of connections).
         max_peer_sockets: Most DEALER sockets to peers and join contacts open at once (the
             ZeroMQ context allows 1023 sockets in all). A peer beyond it is not connected: its
             frames are dropped and counted, like lost packets.
@@ -163,6 +181,8 @@ class DaemonConfig:
     replication_strategy: str = "chaos"
     straggler_grace_s: float = 10.0
     behind_grace_s: float = 3.0
+    offender_limit: int = 3
+    offender_window_steps: int = 100
     join_timeout_s: float = 30.0
     op_timeout_s: float = 10.0
     leave_timeout_s: float = 5.0
@@ -176,11 +196,15 @@ class DaemonConfig:
     cluster_key: str | None = None
     insecure: bool = False
     enable_fault_injection: bool = False
+    allow_remote_operator: bool = False
     metrics_host: str | None = None
     max_peer_sockets: int = 512
     max_measurements: int = 64
     join_rate_per_s: float = 20.0
     join_burst: int = 64
+    metrics_max_connections: int = 32
+    metrics_idle_timeout_s: float = 10.0
+    metrics_threads: int = 2
 
     def __post_init__(self) -> None:
         check_node_id(self.node_id)
@@ -235,6 +259,7 @@ class DaemonConfig:
             raise ConfigError(f"keep_probe_memory must be true or false, got {v!r}")
         self._check_consistency()
         self._check_straggler_grace()
+        self._check_offenders()
 
     def _check_join(self) -> None:
         if not isinstance(self.join, tuple):
@@ -245,6 +270,18 @@ class DaemonConfig:
                 raise ConfigError("--join must name other daemons, not this one's --listen")
         if len(set(self.join)) != len(self.join):
             raise ConfigError(f"--join names an endpoint twice: {', '.join(self.join)}")
+
+    def _check_offenders(self) -> None:
+        lim, win = self.offender_limit, self.offender_window_steps
+        if isinstance(lim, bool) or not isinstance(lim, int) or lim < 0:
+            raise ConfigError(f"offender_limit must be an integer >= 0 (0: off), got {lim!r}")
+        if isinstance(win, bool) or not isinstance(win, int) or win < 1:
+            raise ConfigError(f"offender_window_steps must be a positive integer, got {win!r}")
+        if lim > win:
+            raise ConfigError(
+                f"offender_limit ({lim}) cannot exceed offender_window_steps ({win}): a device "
+                "offends at most once per step"
+            )
 
     def _check_straggler_grace(self) -> None:
         for name in ("straggler_grace_s", "behind_grace_s"):
@@ -302,12 +339,31 @@ class DaemonConfig:
         ):
             raise ConfigError(f"metrics_host must be a host name or address, got "
                               f"{self.metrics_host!r}")  # fmt: skip
+        self._check_metrics()
         self._check_security()
 
+    def _check_metrics(self) -> None:
+        for name, most in (("metrics_max_connections", 1024), ("metrics_threads", 64)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= most:
+                raise ConfigError(f"{name} must be an integer in 1..{most}, got {v!r}")
+        t = self.metrics_idle_timeout_s
+        _positive("metrics_idle_timeout_s", t)
+        if t != int(t):
+            raise ConfigError(
+                f"metrics_idle_timeout_s must be a whole number of seconds (the metrics server "
+                f"counts idle time in seconds), got {t!r}"
+            )
+
     def _check_security(self) -> None:
-        for name in ("insecure", "enable_fault_injection"):
+        for name in ("insecure", "enable_fault_injection", "allow_remote_operator"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.allow_remote_operator and self.cluster_key is None:
+            raise ConfigError(
+                "allow_remote_operator (--allow-remote-operator) needs a cluster key: without "
+                "one any local user could make this daemon leave or re-link over TCP"
+            )
         if self.faults and not self.enable_fault_injection:
             raise ConfigError(
                 "fault presets (faults / --fault) need enable_fault_injection "
@@ -316,6 +372,13 @@ class DaemonConfig:
         if self.cluster_key is not None:
             ClusterKey.load(self.cluster_key)  # raises ConfigError with the reason
             return
+        host = self.resolved_metrics_host
+        if self.metrics_port is not None and not is_loopback_endpoint(f"tcp://[{host}]:1"):
+            raise ConfigError(
+                f"refusing to serve metrics on {host} without a cluster key: the endpoint is "
+                "plain, unauthenticated HTTP. Leave --metrics-host out (metrics then bind "
+                "loopback) or run keyed daemons (--cluster-key FILE)"
+            )
         if not self.insecure and not is_loopback_endpoint(self.listen):
             raise ConfigError(
                 f"refusing to listen on {self.listen} without a cluster key: anyone who can "
@@ -346,11 +409,12 @@ class DaemonConfig:
 
     @property
     def resolved_metrics_host(self) -> str:
-        """The address the metrics endpoint binds: ``metrics_host``, else the listen host."""
+        """The address the metrics endpoint binds: ``metrics_host``, else loopback (``::1``
+        for an IPv6 listen address, else ``127.0.0.1``), whatever the listen host."""
         if self.metrics_host is not None:
             return self.metrics_host
         host = self.listen.removeprefix("tcp://").rsplit(":", 1)[0]
-        return host.strip("[]")
+        return "::1" if host.startswith("[") else "127.0.0.1"
 
     @property
     def resolved_event_log(self) -> str:

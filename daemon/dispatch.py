@@ -34,6 +34,7 @@ from chaos.protocol import (
     Rejected,
     ValidationContext,
     encode,
+    kind_of,
     refusal,
     tag_of,
     validate,
@@ -41,23 +42,31 @@ from chaos.protocol import (
 
 log = logging.getLogger("chaos.daemon")
 
+REFUSAL_RECORDS_FIRST = 5
+"""Refused messages of one kind (forged sender, forbidden command) logged and recorded as an
+event one by one; after these, one record every :data:`REFUSAL_RECORDS_EVERY`, with the count."""
+REFUSAL_RECORDS_EVERY = 1000
+
 Handler = Callable[[Any, ReplyPath | None, float], None]
 """A message handler: ``(message, reply path or None for a local message, monotonic now)``."""
 
 OPERATOR_COMMANDS: tuple[type, ...] = (LeaveCommand, LinkCommand, FaultCommand)
-"""Client commands that change the cluster: accepted on the local IPC socket, or over TCP only
-from an authenticated key holder (see :func:`client_permission`)."""
+"""Client commands that change the cluster: accepted on the local IPC socket, and over TCP only
+from a key holder when the daemon allows it (see :func:`client_permission`)."""
 
 
-def client_permission(msg: Message, local: bool, peer_key: str | None) -> str | None:
+def client_permission(
+    msg: Message, local: bool, peer_key: str | None, remote_operator: bool = False
+) -> str | None:
     """Who may ask what (``docs/daemon.md``, "Who may do what").
 
     * The local IPC socket (in the private run directory: only this user reaches it) may ask
       anything.
-    * A TCP connection authenticated with the cluster key (``peer_key`` set) may ask anything.
-    * A TCP connection without authentication (a daemon without a cluster key: loopback, or
-      ``--insecure``) may read ``status`` but not ``leave``, ``link`` or ``fault``: any local user
-      reaches a loopback port.
+    * Over TCP, ``leave``, ``link`` and ``fault`` need ``remote_operator``
+      (``--allow-remote-operator``, which needs a cluster key) and a connection authenticated
+      with the cluster key (``peer_key`` set). Anything else (``status``, peer messages) is
+      open to the protocol's own checks: a key holder that is not a member can join, and
+      nothing more.
 
     ``fault`` also needs ``enable_fault_injection``; that is checked where it is handled.
 
@@ -65,15 +74,25 @@ def client_permission(msg: Message, local: bool, peer_key: str | None) -> str | 
         msg: A validated message.
         local: Whether it came in on the IPC socket.
         peer_key: The connection's CURVE public key (``None``: not authenticated).
+        remote_operator: Whether this daemon accepts operator commands over TCP.
 
     Returns:
         ``None`` when allowed, else why not.
     """
-    if local or peer_key is not None or not isinstance(msg, OPERATOR_COMMANDS):
+    if local or not isinstance(msg, OPERATOR_COMMANDS):
         return None
+    if peer_key is not None and remote_operator:
+        return None
+    if peer_key is None:
+        return (
+            f"{tag_of(msg)} is accepted only on the local IPC socket (or over TCP from a "
+            "cluster key holder, when the daemon allows it); this TCP connection is not "
+            "authenticated"
+        )
     return (
-        f"{tag_of(msg)} is accepted only on the local IPC socket or from a cluster key holder; "
-        "this TCP connection is not authenticated"
+        f"{tag_of(msg)} is accepted only on the local IPC socket: this daemon does not take "
+        "operator commands over TCP (start it with --allow-remote-operator to let every "
+        "cluster key holder send them)"
     )
 
 
@@ -129,6 +148,9 @@ class ValidationSource(MemberFacts, Protocol):
 
     def members(self) -> list[str]: ...  # noqa: D102
 
+    def scheduler_problem(self, msg: Message) -> str | None:
+        """Why a scheduler's message is not taken from its sender (``None``: it is)."""
+
 
 class Dispatcher:
     """Validates inbound frames and hands each message to its handler.
@@ -162,6 +184,7 @@ class Dispatcher:
         cfg = source.cfg
         self._joins = TokenBucket(cfg.join_rate_per_s, cfg.join_burst)
         self._overloaded = 0
+        self._refusal_counts: dict[str, int] = {}
 
     def register(self, handlers: dict[type, Handler]) -> None:
         """Adds handlers by message type."""
@@ -230,19 +253,29 @@ class Dispatcher:
         if forged is not None:
             self.refused += 1
             self.metrics.refused(Reason.NOT_AUTHENTICATED)
-            log.warning("refused %s from %r: %s", tag_of(result), result.sender, forged)
-            self.events.emit("refused_sender", type=tag_of(result), sender=result.sender,
-                             detail=forged)  # fmt: skip
+            self._record_refusal("refused_sender", f"refused {tag_of(result)} from "
+                                 f"{result.sender!r}: {forged}", type=tag_of(result),
+                                 sender=result.sender, detail=forged)  # fmt: skip
             no = refusal(Reason.NOT_AUTHENTICATED, ctx, forged, tag_of(result))
             self.transport.reply(inbound.reply, encode(no))
             return
+        if inbound.peer_key is not None and kind_of(result)[0] in ("command", "scheduler"):
+            unverified = self.source.scheduler_problem(result)
+            if unverified is not None:  # dropped unanswered: a refusal per heartbeat would
+                self.refused += 1  # flood the true scheduler's event log while a view lags
+                self.metrics.refused(Reason.UNVERIFIED_SCHEDULER)
+                self._record_refusal("refused_scheduler", f"refused {tag_of(result)} from "
+                                     f"{result.sender!r}: {unverified}", type=tag_of(result),
+                                     sender=result.sender, detail=unverified)  # fmt: skip
+                return
         local = inbound.reply.local or inbound.reply.socket is self.transport.ipc
-        why = client_permission(result, local, inbound.peer_key)
+        why = client_permission(result, local, inbound.peer_key,
+                                self.source.cfg.allow_remote_operator)  # fmt: skip
         if why is None and isinstance(result, FaultCommand):
             why = fault_permission(self.source.cfg)
         if why is not None:
-            log.warning("refused %s: %s", tag_of(result), why)
-            self.events.emit("refused_command", type=tag_of(result), detail=why)
+            self._record_refusal("refused_command", f"refused {tag_of(result)}: {why}",
+                                 type=tag_of(result), detail=why)  # fmt: skip
             self._refuse(inbound, refusal(Reason.FORBIDDEN, ctx, why, tag_of(result)))
             return
         if isinstance(result, JoinRequest) and not local and not self._joins.take(now):
@@ -255,6 +288,18 @@ class Dispatcher:
             return
         self.metrics.message(tag_of(result))
         self.dispatch(result, inbound.reply, now)
+
+    def _record_refusal(self, name: str, line: str, **fields: object) -> None:
+        """Logs and records a refused message: the first :data:`REFUSAL_RECORDS_FIRST` of each
+        kind one by one, then one every :data:`REFUSAL_RECORDS_EVERY` with the count so far (a
+        key holder's flood of forged messages must not grow the log and the event file
+        without bound)."""
+        n = self._refusal_counts.get(name, 0) + 1
+        self._refusal_counts[name] = n
+        if n > REFUSAL_RECORDS_FIRST and n % REFUSAL_RECORDS_EVERY:
+            return
+        log.warning("%s (%d %s so far)", line, n, name)
+        self.events.emit(name, count=n, **fields)
 
     def dispatch(self, msg: Message, reply: ReplyPath | None, now: float) -> None:
         """Calls the handler of ``msg``'s type (none: ignored)."""

@@ -35,7 +35,8 @@ from collections.abc import Collection, Mapping
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.states import Role
 
-from chaos.protocol import RequestVote, VoteReply
+from chaos.errors import CounterLimit
+from chaos.protocol import MAX_COUNTER, RequestVote, VoteReply
 
 
 def carried_silence(
@@ -100,15 +101,20 @@ class Election:
         """Records the newest epoch this node committed as scheduler (votes compare with it)."""
         self.issued_epoch = max(self.issued_epoch, epoch)
 
-    def step_down(self, term: int, now: float) -> None:
-        """Becomes a follower without a known scheduler, adopting ``term`` if higher."""
+    def _follow(self, term: int, scheduler: str | None, now: float) -> None:
+        """Adopts ``term`` if higher (a new term: no vote cast in it yet) and becomes a
+        follower of ``scheduler`` (``None``: none known), with a fresh election timeout."""
         if term > self.term:
             self.term = term
             self.voted_for = None
         self.role = Role.FOLLOWER
-        self.scheduler = None
+        self.scheduler = scheduler
         self.votes.clear()
         self.reset_deadline(now)
+
+    def step_down(self, term: int, now: float) -> None:
+        """Becomes a follower without a known scheduler, adopting ``term`` if higher."""
+        self._follow(term, None, now)
 
     def start(self, now: float, epoch: int, transfer: bool = False) -> RequestVote:
         """Starts an election: a new term, a vote for itself.
@@ -120,7 +126,13 @@ class Election:
 
         Returns:
             The vote request to send to every other member.
+
+        Raises:
+            CounterLimit: The term is at :data:`~chaos.protocol.MAX_COUNTER` (a next one could
+                not be encoded).
         """
+        if self.term >= MAX_COUNTER:
+            raise CounterLimit(f"term {self.term} is at the wire limit: no new election")
         self.term += 1
         self.role = Role.CANDIDATE
         self.voted_for = self.node_id
@@ -217,23 +229,14 @@ class Election:
             ``True`` if the scheduler or term changed.
         """
         changed = term != self.term or scheduler != self.scheduler
-        if term > self.term:
-            self.term = term
-            self.voted_for = None
-        self.role = Role.FOLLOWER
-        self.scheduler = scheduler
-        self.votes.clear()
+        self._follow(term, scheduler, now)
         self.last_scheduler_contact = now
-        self.reset_deadline(now)
         return changed
 
     def adopt(self, term: int, scheduler: str | None, now: float) -> None:
         """A (re)joining node takes the cluster's term as its own, even if lower."""
-        self.term = term
-        self.issued_epoch = 0  # the view it joins with is newer than anything it committed
+        self.term = term  # even if lower, so _follow adopts nothing more
         self.voted_for = None
-        self.role = Role.FOLLOWER
-        self.scheduler = scheduler
-        self.votes.clear()
+        self.issued_epoch = 0  # the view it joins with is newer than anything it committed
+        self._follow(term, scheduler, now)
         self.last_scheduler_contact = now
-        self.reset_deadline(now)

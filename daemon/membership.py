@@ -46,7 +46,7 @@ SILENT_SENDS = 2
 contact that forwards to a working scheduler gets the join admitted well within them)."""
 MAX_CONTACTS = 64
 """Most contacts a join holds (configured, then learned from refusals)."""
-_RETRY_REASONS = ("not_scheduler", "paused", "overloaded")
+_RETRY_REASONS = ("not_scheduler", "paused", "overloaded", "id_in_use")
 _WRONG_CONTACT = ("not_scheduler", "paused")
 _NEIGHBOR_GONE = ("unknown_peer", "unreachable")
 
@@ -57,6 +57,8 @@ class MembershipHost(Protocol):
     node_id: str
     address: str
     public_key: str
+    sign_key: str
+    incarnation: str
     cfg: DaemonConfig
     state: DaemonState
     election: Election
@@ -113,11 +115,6 @@ class Membership:
 
     # -- joining ---------------------------------------------------------------------------
 
-    @property
-    def join_contacts(self) -> list[str]:
-        """The contacts of the join in flight, in the order they are tried."""
-        return list(self._contacts)
-
     def begin_join(self, now: float, contacts: Sequence[str], neighbors: list[str]) -> None:
         """Becomes ``joining`` and sends a join request to the first of ``contacts``, resent
         until answered (moving on to the next contact when one cannot help) and given up after
@@ -171,6 +168,8 @@ class Membership:
             neighbors=self._join_neighbors,
             op_id=uuid.uuid4().hex[:12],
             public_key=h.public_key,
+            sign_key=h.sign_key,
+            incarnation=h.incarnation,
         )
         self._sent_to_contact += 1
         h.transport.send_contact(self._contacts[self._contact_i], encode(req))
@@ -338,7 +337,14 @@ class Membership:
         """Resends a pending join, and gives a join or a leave up at its deadline."""
         h = self.host
         if h.state == DaemonState.JOINING:
-            if now > self._join_deadline:
+            refused = h.transport.refused_contact()
+            if refused is not None:
+                why = "the cluster refused our key (another cluster key?)"
+                h.event("join_failed", reason=Reason.NOT_AUTHENTICATED, detail=why)
+                log.error("join refused by %s: %s: pass the cluster's --cluster-key FILE",
+                          refused, why)  # fmt: skip
+                h.finish(3)
+            elif now > self._join_deadline:
                 more = {"detail": self._unknown_neighbors} if self._unknown_neighbors else {}
                 h.event("join_failed", reason=Reason.TIMEOUT, **more)
                 log.error("join timed out after %.1f s%s", h.cfg.join_timeout_s,

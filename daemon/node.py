@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +37,7 @@ from chaos.daemon.dispatch import Dispatcher, Handler
 from chaos.daemon.election import Election
 from chaos.daemon.events import EventLog
 from chaos.daemon.membership import Membership
-from chaos.daemon.metrics import Metrics
+from chaos.daemon.metrics import Metrics, ServerLimits, metrics_token
 from chaos.daemon.notices import PolicyNotices
 from chaos.daemon.outbox import Outbox
 from chaos.daemon.relay import TrainerRelay
@@ -47,6 +48,7 @@ from chaos.daemon.succession import Succession
 from chaos.daemon.timers import Timers
 from chaos.daemon.transport import FaultInjector, ReplyPath, Transport
 from chaos.daemon.views import ViewInstaller
+from chaos.daemon.vote_certs import VoteBook, VoteSigner
 
 from chaos.errors import ChaosError
 from chaos.protocol import (
@@ -79,9 +81,11 @@ from chaos.protocol import (
     TrainerEvent,
     TrainerInfo,
     TrainerRegister,
+    Vote,
     VoteReply,
     refusal,
 )
+from chaos.protocol.messages import AuditInfo
 from chaos.security import Security
 
 log = logging.getLogger("chaos.daemon")
@@ -113,15 +117,25 @@ class Daemon:
             self.faults.apply(name, peers)
         ensure_private_run_dir(cfg.run_dir)
         self.events = EventLog(cfg.resolved_event_log, cfg.node_id)
-        self.metrics = Metrics(cfg.node_id, cfg.metrics_port, cfg.resolved_metrics_host)
         self.security = Security.from_key_file(cfg.cluster_key)
+        self.metrics = Metrics(
+            cfg.node_id, cfg.metrics_port, cfg.resolved_metrics_host,
+            token=metrics_token(self.security.cluster) if self.security.cluster else None,
+            limits=ServerLimits(cfg.metrics_max_connections, cfg.metrics_idle_timeout_s,
+                                cfg.metrics_threads),
+        )  # fmt: skip
         self.public_key = self.security.public_key if self.security.enabled else ""
         """This daemon's CURVE public key, bound to its id at admission (empty: no key)."""
+        self.votes = VoteBook(cfg.node_id, VoteSigner() if self.security.enabled else None)
+        self.sign_key = self.votes.sign_key
+        self.incarnation = uuid.uuid4().hex[:12]  # this process's nonce (JoinRequest)
+        """This daemon's vote-signing key, bound to its id with ``public_key`` (empty: none)."""
         self.transport = Transport(
             cfg.listen, cfg.resolved_ipc_endpoint, cfg.max_frame_bytes, self.faults,
             self.security,
         )  # fmt: skip
         self.transport.max_dealers = cfg.max_peer_sockets
+        self.transport.on_refused = self.metrics.refused
         self.state = DaemonState.STARTING
         self.exit_code = 0
         self.election = Election(cfg.node_id, cfg, rng)
@@ -140,6 +154,7 @@ class Daemon:
             self.trainer,
             self.metrics,
             self.membership.leave_request,
+            self.votes,
         )
         self.views = ViewInstaller(
             self,
@@ -184,11 +199,6 @@ class Daemon:
         return self.election.role
 
     @property
-    def scheduler_role(self) -> SchedulerRole | None:
-        """The scheduler role, while this node holds it."""
-        return self.succession.role
-
-    @property
     def is_scheduler(self) -> bool:
         """Whether this node is the scheduler."""
         return self.succession.is_scheduler
@@ -230,6 +240,11 @@ class Daemon:
         """Inbound frames refused so far."""
         return self.dispatcher.refused
 
+    @property
+    def trainer_audit(self) -> AuditInfo | None:
+        """The local trainer's last reported state audit (``status``)."""
+        return self.trainer.audit
+
     def status_notes(self) -> list[str]:
         """The lines ``status`` adds: a trainer that exited, restarts that keep failing."""
         role = self.succession.role
@@ -237,6 +252,19 @@ class Daemon:
 
     def _known_scheduler(self) -> str | None:
         return self.node_id if self.is_scheduler else self.election.scheduler
+
+    @property
+    def vote_cert(self) -> list[Vote]:
+        """The signed votes this node won the current term with (its updates carry them)."""
+        return self.succession.vote_cert
+
+    def scheduler_problem(self, msg: Message) -> str | None:
+        """Why a scheduler's message is not taken from its sender (``None``: it is); see
+        :mod:`chaos.daemon.vote_certs`. A joining node takes its admission as it comes: it has
+        no view to check against yet."""
+        if self.state == DaemonState.JOINING:
+            return None
+        return self.succession.scheduler_problem(msg)
 
     def members(self) -> list[str]:
         """Current membership (the scheduler's monitor, else the installed view)."""
@@ -366,6 +394,7 @@ class Daemon:
         finally:
             self.event("stopped", exit_code=self.exit_code)
             self.transport.close(linger_s=0.2)
+            self.metrics.close()
             self.events.close()
         return self.exit_code
 
@@ -558,7 +587,9 @@ class Daemon:
         op_id = self.trainer.on_refusal(msg)
         if op_id:
             self.requests.refused(op_id, msg.reason, msg.detail or "refused by the scheduler")
-        if msg.reason == "stale_term" and msg.term > self.term:
+        if msg.reason == "stale_term" and msg.term > self.term and msg.sender in self.members():
+            # only a member's (its id is bound to its key): a stranger's forged refusal with a
+            # higher term would depose the scheduler, over and over
             self.succession.on_stale_term(msg.term, now)
             return
         if self.membership.on_refusal(msg):

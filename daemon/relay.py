@@ -16,7 +16,10 @@ says where it is in its steps, and every heartbeat interval the relay forwards t
 the scheduler with how long the trainer has been silent since, so that the scheduler can find a
 trainer that holds the others up (:mod:`chaos.daemon.scheduler.stragglers`). When the installed
 view shows this node's trainer evicted as a straggler, the registration ends here too; the
-trainer registers again, as a joiner, when it resumes.
+trainer registers again, as a joiner, when it resumes. A trainer's one-way
+``TrainerEvent(kind="nonfinite")`` (a step it skipped, and the devices whose gradients spoiled
+it) goes to the scheduler at once, which evicts a repeat offender the same way
+(:mod:`chaos.daemon.scheduler.offenders`).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from chaos.protocol import (
     TrainerInfo,
     TrainerRegister,
 )
-from chaos.protocol.messages import MAX_ELAPSED_S
+from chaos.protocol.messages import MAX_ELAPSED_S, AuditInfo
 from chaos.protocol.states import TrainerState
 
 THROUGHPUT_REFRESH_S = 5.0
@@ -111,6 +114,7 @@ class TrainerRelay:
         self._gone: str = ""  # why the last registration ended (for ``status``)
         self._accepted_epoch = 0  # the scheduler's epoch when it accepted the registration
         self._progress: TrainerEvent | None = None  # the trainer's latest progress report
+        self.audit: AuditInfo | None = None  # the trainer's last reported state audit
         self._progress_at = 0.0  # when it came (monotonic)
         self._rate_sent: tuple[float, int] | None = None  # throughput, global batch forwarded
         self._rate_sent_at = 0.0
@@ -143,7 +147,12 @@ class TrainerRelay:
         report is kept instead, and forwarded at the next heartbeat; it is never answered)."""
         if msg.kind == "throughput":
             return  # the daemon's to send: the trainer's throughput rides in its progress
+        if msg.kind == "nonfinite":
+            self._forward_nonfinite(msg)
+            return  # one-way: never answered
         if msg.kind == "progress":
+            if msg.audit is not None:
+                self.audit = msg.audit  # kept for status, whatever the registration
             if self.registration is not None:
                 self._progress = msg
                 self._progress_at = time.monotonic()
@@ -152,6 +161,8 @@ class TrainerRelay:
             self.host.result(reply, msg.op_id, Reason.UNKNOWN_PEER,
                              "this daemon is not a member (yet)")  # fmt: skip
             return
+        if msg.kind == "ready" and self.registration is not None:
+            self._start_silence_clock(msg.step)
         op_id = _op_id(msg.op_id)
         self._sent[op_id] = msg
         me = self.host.node_id
@@ -159,6 +170,18 @@ class TrainerRelay:
         epoch = msg.epoch if msg.kind == "step_failed" else self.host.epoch
         fwd = msgspec.structs.replace(msg, sender=me, node_id=me, epoch=epoch, op_id=op_id)
         self.host.relay(reply, fwd, op_id)
+
+    def _forward_nonfinite(self, msg: TrainerEvent) -> None:
+        """Forwards the trainer's report of a step it skipped as non-finite (the devices named)
+        to the scheduler at once, one way, which evicts a repeat offender
+        (:mod:`chaos.daemon.scheduler.offenders`); dropped without a registration."""
+        if self.registration is None or not self.host.active:
+            return
+        me = self.host.node_id
+        self.host.to_scheduler(
+            TrainerEvent(sender=me, epoch=self.host.epoch, kind="nonfinite", node_id=me,
+                         step=msg.step, devices=msg.devices)
+        )  # fmt: skip
 
     def on_result(self, msg: OpResult) -> None:
         """Notes the scheduler's answer to a forwarded message."""
@@ -177,7 +200,14 @@ class TrainerRelay:
                 self.sizes = list(sent.tensor_sizes)
         elif sent.kind == "ready":
             self.state = TrainerState.TRAINING
-            self._progress = None  # what it said while it pulled the state does not count
+
+    def _start_silence_clock(self, step: int) -> None:
+        """The trainer is ready at ``step``: what it said while it pulled the state no longer
+        counts, and it is heard now (a report it sends from here on replaces this one). A
+        trainer stopped before its first progress report is so still reported, silent since
+        its ready, and found a straggler."""
+        self._progress = TrainerEvent(kind="progress", step=step)
+        self._progress_at = time.monotonic()
 
     def on_refusal(self, msg: Refusal) -> str | None:
         """The op id of the forwarded message a scheduler refused (the oldest of its type)."""
@@ -211,7 +241,8 @@ class TrainerRelay:
 
     def _check_evicted(self) -> bool:
         """Ends the registration when the installed view (at least as new as the registration)
-        shows this node without a trainer: the scheduler evicted it as a straggler.
+        shows this node without a trainer: the scheduler evicted it (a straggler, or a repeat
+        non-finite offender).
 
         Returns:
             Whether it ended now.
@@ -226,8 +257,8 @@ class TrainerRelay:
         self._end_registration()
         stamp = time.strftime("%H:%M:%S")
         self._gone = (
-            f"trainer evicted as a straggler at {stamp} (epoch {view.epoch}); "
-            "it joins again when it resumes"
+            f"trainer evicted (a straggler, or a repeat non-finite offender) at {stamp} "
+            f"(epoch {view.epoch}); it joins again when it resumes"
         )
         self.host.event("trainer_evicted", was=was.value, epoch=view.epoch)
         return True

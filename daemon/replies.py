@@ -22,6 +22,7 @@ from chaos.protocol import (
     StatusReply,
     encode,
 )
+from chaos.protocol.messages import AuditInfo
 
 NOTICE_POLICY_MAX_BYTES = 64 << 10
 """Largest policy a notice carries; a trainer asks for a bigger one."""
@@ -59,6 +60,10 @@ class ReplySource(MemberFacts, Protocol):
     def status_notes(self) -> list[str]:
         """Lines worth a look in ``status`` (e.g. a trainer that exited)."""
 
+    @property
+    def trainer_audit(self) -> AuditInfo | None:
+        """The local trainer's last reported state audit."""
+
 
 def status_reply(d: ReplySource) -> StatusReply:
     """The daemon's state and its copy of the cluster view.
@@ -89,6 +94,7 @@ def status_reply(d: ReplySource) -> StatusReply:
         links=links,
         sync=d.update.sync if d.update else None,
         notes=[n[:256] for n in d.status_notes()[:32]],
+        audit=d.trainer_audit,
     )
 
 

@@ -9,6 +9,7 @@ and drops it when another scheduler, a higher term or a lost majority says so.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Protocol
@@ -23,8 +24,10 @@ from chaos.daemon.scheduler.role import SchedulerHost, SchedulerRole
 from chaos.daemon.states import DaemonState, Role
 from chaos.daemon.timers import Timers
 from chaos.daemon.transport import ReplyPath, Transport
+from chaos.daemon.vote_certs import VoteBook
 
 from chaos.protocol import (
+    MAX_COUNTER,
     ClusterView,
     LeaveRequest,
     MemberHeartbeat,
@@ -32,10 +35,12 @@ from chaos.protocol import (
     RequestVote,
     SchedulerHeartbeat,
     TimeoutNow,
+    Vote,
     VoteReply,
     encode,
 )
 
+log = logging.getLogger(__name__)
 
 class SuccessionHost(MemberFacts, SchedulerHost, Protocol):
     """What the succession needs from the daemon (and what the scheduler role it builds does)."""
@@ -62,6 +67,7 @@ class Succession:
         trainer: The local trainer's registration, reported to a new scheduler.
         metrics: The state gauges, updated every heartbeat.
         leave_request: This node's leave in flight, if leaving (asked anew of a new scheduler).
+        votes: The signed votes it gives and wins with (:mod:`chaos.daemon.vote_certs`).
     """
 
     def __init__(
@@ -74,6 +80,7 @@ class Succession:
         trainer: TrainerRelay,
         metrics: Metrics,
         leave_request: Callable[[], LeaveRequest],
+        votes: VoteBook,
     ) -> None:
         self.host = host
         self.election = election
@@ -83,6 +90,7 @@ class Succession:
         self.trainer = trainer
         self.metrics = metrics
         self.leave_request = leave_request
+        self.votes = votes
         self.role: SchedulerRole | None = None
         self._prev_scheduler: tuple[str, float] | None = None
 
@@ -97,6 +105,17 @@ class Succession:
         """Whether this node is the scheduler."""
         return self.election.role == Role.SCHEDULER and self.role is not None
 
+    @property
+    def vote_cert(self) -> list[Vote]:
+        """The signed votes this node won the current term with (empty: none, or no key)."""
+        return self.votes.cert(self.election.term)
+
+    def scheduler_problem(self, msg: Message) -> str | None:
+        """Why a scheduler's message (heartbeat, update, command) is not taken from its
+        sender (see :meth:`VoteBook.scheduler_problem`); ``None``: it is."""
+        e = self.election
+        return self.votes.scheduler_problem(msg, e.term, e.scheduler, e.voted_for, self.host.view)
+
     # -- heartbeats ------------------------------------------------------------------------
 
     def heartbeat(self, now: float) -> None:
@@ -105,7 +124,8 @@ class Succession:
         if self.is_scheduler and self.role is not None:
             self.election.last_scheduler_contact = now
             self.role.on_heartbeat(h.node_id, self.agent.resources, now)
-            frame = encode(SchedulerHeartbeat(sender=h.node_id, epoch=h.epoch, term=h.term))
+            frame = encode(SchedulerHeartbeat(sender=h.node_id, epoch=h.epoch, term=h.term,
+                                              cert=self.vote_cert))  # fmt: skip
             for m in h.members():
                 if m != h.node_id:
                     self.transport.send_peer(m, frame)
@@ -158,7 +178,7 @@ class Succession:
         was_scheduler = self.is_scheduler
         if self.role is not None:  # a handover's vote: compare with what it committed
             self.election.issued(self.role.epoch)
-        answer = self.election.on_request_vote(msg, now, h.epoch)
+        answer = self.votes.grant(self.election.on_request_vote(msg, now, h.epoch), msg.sender)
         if was_scheduler and self.election.role != Role.SCHEDULER:
             self._drop()
             h.event("stepped_down", term=h.term)
@@ -167,6 +187,7 @@ class Succession:
     def on_vote_reply(self, msg: VoteReply, reply: ReplyPath | None, now: float) -> None:
         """Counts a vote; takes the role on a majority."""
         was_scheduler = self.is_scheduler
+        msg = self.votes.take(msg, self.host.view)  # a vote whose signature fails is no vote
         if self.role is not None and msg.sender in self.role.last_heard:
             self.role.failures.heard(msg.sender, now)  # a late reply: its sender is alive
         if self.election.on_vote_reply(msg, now, self.host.members()):
@@ -194,7 +215,13 @@ class Succession:
             known = self.election.scheduler or (h.view.scheduler if h.view else None)
             if known is not None and known != h.node_id:
                 self._prev_scheduler = (known, self.election.last_scheduler_contact)
+        if self.election.term >= MAX_COUNTER:
+            self.election.disarm()
+            log.error("term %d is at the wire limit: this node stands no more", h.term)
+            h.event("counter_limit", counter="term", value=h.term)
+            return
         rv = self.election.start(now, h.epoch, transfer)
+        self.votes.stand(self.election.term)
         h.event("election_started", term=h.term, transfer=transfer)
         if self.election.has_majority(members):
             self.become_scheduler(now)
@@ -211,6 +238,7 @@ class Succession:
         h = self.host
         if bootstrap:
             self.election.term = 1
+            self.votes.stand(1)
         former = self._prev_scheduler
         silent = carried_silence(former, self.election.heard)
         self.election.become_scheduler(now)

@@ -18,7 +18,7 @@ import logging
 import math
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +26,7 @@ import zmq
 from chaos.daemon.config import IPC_PATH_MAX
 
 from chaos.errors import ConfigError
-from chaos.security import Security, authenticated_key
+from chaos.security import HandshakeRefusal, HandshakeWatch, Security, authenticated_key
 from chaos.sockets import keep_alive, start_zero_copy_collector
 
 log = logging.getLogger("chaos.daemon.transport")
@@ -37,12 +37,22 @@ _PEER_HWM = 1000
 _NOTIFY_HWM = 64
 NOTIFY_SUFFIX = ".notify"
 _HANDSHAKE_IVL_MS = 5_000
-_HANDSHAKE_ERRORS: dict[int, str] = {
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication",
-}
+_HANDSHAKE_LOG_FIRST = 5
+"""Refused handshakes logged one by one; after these, one summary line every
+:data:`_HANDSHAKE_LOG_EVERY` (a stranger reconnecting in a loop must not flood the log)."""
+_HANDSHAKE_LOG_EVERY = 1000
 """The notifier's IPC path is the daemon's IPC path plus this."""
+
+
+def _log_refusal(refusal: HandshakeRefusal) -> None:
+    """Logs a refused handshake (past the first ones, with how many were refused so far)."""
+    n = refusal.count
+    more = "" if n < _HANDSHAKE_LOG_FIRST else f"; {n} refused so far, logging every "
+    more += f"{_HANDSHAKE_LOG_EVERY}th" if more else ""
+    log.warning(
+        "refused a connection on %s: CURVE handshake failed (%s): the peer has no or "
+        "a different cluster key%s", refusal.endpoint, refusal.detail, more,
+    )  # fmt: skip
 
 
 class FaultInjector:
@@ -189,6 +199,9 @@ class Transport:
         """DEALERs not opened: over ``max_dealers``, or ZeroMQ refused (too many sockets)."""
         self.handshake_failures = 0
         """TCP connections refused in the CURVE handshake (no or a wrong cluster key)."""
+        self.on_refused: Callable[[str], object] | None = None
+        """Called with ``"handshake_failed"`` for each of them (the daemon counts it in its
+        refusal metrics)."""
         self.router = self._router(listen, tcp=True)
         self._handshakes = self._watch_handshakes(self.router)
         path = ipc_endpoint.removeprefix("ipc://")
@@ -200,11 +213,12 @@ class Transport:
         self.notify_endpoint, self._notify = self._notifier(path)
         self.dealers: dict[str, tuple[str, zmq.Socket[bytes]]] = {}
         self.contacts: dict[str, zmq.Socket[bytes]] = {}
+        self._contact_monitors: dict[str, HandshakeWatch] = {}
         self.poller = zmq.Poller()
         self.poller.register(self.router, zmq.POLLIN)
         self.poller.register(self.ipc, zmq.POLLIN)
         if self._handshakes is not None:
-            self.poller.register(self._handshakes, zmq.POLLIN)
+            self.poller.register(self._handshakes.monitor, zmq.POLLIN)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -236,33 +250,23 @@ class Transport:
             except zmq.ZMQError as exc:
                 log.debug("notice not published: %s", exc)
 
-    def _watch_handshakes(self, sock: zmq.Socket[bytes]) -> zmq.Socket[bytes] | None:
-        """A monitor of the failed CURVE handshakes on ``sock`` (``None`` when insecure)."""
+    def _watch_handshakes(self, sock: zmq.Socket[bytes]) -> HandshakeWatch | None:
+        """A watch on the failed CURVE handshakes on ``sock`` (``None`` when insecure)."""
         if not self.security.enabled:
             return None
-        events = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                  | zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # fmt: skip
-        return sock.get_monitor_socket(events)
+        return HandshakeWatch(
+            sock, on_refused=self._count_refusal, report=_log_refusal,
+            log_first=_HANDSHAKE_LOG_FIRST, log_every=_HANDSHAKE_LOG_EVERY,
+        )  # fmt: skip
+
+    def _count_refusal(self, _refusal: HandshakeRefusal) -> None:
+        self.handshake_failures += 1
+        if self.on_refused is not None:
+            self.on_refused("handshake_failed")
 
     def _drain_handshakes(self) -> None:
-        from zmq.utils.monitor import recv_monitor_message
-
-        sock = self._handshakes
-        if sock is None:
-            return
-        for _ in range(_DRAIN_PER_SOCKET):
-            try:
-                event = recv_monitor_message(sock, flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self.handshake_failures += 1
-            endpoint = event.get("endpoint", b"")
-            where = endpoint.decode(errors="replace") if isinstance(endpoint, bytes) else endpoint
-            detail = _HANDSHAKE_ERRORS.get(int(event["event"]), "error")
-            log.warning(
-                "refused a connection on %s: CURVE handshake failed (%s): the peer has no or "
-                "a different cluster key", where, detail,
-            )  # fmt: skip
+        if self._handshakes is not None:
+            self._handshakes.drain(_DRAIN_PER_SOCKET)
 
     def _router(self, endpoint: str, tcp: bool = False) -> zmq.Socket[bytes]:
         sock: zmq.Socket[bytes] = self.ctx.socket(zmq.ROUTER)
@@ -282,9 +286,11 @@ class Transport:
             raise ConfigError(f"cannot bind {endpoint}: {exc.strerror}") from exc
         return sock
 
-    def _dealer(self, address: str) -> zmq.Socket[bytes] | None:
+    def _dealer(self, address: str, watch: bool = False) -> zmq.Socket[bytes] | None:
         """A new DEALER to ``address``; ``None`` (logged, counted in ``socket_failures``) when
-        ``max_dealers`` are open or ZeroMQ cannot make one (too many sockets or files)."""
+        ``max_dealers`` are open or ZeroMQ cannot make one (too many sockets or files).
+        ``watch``: monitor its failed handshakes from before it connects (a mechanism mismatch
+        fails the first handshake only: ZeroMQ does not retry it)."""
         if len(self.dealers) + len(self.contacts) >= self.max_dealers:
             self._socket_failed(address, f"{self.max_dealers} peer sockets open (the budget)")
             return None
@@ -301,8 +307,13 @@ class Transport:
             # timeout), not left retransmitting on a back-off long after the link is back
             keep_alive(sock)
             self.security.client(sock)
+            if watch:
+                self._contact_monitors[address] = HandshakeWatch(sock)
             sock.connect(address)
         except zmq.ZMQError as exc:
+            mon = self._contact_monitors.pop(address, None) if watch else None
+            if mon is not None:
+                mon.close()
             sock.close(linger=0)
             self._socket_failed(address, exc.strerror)
             return None
@@ -360,20 +371,32 @@ class Transport:
         return self._send(cur[1], [frame] if attachment is None else [frame, attachment])
 
     def send_contact(self, address: str, frame: bytes) -> bool:
-        """Sends to an address whose node id is not known yet (a join contact)."""
+        """Sends to an address whose node id is not known yet (a join contact); its failed
+        security handshakes are watched (:meth:`refused_contact`)."""
         sock = self.contacts.get(address)
         if sock is None:
-            sock = self._dealer(address)
+            sock = self._dealer(address, watch=True)
             if sock is None:
                 self.send_failures += 1
                 return False
             self.contacts[address] = sock
         return self._send(sock, [frame])
 
+    def refused_contact(self) -> str | None:
+        """The first join contact whose server refused this node's security handshake (no,
+        a wrong or an unexpected cluster key), or ``None``."""
+        for address, mon in self._contact_monitors.items():
+            if mon.pending():
+                return address
+        return None
+
     def close_contacts(self) -> None:
-        """Closes every join-contact DEALER."""
-        for sock in self.contacts.values():
+        """Closes every join-contact DEALER (and its handshake monitor)."""
+        for address, sock in self.contacts.items():
             self.poller.unregister(sock)
+            mon = self._contact_monitors.pop(address, None)
+            if mon is not None:
+                mon.close()
             sock.close(linger=0)
         self.contacts.clear()
 
@@ -409,7 +432,7 @@ class Transport:
         events = dict(self.poller.poll(max(0, math.ceil(timeout_s * 1000))))
         out: list[Inbound] = []
         for sock in events:
-            if sock is self._handshakes:
+            if self._handshakes is not None and sock is self._handshakes.monitor:
                 self._drain_handshakes()
                 continue
             if not isinstance(sock, zmq.Socket):
@@ -459,8 +482,7 @@ class Transport:
         self.dealers.clear()
         self.close_contacts()
         if self._handshakes is not None:
-            self.router.disable_monitor()
-            self._handshakes.close(linger=0)
+            self._handshakes.close()
         self.router.close(linger=0)
         self.ipc.close(linger=0)
         if self._notify is not None:

@@ -9,6 +9,7 @@ that Python imports on the way are not counted.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -111,35 +112,84 @@ def test_the_daemon_and_the_planner_never_import_torch() -> None:
     assert out.stdout.strip() == "0", "torch was imported by the daemon's modules"
 
 
-# The packages of the design, coarsest first: a module belongs to the longest prefix listed.
-LAYERS = (
-    "chaos",
-    "chaos.errors",
-    "chaos.allocator",
-    "chaos.ops",
-    "chaos.wire",
-    "chaos.launch",
-    "chaos.security",
-    "chaos.protocol",
-    "chaos.scheduling",
-    "chaos._native",
-    "chaos.daemon",
-    "chaos.daemon.scheduler",
-    "chaos.collectives",
-    "chaos.replication",
-    "chaos.trainer",
-    "chaos.models",
-    "chaos.bench",
-    "chaos.emulate",
-)
+def layers(root: Path = ROOT) -> tuple[str, ...]:
+    """The layers of the design, read from the source tree, ``chaos`` (its ``__init__``) first.
+
+    The rule, kept explicit here: every package (a folder with an ``__init__.py``, at any depth,
+    under the import names of :data:`PACKAGES`) is a layer, and so is every top-level module of
+    ``chaos`` (``chaos/wire.py``, ``chaos/sockets.py``, ...). A module belongs to the longest
+    layer that prefixes it, so a module added anywhere lands in a layer without a hand-kept list.
+    The top-level modules come first, then the packages, each group sorted by name.
+    """
+    modules: list[str] = []
+    packages: list[str] = []
+    for top in PACKAGES:
+        for init in sorted((root / top).rglob("__init__.py")):
+            name, _pkg = _module_of(init, root)
+            if name != "chaos":
+                packages.append(name)
+    for path in sorted((root / "chaos").glob("*.py")):
+        if path.name != "__init__.py":
+            modules.append(_module_of(path, root)[0])
+    return ("chaos", *sorted(modules), *sorted(packages))
 
 
-def _layer(module: str) -> str:
+LAYERS = layers()
+
+
+def _layer(module: str, known: tuple[str, ...] = LAYERS) -> str:
     best = ""
-    for layer in LAYERS:
+    for layer in known:
         if (module == layer or module.startswith(layer + ".")) and len(layer) > len(best):
             best = layer
     return best
+
+
+def test_every_module_is_in_a_layer() -> None:
+    """No module falls through to the root: each lies in a package or is a top-level module.
+
+    A module only ``chaos`` prefixes (one in a folder without an ``__init__.py``, say) would
+    have its imports merged into the root's and vanish from the table below.
+    """
+    stray = sorted(m for m in import_graph().nodes if _layer(m) in {"", "chaos"} and m != "chaos")
+    if stray:
+        raise AssertionError(f"modules in no layer: {stray}")
+    assert "chaos.sockets" in LAYERS and "chaos.daemon.scheduler" in LAYERS
+
+
+def test_the_layers_follow_the_tree(tmp_path: Path) -> None:
+    """A new top-level module and a new nested package each become a layer, unasked."""
+    for top in PACKAGES:
+        (tmp_path / top).mkdir()
+        (tmp_path / top / "__init__.py").write_text("")
+    (tmp_path / "chaos" / "fresh.py").write_text("")
+    (tmp_path / "daemon" / "inner").mkdir()
+    (tmp_path / "daemon" / "inner" / "__init__.py").write_text("")
+    (tmp_path / "daemon" / "inner" / "x.py").write_text("")
+    (tmp_path / "chaos" / "loose").mkdir()  # no __init__.py: its module is in no layer
+    (tmp_path / "chaos" / "loose" / "y.py").write_text("")
+    found = layers(tmp_path)
+    assert found == (
+        "chaos", "chaos.fresh", "chaos._native", "chaos.daemon", "chaos.daemon.inner",
+        "chaos.scheduling",
+    )
+    assert _layer("chaos.daemon.inner.x", found) == "chaos.daemon.inner"
+    assert _layer("chaos.loose.y", found) == "chaos"
+
+
+def _bottom_up(deps: dict[str, set[str]]) -> list[str]:
+    """The layers ordered so that each comes after those it imports; layers that import each
+    other (``chaos.daemon`` and ``chaos.daemon.scheduler``) sit together; ties by name."""
+    graph = nx.DiGraph()
+    graph.add_nodes_from(deps)
+    graph.add_edges_from((d, layer) for layer, ds in deps.items() for d in ds)
+    dag = nx.condensation(graph)
+    members = dag.graph["mapping"]
+    first = {c: min(m for m, cc in members.items() if cc == c) for c in dag.nodes}
+    order: list[str] = []
+    for c in nx.lexicographical_topological_sort(dag, key=lambda c: first[c]):
+        order += sorted(m for m, cc in members.items() if cc == c)
+    return order
 
 
 def package_table() -> str:
@@ -151,7 +201,7 @@ def package_table() -> str:
         if la != lb and lb != "chaos":
             deps[la].add(lb)
     rows = ["| package | imports (project packages only) |", "|---|---|"]
-    for layer in LAYERS:
+    for layer in _bottom_up(deps):
         if layer == "chaos":
             continue
         names = ", ".join(f"`{d}`" for d in sorted(deps[layer])) or "nothing"
@@ -189,6 +239,68 @@ def test_the_shard_planner_is_pure() -> None:
             for name in names:
                 top = name.split(".")[0]
                 assert top not in {"zmq", "socket", "torch", "subprocess", "os"}, (path, name)
+
+
+def _package_rows(text: str) -> dict[str, str]:
+    """docs/architecture.md's "Packages" table: each package named in a row's first cell, and
+    that row's last cell (the modules it lists)."""
+    section = text.split("\n## Packages\n", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, str] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 4 or not cells[0].startswith("`"):
+            continue
+        for name in re.findall(r"`([\w.]+)`", cells[0]):
+            rows[name] = cells[-1]
+    return rows
+
+
+def undocumented_modules(root: Path = ROOT) -> list[str]:
+    """The module files that docs/architecture.md's "Packages" table leaves out.
+
+    A top-level module of ``chaos`` must be a package of a row; any other module file must be
+    named (``name.py``, in backticks) in the row of the package that holds it.
+    """
+    rows = _package_rows((root / "docs" / "architecture.md").read_text())
+    missing: list[str] = []
+    for top in PACKAGES:
+        for path in sorted((root / top).rglob("*.py")):
+            if path.name == "__init__.py":
+                continue
+            name, package = _module_of(path, root)
+            if package == "chaos":
+                if name not in rows:
+                    missing.append(f"{path.relative_to(root)} (no row for `{name}`)")
+            elif f"`{path.name}`" not in rows.get(package, ""):
+                missing.append(f"{path.relative_to(root)} (not in the `{package}` row)")
+    return missing
+
+
+def test_the_docs_name_every_module() -> None:
+    """docs/architecture.md's package table names every module file of the tree."""
+    missing = undocumented_modules()
+    if missing:
+        raise AssertionError("docs/architecture.md's Packages table leaves out:\n  "
+                             + "\n  ".join(missing))
+
+
+def test_the_module_check_sees_a_missing_module(tmp_path: Path) -> None:
+    """The check above fails for a module that no row names."""
+    for top in PACKAGES:
+        (tmp_path / top).mkdir()
+        (tmp_path / top / "__init__.py").write_text("")
+    (tmp_path / "daemon" / "told.py").write_text("")
+    (tmp_path / "daemon" / "untold.py").write_text("")
+    (tmp_path / "chaos" / "alone.py").write_text("")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "architecture.md").write_text(
+        "# Map\n\n## Packages\n\n| package | folder | job | modules |\n|---|---|---|---|\n"
+        "| `chaos.daemon` | `daemon/` | the member side | `told.py` (told) |\n\n## Next\n"
+    )
+    assert undocumented_modules(tmp_path) == [
+        "chaos/alone.py (no row for `chaos.alone`)",
+        "daemon/untold.py (not in the `chaos.daemon` row)",
+    ]
 
 
 if __name__ == "__main__":  # print the table for docs/architecture.md

@@ -26,6 +26,7 @@ from typing import Any
 import click
 import torch
 
+from chaos.bench.allreduce_shaped import reap, shaped_command
 from chaos.collectives import Communicator, CommunicatorConfig, Topology
 from chaos.launch import free_port
 from chaos.security import ClusterKey, Security
@@ -179,11 +180,7 @@ def run_bench(
     try:
         raw = _await_result(results, procs)
     finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        reap(procs)
     rows = json.loads(raw)
     out: dict[str, Any] = {"nodes": nodes, "repeats": repeats, "chunk_bytes": chunk_bytes,
                            "keep_frame_memory": keep_memory, "lanes": lanes, "secure": secure,
@@ -232,12 +229,15 @@ def _label(size: int) -> str:
 @click.command("allreduce")
 @click.option("--nodes", type=click.IntRange(2, 64), default=4, show_default=True,
               help="Processes on loopback.")
-@click.option("--sizes", default="1MB,16MB,64MB", show_default=True,
-              help="Comma-separated tensor sizes (float32; 1MB = 2**20 bytes).")
-@click.option("--repeats", type=click.IntRange(1, 1000), default=5, show_default=True,
-              help="Timed repetitions per size and algorithm (after one warm-up).")
-@click.option("--chunk-bytes", type=click.IntRange(64), default=LOOPBACK_CHUNK_BYTES,
-              show_default=True, help="Chaos wire chunk size (loopback-tuned default).")
+@click.option("--sizes", default=None,
+              help="Comma-separated tensor sizes (float32; 1MB = 2**20 bytes); default "
+                   "1MB,16MB,64MB on loopback, 6MB (one size) with --shaped.")
+@click.option("--repeats", type=click.IntRange(1, 1000), default=None,
+              help="Timed repetitions per size and algorithm (after one warm-up); default 5 "
+                   "on loopback, 3 with --shaped.")
+@click.option("--chunk-bytes", type=click.IntRange(64), default=None,
+              help="Chaos wire chunk size; default 2 MiB on loopback (tuned there), the "
+                   "library's CommunicatorConfig.chunk_bytes with --shaped.")
 @click.option("--keep-frame-memory/--no-keep-frame-memory", default=True, show_default=True,
               help="CommunicatorConfig.keep_frame_memory: glibc keeps freed frame buffers "
                    "mapped (process-wide; the default of the library).")
@@ -249,15 +249,34 @@ def _label(size: int) -> str:
 @click.option("--secure", is_flag=True,
               help="Also time ring and tree with a cluster key (CURVE links, AES-256-GCM "
                    "lanes), in the same repetitions, and report their ratio against gloo.")
+@click.option("--shaped", is_flag=True,
+              help="Instead of loopback: members in network namespaces behind tc-shaped links "
+                   "(needs root), against the bandwidth bound; see --members and --mbit.")
+@click.option("--members", default="2,4", show_default=True,
+              help="With --shaped: comma-separated member counts.")
+@click.option("--mbit", default="10,20", show_default=True,
+              help="With --shaped: comma-separated link rates, Mbit/s.")
+@click.option("--deep-tree", is_flag=True,
+              help="With --shaped: also time the tree at more than two members.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               default=None, help="Write the results here.")
-def allreduce_command(nodes: int, sizes: str, repeats: int, chunk_bytes: int,
-                      keep_frame_memory: bool, lanes: bool, zmq_baseline: bool, secure: bool,
-                      json_path: Path | None) -> None:  # fmt: skip
-    """Chaos allreduce (ring and tree) vs torch.distributed gloo on loopback."""
-    parsed = [parse_size(s) for s in sizes.split(",") if s.strip()]
+def allreduce_command(nodes: int, sizes: str | None, repeats: int | None,
+                      chunk_bytes: int | None, keep_frame_memory: bool, lanes: bool,
+                      zmq_baseline: bool, secure: bool, shaped: bool, members: str, mbit: str,
+                      deep_tree: bool, json_path: Path | None) -> None:  # fmt: skip
+    """Chaos allreduce (ring and tree) vs torch.distributed gloo, on loopback or (--shaped)
+    on tc-shaped links."""
+    if shaped:
+        size = [parse_size(s) for s in (sizes or "6MB").split(",") if s.strip()]
+        if len(size) != 1:
+            raise click.BadParameter("--shaped takes one size", param_hint="--sizes")
+        shaped_command(size[0], repeats or 3, chunk_bytes, members, mbit, deep_tree, json_path)
+        return
+    parsed = [parse_size(s) for s in (sizes or "1MB,16MB,64MB").split(",") if s.strip()]
     if not parsed:
         raise click.BadParameter("no sizes given", param_hint="--sizes")
+    repeats = repeats or 5
+    chunk_bytes = chunk_bytes or LOOPBACK_CHUNK_BYTES
     result = run_bench(nodes, parsed, repeats, chunk_bytes, keep_frame_memory, lanes, zmq_baseline,
                        secure)  # fmt: skip
     click.echo(f"allreduce, {nodes} processes on loopback, float32 sum, median of {repeats}")

@@ -9,10 +9,13 @@ import click
 
 from chaos.bench.allreduce import allreduce_command
 from chaos.bench.assign import assign_command
+from chaos.bench.audit import audit_command
+from chaos.bench.compress import compress_command
 from chaos.bench.control import control_command
 from chaos.bench.convergence import convergence_command
 from chaos.bench.fuzz import fuzz_command
 from chaos.bench.hetero import hetero_command
+from chaos.bench.join_load import join_load_command
 from chaos.bench.native import native_command
 from chaos.bench.pool import pool_command
 from chaos.bench.primitives import primitives_command
@@ -34,6 +37,9 @@ main.add_command(pool_command)
 main.add_command(fuzz_command)
 main.add_command(hetero_command)
 main.add_command(convergence_command)
+main.add_command(audit_command)
+main.add_command(compress_command)
+main.add_command(join_load_command)
 
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -27,6 +27,9 @@ The jobs are split: :mod:`chaos.bench.fuzz_frames` makes the frames,
 :mod:`chaos.bench.fuzz_targets` starts, fuzzes and checks each target,
 :mod:`chaos.bench.fuzz_children` is the shard server's and the trainer's process, and this
 module runs them all and reports.
+
+``--key-holder`` runs :mod:`chaos.bench.fuzz_keyholder` instead: a key holder that never
+joined forges scheduler, command, vote and refusal messages at a keyed cluster of daemons.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from typing import Any
 
 import click
 
+from chaos.bench.fuzz_keyholder import ALL_KINDS, KeyHolderConfig, run_key_holder
 from chaos.bench.fuzz_targets import TARGETS
 from chaos.launch import kill_and_reap
 
@@ -114,12 +118,41 @@ def _print_result(result: dict[str, Any]) -> None:
     )
 
 
+def _print_key_holder(result: dict[str, Any]) -> None:
+    """Prints the record of :func:`~chaos.bench.fuzz_keyholder.run_key_holder` as a table."""
+    click.echo(f"{'attack':<20}{'sent':>7}{'accepted':>10}{'wedged':>8}{'recovered':>11}  refusals")
+    control = {"control": result["control"]} if result["control"] else {}
+    for name, r in {**control, **result["attacks"]}.items():
+        rec = r["recovered_after_s"]
+        reasons = ", ".join(f"{k} {v}" for k, v in r["refusals"].items()) or "-"
+        click.echo(f"{name:<20}{r['frames_sent']:>7}{r['accepted']:>10}"
+             f"{'YES' if r['wedged'] else 'no':>8}{'-' if rec is None else f'{rec:.1f} s':>11}"
+             f"  {reasons}")  # fmt: skip
+    for name, r in result["attacks"].items():
+        by = r["accepted_by"]
+        hits = {k: v for k, v in by.items() if v}
+        if hits:
+            click.echo(f"{name} ACCEPTED: " + "; ".join(
+                f"{k} {len(v) if k == 'bindings_changed' else ', '.join(v)}"
+                for k, v in hits.items()))  # fmt: skip
+    rss = result["rss_ratio_max"]
+    click.echo(f"accepted: {result['accepted']} (goal 0); wedged: {result['wedged']} (goal 0); "
+         f"control clean: {result['control_clean']}; RSS max ratio "
+         f"{'-' if rss is None else f'{rss:.3f}'} (goal within 10 %); "
+         f"clusters started: {result['clusters_started']}")  # fmt: skip
+    trainer = result["attacks"].get("trainer_future_epoch")
+    if trainer is not None:
+        t = trainer["trainer"]
+        counts = ", ".join(f"{k} {v}" for k, v in t["member_a"].items() if v) or "-"
+        click.echo(f"trainer_future_epoch: member a {counts}; RSS ratio {t['rss_ratio']}")
+
+
 @click.command("fuzz")
 @click.option(
     "--frames",
     type=click.IntRange(min=1),
-    required=True,
-    help="Frames sent at each target (a positive integer).",
+    default=None,
+    help="Frames sent at each target (a positive integer; required without --key-holder).",
 )
 @click.option(
     "--json",
@@ -129,8 +162,54 @@ def _print_result(result: dict[str, Any]) -> None:
     help="Write the figures here.",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the frames.")
-def fuzz_command(frames: int, json_path: str, seed: int) -> None:
-    """Random and mutated frames at a live daemon, shard server and trainer on loopback."""
+@click.option(
+    "--key-holder",
+    is_flag=True,
+    help="Instead: a key holder that never joined forges scheduler, command, vote and "
+    "refusal messages at a keyed cluster (see chaos.bench.fuzz_keyholder).",
+)
+@click.option(
+    "--daemons",
+    type=click.IntRange(3, 7),
+    default=4,
+    show_default=True,
+    help="With --key-holder: daemons in the keyed cluster.",
+)
+@click.option(
+    "--attack-s",
+    type=click.FloatRange(min=0.1),
+    default=3.0,
+    show_default=True,
+    help="With --key-holder: seconds each attack kind lasts.",
+)
+@click.option(
+    "--attack",
+    "attacks",
+    type=click.Choice(ALL_KINDS),
+    multiple=True,
+    help="With --key-holder: run only this attack kind (repeatable; default all).",
+)
+def fuzz_command(
+    frames: int | None,
+    json_path: str,
+    seed: int,
+    key_holder: bool,
+    daemons: int,
+    attack_s: float,
+    attacks: tuple[str, ...],
+) -> None:
+    """Random and mutated frames at a live daemon, shard server and trainer on loopback, or
+    (--key-holder) forged messages from a key holder at a keyed cluster."""
+    if key_holder:
+        cfg = KeyHolderConfig(daemons=daemons, attack_s=attack_s, attacks=attacks)
+        with tempfile.TemporaryDirectory(prefix="chaos-bench-keyholder-") as tmp:
+            result = run_key_holder(cfg, Path(tmp))
+        Path(json_path).write_text(json.dumps(result, indent=2))
+        _print_key_holder(result)
+        click.echo(f"wrote {json_path}")
+        return
+    if frames is None:
+        raise click.UsageError("Missing option '--frames' (or give --key-holder).")
     result = run_fuzz(frames, seed)
     Path(json_path).write_text(json.dumps(result, indent=2))
     _print_result(result)

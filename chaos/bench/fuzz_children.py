@@ -52,28 +52,38 @@ def _serve_shards(ready: Path, stop: threading.Event) -> None:
             pass
 
 
-def _train(ready: Path, stats: Path, stop: threading.Event) -> None:
+def _train(ready: Path, stats: Path, stop: threading.Event, key: Path | None = None) -> None:
     """The trainer target: two members allreduce in a ring until ``stop``; member ``a``'s stats
-    go to ``stats`` twice a second."""
+    go to ``stats`` twice a second. With ``key`` (a cluster key file) both members are keyed,
+    each with a keypair of its own, and the topology binds each id to its member's key."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
 
     from chaos.collectives import Communicator, CommunicatorConfig, Topology
+    from chaos.security import ClusterKey, Security
+
+    cluster = ClusterKey.load(key) if key is not None else None
 
     def member(node_id: str) -> Communicator:
         cfg = CommunicatorConfig(
             node_id=node_id, chunk_bytes=1 << 16, timeout_s=ROUND_TIMEOUT_S, lane_min_bytes=0
         )
-        return Communicator(cfg)
+        return Communicator(cfg, security=Security(cluster))
 
     a, b = member("a"), member("b")
     epoch, rounds, failures, last_error = 1, 0, 0, None
     x = torch.ones(1 << 16)
 
     def install() -> None:
+        keys = {"a": a.security.public_key, "b": b.security.public_key} if cluster else None
         topo = Topology(
-            "ring", ("a", "b"), {"a": a.address, "b": b.address}, epoch, ring_order=("a", "b")
+            "ring",
+            ("a", "b"),
+            {"a": a.address, "b": b.address},
+            epoch,
+            ring_order=("a", "b"),
+            keys=keys,
         )
         a.update_topology(topo)
         b.update_topology(topo)
@@ -102,6 +112,7 @@ def _train(ready: Path, stats: Path, stop: threading.Event) -> None:
                         {
                             "rounds": rounds,
                             "failures": failures,
+                            "epoch": epoch,
                             "last_error": last_error,
                             "a": figures,
                         },
@@ -113,7 +124,13 @@ def _train(ready: Path, stats: Path, stop: threading.Event) -> None:
                         port = getattr(lanes, "port", None)
                         if port is not None:
                             _write_json(
-                                ready, {"address": a.address, "lane_port": port, "pid": os.getpid()}
+                                ready,
+                                {
+                                    "address": a.address,
+                                    "lane_port": port,
+                                    "pid": os.getpid(),
+                                    "epoch": epoch,
+                                },
                             )
         finally:
             a.close()
@@ -127,12 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("role", choices=["shard", "trainer"])
     ap.add_argument("--ready", type=Path, required=True)
     ap.add_argument("--stats", type=Path, required=True)
+    ap.add_argument("--cluster-key", type=Path, default=None, help="trainer: a keyed data plane")
     args = ap.parse_args(argv)
     stop = threading.Event()
     if args.role == "shard":
         _serve_shards(args.ready, stop)
     else:
-        _train(args.ready, args.stats, stop)
+        _train(args.ready, args.stats, stop, args.cluster_key)
     return 0
 
 

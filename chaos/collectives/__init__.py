@@ -6,6 +6,7 @@
 """
 
 from chaos.collectives.communicator import CollectiveStats, Communicator, CommunicatorConfig
+from chaos.collectives.compress import ErrorFeedback
 from chaos.collectives.topology import Topology, topology_from_sync_policy
 from chaos.errors import PeerFailure, PeerTimeout
 
@@ -13,6 +14,7 @@ __all__ = [
     "CollectiveStats",
     "Communicator",
     "CommunicatorConfig",
+    "ErrorFeedback",
     "PeerFailure",
     "PeerTimeout",
     "Topology",

@@ -35,7 +35,7 @@ from chaos.collectives.topology import Topology
 from chaos.errors import PeerTimeout, ProtocolError
 from chaos.ops import reduce_into
 
-__all__ = ["Round", "RoundTransport", "chunks", "split"]
+__all__ = ["Round", "RoundTransport", "chunk_elems", "chunks", "split"]
 
 
 class RoundTransport(Protocol):
@@ -98,6 +98,16 @@ def chunks(start: int, stop: int, chunk_elems: int) -> list[tuple[int, int]]:
     return [(a, min(a + chunk_elems, stop)) for a in range(start, stop, chunk_elems)]
 
 
+def chunk_elems(config: CommunicatorConfig, numel: int, esize: int) -> int:
+    """Elements per chunk of a round of ``numel`` elements of ``esize`` bytes: at most
+    ``config.chunk_bytes``, and few enough for ``config.min_chunks`` chunks, but not fewer
+    than ``config.min_chunk_bytes`` (see :class:`CommunicatorConfig`). It depends only on the
+    settings and the tensor, so every member cuts the same chunks."""
+    floor = min(config.chunk_bytes, config.min_chunk_bytes)
+    want = -(-numel * esize // config.min_chunks)  # ceil
+    return max(1, max(floor, min(config.chunk_bytes, want)) // esize)
+
+
 def _bytes(t: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous 1-D tensor (works for bfloat16 too)."""
     return t.view(torch.uint8).numpy().data
@@ -142,7 +152,11 @@ class Round:
         self.mean = op == "mean"
         self.timeout_s = timeout_s
         self.esize = self.wire_dtype.itemsize
-        self.chunk_elems = max(1, comm.config.chunk_bytes // self.esize)
+        # a tree of more than two fills and drains its pipeline a chunk per level: a tensor of
+        # a few chunk sizes is cut finer (a ring keeps every link busy at any chunk size)
+        deep = topo.kind == "tree" and self.n > 2
+        self.chunk_elems = (chunk_elems(comm.config, acc.numel(), self.esize) if deep
+                            else max(1, comm.config.chunk_bytes // self.esize))  # fmt: skip
         self.trackers: list[tuple[str, zmq.MessageTracker]] = []
         # payloads arriving on lanes are read straight into ``acc`` (no copy) when the wire
         # format is the accumulation dtype and the input's (see Communicator.recv's ``place``)
@@ -159,7 +173,18 @@ class Round:
             self._finalize(0, self.acc.numel())
             return
         if self.topo.kind == "ring":
-            self._ring()
+            order = self.topo.ring_order
+            if order is None:  # pragma: no cover - guaranteed by Topology
+                raise ValueError("ring topology without an order")
+            self._ring(order)
+        elif self.n == 2:
+            # a tree of two is one full-duplex link: run it as a ring of two (each member
+            # reduces half and sends it back), which keeps both directions busy from the first
+            # byte to the last; a root has nothing to send until the first chunk is up
+            root = self.topo.root
+            if root is None:  # pragma: no cover - guaranteed by Topology
+                raise ValueError("tree topology without a root")
+            self._ring((root, *self.topo.children(root)))
         else:
             self._tree()
         for peer, tracker in self.trackers:
@@ -284,13 +309,11 @@ class Round:
 
     # ------------------------------------------------------------------ ring
 
-    def _ring(self) -> None:
-        order = self.topo.ring_order
-        if order is None:  # pragma: no cover - guaranteed by Topology
-            raise ValueError("ring topology without an order")
+    def _ring(self, order: tuple[str, ...]) -> None:
+        """The ring over ``order`` (every member once; a member sends to the next)."""
         n = self.n
         i = order.index(self.me)
-        left, right = self.topo.ring_neighbours(self.me)
+        left, right = order[(i - 1) % n], order[(i + 1) % n]
         segs = [chunks(a, b, self.chunk_elems) for a, b in split(0, self.acc.numel(), n)]
         for j, (a, b) in enumerate(segs[i]):
             self.comm.send(right, self._header(Op.RING_REDUCE_SCATTER, i, j, a, b),

@@ -7,10 +7,11 @@ from __future__ import annotations
 import torch
 
 from chaos.collectives.config import WIRE_NAMES
-from chaos.collectives.frames import WIRE_DTYPES
 from chaos.collectives.links import overlaps
 
 __all__ = ["check_tensors", "result_buffer"]
+
+_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def check_tensors(
@@ -34,11 +35,12 @@ def check_tensors(
 
     Raises:
         TypeError: not a float CPU tensor.
-        ValueError: an unknown op or wire format, or an ``out`` of another shape or dtype.
+        ValueError: an unknown op or wire format (or int8 for float64), or an ``out`` of
+            another shape or dtype.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allreduce takes a torch.Tensor, not {type(tensor).__name__}")
-    if tensor.dtype not in WIRE_DTYPES or tensor.device.type != "cpu":
+    if tensor.dtype not in _INPUT_DTYPES or tensor.device.type != "cpu":
         raise TypeError(f"allreduce supports float CPU tensors, not {tensor.dtype}")
     if op not in ("sum", "mean"):
         raise ValueError(f"op must be 'sum' or 'mean', not {op!r}")
@@ -50,6 +52,8 @@ def check_tensors(
         return acc, acc
     if name not in WIRE_NAMES:
         raise ValueError(f"wire_dtype must be one of {sorted(WIRE_NAMES)} or None")
+    if name == "int8" and acc != torch.float32:
+        raise ValueError("the int8 wire format takes float32, float16 or bfloat16 tensors")
     return acc, WIRE_NAMES[name]
 
 

@@ -30,8 +30,10 @@ import torch
 import zmq
 
 from chaos.allocator import keep_frame_memory
+from chaos.collectives.compress import ErrorFeedback
 from chaos.collectives.config import CollectiveStats, CommunicatorConfig, ReduceOp
 from chaos.collectives.driver import RoundDriver
+from chaos.collectives.early import EarlyBudget
 from chaos.collectives.inbox import Inbox
 from chaos.collectives.lane_switch import LaneSwitch
 from chaos.collectives.lanes import Place
@@ -78,13 +80,14 @@ class Communicator:
         self.security = security if security is not None else Security()
         if config.keep_frame_memory:
             keep_frame_memory(config.chunk_bytes)
-        self._peers = PeerSockets(config, self.stats, self.security)
+        self._early = EarlyBudget(config, self.stats)  # frames kept for later rounds
+        self._peers = PeerSockets(config, self.stats, self.security, self._early)
         self.address: str = self._peers.address
         self._topology: Topology | None = None
         self._notices = PeerNotices(
             self._peers.ctx, self.node_id, self.stats, self._peers, self.security
         )
-        self._inbox = Inbox(config, self.stats, self._notices, self._peers)
+        self._inbox = Inbox(self._early, self.stats, self._notices, self._peers)
         # opened at the first large round
         self._lanes = LaneSwitch(config, self.address, sealed=self.security.enabled)
         self._interrupt = Interrupt(self.node_id)
@@ -110,6 +113,12 @@ class Communicator:
     def topology(self) -> Topology | None:
         """The current topology (``None`` before the first :meth:`update_topology`)."""
         return self._topology
+
+    @property
+    def early_bytes(self) -> int:
+        """The bytes of the frames kept now for later rounds (at most
+        :attr:`CommunicatorConfig.max_early_bytes`)."""
+        return self._early.held_bytes
 
     def link_socket(self, peer: str) -> zmq.Socket | None:
         """The DEALER socket of the link to ``peer``, or ``None`` (for inspection and tests)."""
@@ -155,6 +164,7 @@ class Communicator:
         wanted = {p: topology.addresses[p] for p in topology.neighbours(self.node_id)}
         self._peers.connect(wanted, self._lanes.drop)
         self._topology = topology
+        self._early.epoch = topology.epoch
         self._peers.vouch(topology.keys, topology.epoch)
         self._notices.retain(topology.addresses, topology.epoch)
         self._peers.clear_dead()
@@ -243,6 +253,8 @@ class Communicator:
         wire_dtype: str | None = None,
         step: int | None = None,
         keep_result: bool = False,
+        feedback: ErrorFeedback | None = None,
+        exact_tail: int = 0,
     ) -> torch.Tensor:
         """Allreduces ``tensor`` over the current topology's members.
 
@@ -266,6 +278,11 @@ class Communicator:
                 out, so it never got it) can complete it with this result and stay bitwise
                 equal. The caller must not modify the result in place. Pass it on every member,
                 or none: a member a step behind can only catch up from one that kept it.
+            feedback: With the ``"int8"`` wire format, this member's error feedback for this
+                tensor (the same object every call): what the encodings lost is added to the
+                next call's input (see :mod:`chaos.collectives.compress`). Ignored otherwise.
+            exact_tail: With the ``"int8"`` wire format, the last this many elements travel as
+                float32, unrounded (the same on every member). Ignored otherwise.
 
         Returns:
             The reduced tensor (``out`` when given), or, when this node turns out to be a step
@@ -281,7 +298,8 @@ class Communicator:
         topo = self._require_topology()
         self._peers.renew_lost(self._lanes.drop)  # a link that dropped since: a fresh socket
         return self._driver.allreduce(
-            topo, tensor, op, timeout_s, out, wire_dtype, step, keep_result
+            topo, tensor, op, timeout_s, out, wire_dtype, step, keep_result, feedback,
+            exact_tail,
         )
 
     def _require_topology(self) -> Topology:

@@ -13,8 +13,10 @@ import torch
 
 from chaos.collectives.algorithms import Round, RoundTransport
 from chaos.collectives.buffers import check_tensors, result_buffer
+from chaos.collectives.compress import ErrorFeedback
 from chaos.collectives.config import CollectiveStats, ReduceOp
 from chaos.collectives.inbox import Inbox
+from chaos.collectives.int8_round import Int8Round
 from chaos.collectives.lane_switch import LaneSwitch
 from chaos.collectives.links import CaughtUp, result_of
 from chaos.collectives.notices import PeerNotices
@@ -73,6 +75,8 @@ class RoundDriver:
         wire_dtype: str | None,
         step: int | None,
         keep_result: bool,
+        feedback: ErrorFeedback | None = None,
+        exact_tail: int = 0,
     ) -> torch.Tensor:
         """Allreduces ``tensor`` over ``topo``; see :meth:`Communicator.allreduce
         <chaos.collectives.communicator.Communicator.allreduce>` for the arguments.
@@ -82,8 +86,17 @@ class RoundDriver:
                 :meth:`Communicator.allreduce
                 <chaos.collectives.communicator.Communicator.allreduce>`.
         """
-        key, acc, run = self._setup_round(topo, tensor, op, timeout_s, out, wire_dtype, step)
-        caught = self._execute_round(run, key, tensor)
+        key, acc, run = self._setup_round(
+            topo, tensor, op, timeout_s, out, wire_dtype, step, feedback, exact_tail
+        )
+        try:
+            caught = self._execute_round(run, key, tensor)
+        except BaseException:
+            if feedback is not None:
+                feedback.discard()  # the rerun starts from the same residual
+            raise
+        if feedback is not None:
+            feedback.commit()
         self._failed_step = None
         if caught is None:
             return self._finish(tensor, out, acc, keep_result, key[1])
@@ -102,6 +115,8 @@ class RoundDriver:
         out: torch.Tensor | None,
         wire_dtype: str | None,
         step: int | None,
+        feedback: ErrorFeedback | None = None,
+        exact_tail: int = 0,
     ) -> tuple[Key, torch.Tensor, Round]:
         """Checks an allreduce call and sets up its round.
 
@@ -119,14 +134,22 @@ class RoundDriver:
         if not timeout > 0:
             raise ValueError("timeout_s must be > 0")
         acc_dtype, wire = check_tensors(tensor, op, out, wire_dtype, self._config.wire_dtype)
+        if not 0 <= exact_tail <= tensor.numel():
+            raise ValueError(f"exact_tail must be in 0..{tensor.numel()}, not {exact_tail}")
         key = self._next_key(topo, step)
         self._last_key = key
         self._sender.step = key[1]
         self._stats.allreduces += 1
         src = tensor.detach().reshape(-1)
         acc = result_buffer(tensor, out, acc_dtype)
-        buf = None if wire == acc_dtype else self._wire_buffer(wire, src.numel())
-        run = Round(self._transport, topo, key, src, acc, buf, op, timeout)
+        run: Round
+        if wire == torch.int8:
+            run = Int8Round(
+                self._transport, topo, key, src, acc, op, timeout, feedback, exact_tail
+            )
+        else:
+            buf = None if wire == acc_dtype else self._wire_buffer(wire, src.numel())
+            run = Round(self._transport, topo, key, src, acc, buf, op, timeout)
         self._lanes.choose(src.numel() * run.esize)
         self._lanes.offer(topo.senders(self._config.node_id), key, self._peers.socket)
         self._notices.new_round()

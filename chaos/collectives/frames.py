@@ -14,7 +14,7 @@ Layout (little-endian, 32 bytes)::
     u64 epoch     membership epoch of the topology
     u64 step      training step of the allreduce
     u32 chunk     chunk index within the segment (ring) or the tensor (tree)
-    u32 nelem     elements in the payload
+    u32 nelem     elements in the payload (bytes for the int8 format)
 """
 
 from __future__ import annotations
@@ -66,7 +66,10 @@ WIRE_DTYPES: dict[torch.dtype, int] = {
     torch.float16: 2,
     torch.bfloat16: 3,
     torch.float64: 4,
+    torch.int8: 5,
 }
+"""The wire dtype codes. ``int8`` is the blockwise format of :mod:`chaos.collectives.compress`:
+its frames' ``nelem`` counts payload bytes (the block scales, then one code per value)."""
 _CODE_DTYPES = {code: dt for dt, code in WIRE_DTYPES.items()}
 
 

@@ -1,9 +1,10 @@
 """Where each received frame goes: the running round, a later round, or away.
 
 Internal to :mod:`chaos.collectives`. :class:`Inbox` keeps the frames that came before their
-round (``early``), hands the running round its own frames, drops older rounds' frames (sending
-the notices that help their senders), and remembers the newest epoch in which a peer already
-runs the current step.
+round (``early``, within the bounds of an :class:`~chaos.collectives.early.EarlyBudget`), hands
+the running round its own frames, drops older rounds' frames (sending the notices that help
+their senders) and frames of epochs too far ahead, and remembers the newest epoch in which a
+peer already runs the current step.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
-from chaos.collectives.config import CollectiveStats, CommunicatorConfig
+from chaos.collectives.config import CollectiveStats
+from chaos.collectives.early import EarlyBudget, frame_bytes
 from chaos.collectives.frames import Op
 from chaos.collectives.links import CaughtUp, Frame
 from chaos.collectives.notices import PeerNotices, sort_early
@@ -34,7 +36,7 @@ class Inbox:
     """Sorts the well-formed frames of a communicator by round.
 
     Args:
-        config: The communicator's settings (``max_early_frames``).
+        budget: Bounds the frames kept for later rounds (shared with the data endpoint's).
         stats: The communicator's counters (the ``dropped_*`` and ``early_buffered`` ones).
         notices: Sends the notices that help a peer in another round.
         neighbours: The current neighbours (frames of others are dropped).
@@ -42,12 +44,13 @@ class Inbox:
 
     def __init__(
         self,
-        config: CommunicatorConfig,
+        budget: EarlyBudget,
         stats: CollectiveStats,
         notices: PeerNotices,
         neighbours: Neighbours,
     ) -> None:
-        self._max_early = config.max_early_frames
+        self._budget = budget
+        self._early_bytes = 0  # this inbox's part of the budget's held bytes
         self._stats = stats
         self._notices = notices
         self._neighbours = neighbours
@@ -68,17 +71,19 @@ class Inbox:
         self.newer_round = max(self.newer_round or 0, epoch)
 
     def drop_older_than(self, epoch: int) -> None:
-        """Drops the kept frames of epochs before ``epoch`` (a new topology came)."""
+        """Drops the kept frames of epochs before ``epoch`` (a new topology came), and those
+        now too far ahead of it (kept before the first topology)."""
         kept = deque(f for f in self._early if f.header.epoch >= epoch)
         self._stats.dropped_stale += len(self._early) - len(kept)
-        self._early = kept
+        self._set_early(deque(f for f in kept if not self._budget.too_far(f.header.epoch, f.peer)))
 
     def start_round(self, key: Key) -> None:
         """Takes in the frames kept for round ``key`` (see
         :func:`~chaos.collectives.notices.sort_early`) and tells the peers still in an older
         epoch of this step that this node runs it under ``key``."""
         early = sort_early(self._early, key)
-        self._ready, self._early, self.newer_round = early.ready, early.later, early.newer_epoch
+        self._ready, self.newer_round = early.ready, early.newer_epoch
+        self._set_early(early.later)
         self._stats.dropped_stale += early.stale
         for peer in early.stale_peers:
             self._notices.tell_newer(peer, key)
@@ -104,11 +109,13 @@ class Inbox:
         """
         peer, header = frame.peer, frame.header
         k = header.key
+        if self._budget.too_far(k[0], peer):
+            return None  # no honest member is that far ahead: a key holder's frame
         if header.op == Op.NEWER:
             if k[1] == key[1] and k[0] > key[0]:
                 self.note_newer(k[0])
-            elif k[1] > key[1] and len(self._early) < self._max_early:
-                self._early.append(frame)  # a later step's
+            elif k[1] > key[1]:
+                self._keep(frame)  # a later step's
             return None
         if header.op == Op.RESULT and k < key:
             self._stats.dropped_stale += 1  # a result passed on to this node, which has it
@@ -141,11 +148,23 @@ class Inbox:
         elif k[1] == key[1] + 1:
             # the peer completed our step: this node missed it
             self._notices.ask_result(frame.peer, key)
-        if len(self._early) >= self._max_early:
-            self._stats.dropped_early_overflow += 1
-        else:
+        if self._keep(frame):
             self._stats.early_buffered += 1
-            self._early.append(frame)
+
+    def _keep(self, frame: Frame) -> bool:
+        """Keeps a frame for a later round if the budget admits it (else it is dropped)."""
+        nbytes = frame_bytes(frame)
+        if not self._budget.admit(frame.header.epoch, nbytes, len(self._early), frame.peer):
+            return False
+        self._early.append(frame)
+        self._early_bytes += nbytes
+        return True
+
+    def _set_early(self, early: deque[Frame]) -> None:
+        """Replaces the kept frames (what left them is released from the budget)."""
+        nbytes = sum(frame_bytes(f) for f in early)
+        self._budget.release(self._early_bytes - nbytes)
+        self._early, self._early_bytes = early, nbytes
 
     def accept(self, frame: Frame) -> Frame | None:
         """A frame of the running round: dropped if not from a neighbour; an abort raises.

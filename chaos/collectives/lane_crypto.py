@@ -75,11 +75,6 @@ class LaneCipher:
         """The next record: ``data`` encrypted, with its tag (``len(data) + 16`` bytes)."""
         return self._aead.encrypt(self.next_nonce(), data, aad)
 
-    def seal_into(self, data: memoryview, out: memoryview) -> None:
-        """Seals the next record into ``out`` (exactly ``len(data) + 16`` bytes): one pass
-        over the payload, no copy of its own."""
-        self.seal_at(self.next_nonce(), data, out)
-
     def seal_at(self, nonce: bytes, data: memoryview, out: memoryview) -> None:
         """Seals ``data`` under ``nonce`` (from :meth:`next_nonce`) into ``out``."""
         if self._into:
@@ -97,15 +92,6 @@ class LaneCipher:
             return self._aead.decrypt(self.next_nonce(), record, aad)
         except InvalidTag:
             return None
-
-    def open_into(self, record: memoryview, out: memoryview) -> bool:
-        """Opens the next record into ``out`` (exactly ``len(record) - 16`` bytes).
-
-        Returns:
-            ``False`` when it fails authentication (``out`` then holds garbage: the caller
-            must not use it).
-        """
-        return self.open_at(self.next_nonce(), record, out)
 
     def open_at(self, nonce: bytes, record: memoryview, out: memoryview) -> bool:
         """Opens ``record`` sealed under ``nonce`` into ``out``; ``False``: not authentic."""

@@ -13,7 +13,9 @@ cluster and every DEALER a CURVE client: a connection without the key fails in t
 public key its connection was authenticated with. When the topology names the members' keys
 (:attr:`Topology.keys <chaos.collectives.topology.Topology.keys>`), a frame is handed on only
 if that key is the key of the member its routing id claims; frames of a later epoch, whose
-members this node does not know yet, wait for that epoch's topology to vouch for them.
+members this node does not know yet, wait for that epoch's topology to vouch for them, within
+the bounds of the communicator's :class:`~chaos.collectives.early.EarlyBudget` (bytes, count,
+epochs ahead).
 """
 
 from __future__ import annotations
@@ -27,25 +29,32 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from chaos.collectives.config import CollectiveStats, CommunicatorConfig
+from chaos.collectives.early import EarlyBudget, parts_bytes
 from chaos.collectives.frames import decode_header
 from chaos.collectives.links import Link, member_of, routing_id
 from chaos.errors import PeerFailure, ProtocolError
-from chaos.security import Security, authenticated_key
+from chaos.security import (
+    HANDSHAKE_FAILED_EVENTS,
+    HandshakeRefusal,
+    HandshakeWatch,
+    Security,
+    authenticated_key,
+    handshake_error,
+)
 from chaos.sockets import keep_alive, start_zero_copy_collector
 
 __all__ = ["PeerSockets"]
 
 log = logging.getLogger("chaos.collectives")
 
-_HANDSHAKE_FAILED: dict[int, str] = {
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication",
-}
-_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # fmt: skip
-_MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_EVENTS
+_MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED_EVENTS
+_REFUSALS_LOGGED = 3
+"""The data endpoint logs this many refused handshakes; it only counts the later ones."""
 _NOBLOCK = int(zmq.NOBLOCK)
+HANDSHAKE_IVL_MS = 5_000
+"""A data-port connection must finish its handshake within this (milliseconds)."""
+MIN_MAX_MSG_BYTES = 64 << 20
+"""Floor of the data port's frame cap (``MAXMSGSIZE``: four chunks, at least this)."""
 _NO_KEY = "it has no or a different cluster key"
 
 
@@ -55,6 +64,7 @@ socket closes in the background): the last round's result frames to a former nei
 reach it. Dropped at once, they left that neighbour a step behind the others, every side
 waiting on another step."""
 
+
 class PeerSockets:
     """The data endpoint and the links to the current neighbours.
 
@@ -63,6 +73,8 @@ class PeerSockets:
         stats: The communicator's counters (``handshake_failures``,
             ``dropped_unauthenticated``).
         security: The cluster key and this process's keypair (default: none, plain sockets).
+        budget: Bounds the frames held for a later epoch (shared with the communicator's
+            :class:`~chaos.collectives.inbox.Inbox`; default: one of its own).
 
     Raises:
         zmq.ZMQError: the listen endpoint cannot be bound.
@@ -73,15 +85,17 @@ class PeerSockets:
         config: CommunicatorConfig,
         stats: CollectiveStats | None = None,
         security: Security | None = None,
+        budget: EarlyBudget | None = None,
     ) -> None:
         self._config = config
         self._stats = stats if stats is not None else CollectiveStats()
+        self._budget = budget if budget is not None else EarlyBudget(config, self._stats)
         self.security = security if security is not None else Security()
         start_zero_copy_collector()  # payloads go out uncopied: its descriptors from now on
         self.ctx = zmq.Context(config.io_threads)
         self.security.authenticate(self.ctx)
         self._router = self.ctx.socket(zmq.ROUTER)
-        self._handshakes: zmq.Socket | None = None
+        self._handshakes: HandshakeWatch | None = None
         try:
             self._router.setsockopt(zmq.LINGER, 0)
             keep_alive(self._router)  # drops a peer's half-open connection
@@ -90,11 +104,20 @@ class PeerSockets:
             # connection off (its frames are dropped anyway when the topology names the keys).
             self._router.setsockopt(zmq.ROUTER_HANDOVER, 0 if self.security.enabled else 1)
             self._router.setsockopt(zmq.RCVHWM, config.sndhwm)
+            # a connection that has not completed its handshake within this is dropped, so
+            # idle strangers do not hold the trainer's descriptors for libzmq's 30 s
+            self._router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+            # a frame is at most one chunk: a far larger one is a stranger's or a forger's, and
+            # ZeroMQ drops its connection before it is read into memory
+            self._router.setsockopt(zmq.MAXMSGSIZE, max(4 * config.chunk_bytes, MIN_MAX_MSG_BYTES))
             if config.sock_buf_bytes:
                 self._router.setsockopt(zmq.RCVBUF, config.sock_buf_bytes)
             self.security.server(self._router)
             if self.security.enabled:
-                self._handshakes = self._router.get_monitor_socket(_HANDSHAKE_EVENTS)
+                self._handshakes = HandshakeWatch(
+                    self._router, on_refused=self._count_refusal, report=self._log_refusal,
+                    log_first=_REFUSALS_LOGGED,
+                )  # fmt: skip
             self._router.bind(config.listen)
         except BaseException:  # e.g. the port is taken: release what was opened, then raise
             self._close_router()
@@ -105,7 +128,7 @@ class PeerSockets:
         """Polls the ROUTER socket and the link monitors (and the payload lanes' sockets)."""
         self.poller.register(self._router, zmq.POLLIN)
         if self._handshakes is not None:
-            self.poller.register(self._handshakes, zmq.POLLIN)
+            self.poller.register(self._handshakes.monitor, zmq.POLLIN)
         self._links: dict[str, Link] = {}
         self._dead: set[str] = set()
         self._dead_lock = threading.Lock()
@@ -116,7 +139,6 @@ class PeerSockets:
         self._held: deque[tuple[str, str, int, list[zmq.Frame]]] = deque()
         self._replay: deque[list[zmq.Frame]] = deque()
         self._warned: set[tuple[str, str | None]] = set()
-        self._refusals_logged = 0
 
     # ------------------------------------------------------------------ links
 
@@ -234,8 +256,9 @@ class PeerSockets:
         for link in self._links.values():
             if events is None or link.monitor in events:
                 self._drain_monitor(link)
-        if self._handshakes is not None and (events is None or self._handshakes in events):
-            self._drain_handshakes()
+        watch = self._handshakes
+        if watch is not None and (events is None or watch.monitor in events):
+            watch.drain()
 
     def _drain_monitor(self, link: Link) -> None:
         while link.monitor.poll(0):
@@ -245,31 +268,28 @@ class PeerSockets:
                 link.connected, link.refused = True, None
             elif event == zmq.EVENT_DISCONNECTED and link.connected:
                 link.lost = True
-            elif event in _HANDSHAKE_FAILED:
+            elif (error := handshake_error(event)) is not None:
                 self._stats.handshake_failures += 1
                 if link.refused is None:
                     log.warning(
                         "%s: cannot connect to %s at %s: CURVE handshake failed (%s): %s",
-                        self._config.node_id, link.peer, link.address,
-                        _HANDSHAKE_FAILED[event], _NO_KEY,
+                        self._config.node_id, link.peer, link.address, error, _NO_KEY,
                     )  # fmt: skip
-                link.refused = _HANDSHAKE_FAILED[event]
+                link.refused = error
 
-    def _drain_handshakes(self) -> None:
-        """Counts (and logs, the first ones) the connections the data endpoint refused in the
-        CURVE handshake. The monitor names only this node's endpoint, not the stranger's."""
-        sock = self._handshakes
-        while sock is not None and sock.poll(0):
-            event = recv_monitor_message(sock)["event"]
-            self._stats.handshake_failures += 1
-            if self._refusals_logged < 3:
-                self._refusals_logged += 1
-                log.warning(
-                    "%s: refused a connection to the data endpoint %s: CURVE handshake failed "
-                    "(%s): the peer has no or a different cluster key%s", self._config.node_id,
-                    self.address, _HANDSHAKE_FAILED.get(event, "error"),
-                    "" if self._refusals_logged < 3 else " (further refusals are only counted)",
-                )  # fmt: skip
+    def _count_refusal(self, _refusal: HandshakeRefusal) -> None:
+        """Counts a connection the data endpoint refused in the CURVE handshake."""
+        self._stats.handshake_failures += 1
+
+    def _log_refusal(self, refusal: HandshakeRefusal) -> None:
+        """Logs one of the first refusals of the data endpoint. The monitor names only this
+        node's endpoint, not the stranger's."""
+        log.warning(
+            "%s: refused a connection to the data endpoint %s: CURVE handshake failed "
+            "(%s): the peer has no or a different cluster key%s", self._config.node_id,
+            self.address, refusal.detail,
+            "" if refusal.count < _REFUSALS_LOGGED else " (further refusals are only counted)",
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ member keys
 
@@ -281,10 +301,12 @@ class PeerSockets:
         held, self._held = self._held, deque()
         for member, key, frame_epoch, parts in held:
             if keys is None or keys.get(member) == key:
+                self._budget.release(parts_bytes(parts))
                 self._replay.append(parts)
             elif frame_epoch > epoch:
                 self._held.append((member, key, frame_epoch, parts))
             else:
+                self._budget.release(parts_bytes(parts))
                 self._refute(member, key)
 
     def _vouched(self, parts: list[zmq.Frame]) -> bool:
@@ -302,10 +324,8 @@ class PeerSockets:
             return True
         epoch = _epoch_of(parts)
         if key is not None and epoch is not None and epoch > self._keys_epoch:
-            if len(self._held) < self._config.max_early_frames:
+            if self._budget.admit(epoch, parts_bytes(parts), len(self._held), member):
                 self._held.append((member, key, epoch, parts))
-            else:
-                self._stats.dropped_early_overflow += 1
             return False
         self._refute(member, key)
         return False
@@ -358,14 +378,14 @@ class PeerSockets:
 
     def close(self) -> None:
         """Closes the endpoint and terminates the context (close every other socket first)."""
+        self._budget.release(sum(parts_bytes(parts) for *_, parts in self._held))
         self._held.clear()
         self._replay.clear()
         self._close_router()
 
     def _close_router(self) -> None:
         if self._handshakes is not None:
-            self._router.disable_monitor()
-            self._handshakes.close(linger=0)
+            self._handshakes.close()
         self._router.close(linger=0)
         self.security.release(self.ctx)
         self.ctx.term()

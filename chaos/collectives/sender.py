@@ -24,13 +24,22 @@ _MORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 _NOBLOCK = int(zmq.NOBLOCK)
 
 
+def _nbytes(part: bytes | zmq.Frame | memoryview | LanePayload) -> int:
+    """The bytes of one part of a data frame."""
+    if isinstance(part, LanePayload):
+        return part.buffer.nbytes
+    if isinstance(part, memoryview):
+        return part.nbytes
+    return len(part)
+
+
 class Sender:
     """Sends the data frames of the running round to the neighbours.
 
     Args:
         peers: The links.
         lanes: The payload lanes (used when the round's tensor is large enough).
-        stats: The communicator's counters (``lane_frames_sent``).
+        stats: The communicator's counters (``lane_frames_sent``, ``data_bytes_sent``).
     """
 
     def __init__(self, peers: PeerSockets, lanes: LaneSwitch, stats: CollectiveStats) -> None:
@@ -73,6 +82,7 @@ class Sender:
             return None
         if self._lanes.send(link.socket, peer, header, payload):
             self._stats.lane_frames_sent += 1
+            self._stats.data_bytes_sent += _nbytes(header) + _nbytes(payload)
             if self._fault is not None:
                 self._count_fault()
             return None
@@ -84,6 +94,7 @@ class Sender:
                 tracker = link.socket.send(payload, _NOBLOCK, copy=False, track=track)
         except zmq.Again:
             raise PeerTimeout(peer, "send queue full") from None
+        self._stats.data_bytes_sent += _nbytes(header) + _nbytes(payload)
         if self._fault is not None:
             self._count_fault()
         return tracker if track else None

@@ -38,7 +38,8 @@ import psutil
 from chaos.emulate.campaign_metrics import bridges, cut_vertices
 from chaos.emulate.campaign_plan import DEFAULT_WEIGHTS, CampaignConfig, PlannedEvent, draw_plan
 from chaos.emulate.campaign_report import format_table, report
-from chaos.emulate.runner import EmulationError, Runner, _tail
+from chaos.emulate.fleet import EmulationError, log_tail
+from chaos.emulate.runner import Runner
 from chaos.emulate.scenario import Event, Scenario
 from chaos.launch import daemon_cli, signal_group
 
@@ -239,12 +240,12 @@ class Campaign:
             if d.gone is None and name not in self.ready_t:  # a joiner that never got in
                 d.gone = "join_failed"
                 self.failed_joins.append({"t": now, "node": name, "exit_code": code,
-                                          "log_tail": _tail(d)})  # fmt: skip
+                                          "log_tail": log_tail(d)})  # fmt: skip
                 self._mark("join_failed", node=name, label=f"join_failed {name}", exit_code=code)
                 self.progress(f"JOIN FAILED  {name} exited with {code}")
             elif d.gone is None:
                 d.gone = "crash"
-                crash = {"t": now, "node": name, "exit_code": code, "log_tail": _tail(d)}
+                crash = {"t": now, "node": name, "exit_code": code, "log_tail": log_tail(d)}
                 self.crashes.append(crash)
                 self._mark("crash", node=name, label=f"crash {name}", exit_code=code)
                 self.progress(f"CRASH        {name} exited with {code}")

@@ -28,8 +28,9 @@ import networkx as nx
 from chaos.emulate.campaign_plan import CAMPAIGN_KINDS
 
 __all__ = [
-    "SINGLE_FAULT_KINDS", "annotate_load", "annotate_members", "bridges", "cut_vertices", "ettr",
-    "lineage", "lineage_times", "mark_single", "per_kind", "resource_summary", "resume_times",
+    "SINGLE_FAULT_KINDS", "annotate_load", "annotate_members", "audit_figures", "bridges",
+    "cut_vertices", "ettr", "lineage", "lineage_times", "mark_single", "per_kind",
+    "resource_summary", "resume_times",
     "single_faults", "step_integrity", "step_records", "world_sizes",
 ]  # fmt: skip
 
@@ -64,6 +65,29 @@ def bridges(nodes: Iterable[str], edges: Iterable[tuple[str, str]]) -> set[tuple
 
 
 # ------------------------------------------------------------------------------ step records
+
+
+def audit_figures(devices: Mapping[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The product's own integrity figure: the trainers' state audit (``audit_every``), from
+    the audit record of each device's last step.
+
+    Every member runs the same audits and sees the same mismatches, so ``audits`` and
+    ``mismatches`` are the most any device counted; ``healed`` sums the devices' heals (each
+    is one device pulling the state again); ``disagreed_last`` lists the devices whose last
+    audit found members different (0 at a clean end).
+    """
+    last = {}
+    for n, recs in devices.items():
+        audited = [r["audit"] for r in step_records(recs) if isinstance(r.get("audit"), dict)]
+        if audited:
+            last[n] = audited[-1]
+    return {
+        "devices": len(last),
+        "audits": max((a["audits"] for a in last.values()), default=0),
+        "mismatches": max((a["mismatches"] for a in last.values()), default=0),
+        "healed": sum(a["healed"] for a in last.values()),
+        "disagreed_last": sorted(n for n, a in last.items() if a.get("agreed") is False),
+    }
 
 
 def step_records(recs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:

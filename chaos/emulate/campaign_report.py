@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from chaos.emulate.campaign_metrics import (
     annotate_load,
     annotate_members,
+    audit_figures,
     ettr,
     lineage,
     lineage_times,
@@ -27,8 +28,9 @@ from chaos.emulate.campaign_metrics import (
     world_sizes,
 )
 from chaos.emulate.campaign_plan import CampaignConfig, PlannedEvent
+from chaos.emulate.fleet import RunResult
 from chaos.emulate.metrics import device_outages
-from chaos.emulate.runner import Runner, RunResult
+from chaos.emulate.runner import Runner
 
 __all__ = [
     "FAULTS", "CampaignRecord", "fault_figures", "fault_rows", "format_table", "recompute",
@@ -110,6 +112,7 @@ def report(camp: CampaignRecord, result: RunResult, samples: list[dict[str, Any]
         "committed_steps_lost": integrity["lost"],
         "divergent_states": integrity["divergent"],
         "integrity": integrity,
+        "audit": audit_figures(devices),  # the product's own; the digests above cross-check it
         "crashed_processes": len(camp.crashes),
         "crashes": camp.crashes,
         "failed_joins": len(camp.failed_joins),
@@ -200,6 +203,7 @@ def recompute(doc: dict[str, Any]) -> dict[str, Any]:
     integrity = step_integrity(doc["devices"], doc["survivors"])
     return {**doc, **fault_figures(rows, injections), "injections": rows,
             "resources": resources, "integrity": integrity,
+            "audit": audit_figures(doc["devices"]),
             "committed_steps_lost": integrity["lost"],
             "divergent_states": integrity["divergent"]}  # fmt: skip
 
@@ -253,6 +257,11 @@ def format_table(doc: dict[str, Any]) -> str:
                  f"committed); divergent states: {doc['divergent_states']}; redone: "
                  f"{integ['redone']}; crashed processes: {doc['crashed_processes']}; failed "
                  f"joins: {doc['failed_joins']}")  # fmt: skip
+    au = doc.get("audit")
+    if au is not None:
+        lines.append(f"state audit (the trainers' own): {au['audits']} audits, "
+                     f"{au['mismatches']} mismatches, {au['healed']} healed; the harness's digest "
+                     f"comparison above is its cross-check")  # fmt: skip
     e = doc["ettr"]
     if e["ettr"] is not None:
         lines.append(f"ETTR {e['ettr']:.3f}: {e['useful_steps']} useful steps x tau "

@@ -19,8 +19,9 @@ from typing import Any
 
 import click
 
+from chaos.emulate.fleet import EmulationError, RunResult
 from chaos.emulate.metrics import consistency, continuity, summarize
-from chaos.emulate.runner import EmulationError, Runner, RunResult
+from chaos.emulate.runner import Runner
 from chaos.emulate.scenario import Event, Scenario, demo_scenario, load_scenario
 from chaos.errors import ChaosError, ConfigError
 
@@ -226,6 +227,7 @@ def compare_runs(
             "model": base.model, "state_bytes": r.get("state_bytes"),
             "scale_out_s": r.get("scale_out_s"), "replication_s": r.get("replication_s"),
             "lower_bound_s": r.get("lower_bound_s"), "idle_s": r.get("idle_s"),
+            "non_donor_rate_min": r.get("non_donor_rate_min"),
             "pulled_bytes": r.get("pulled_bytes"), "reused_bytes": r.get("reused_bytes"),
             "repeat": repeat, "donors": r.get("donors"), "network": runner.result.network,
             **({"checkpoint_store": r.get("checkpoint_store"), "checkpoint_fetch_s": r["fetch_s"]}
@@ -429,8 +431,9 @@ def compare_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         for key in per:
             rs = [r for r in runs
                   if r["strategy"] == strategy and f"{r['from_nodes']}->{r['to_nodes']}" == key]
-            per[key] = {m: _median([r[m] for r in rs])
-                        for m in ("scale_out_s", "replication_s", "lower_bound_s", "idle_s")}
+            per[key] = {m: _median([r.get(m) for r in rs])
+                        for m in ("scale_out_s", "replication_s", "lower_bound_s", "idle_s",
+                                  "non_donor_rate_min")}  # fmt: skip
     out: dict[str, Any] = {"median": table}
     chaos = table.get("chaos", {})
     ratios: dict[str, Any] = {}
@@ -465,6 +468,9 @@ def print_compare_table(summary: dict[str, Any]) -> None:
     if "chaos" in table:
         click.echo(f"{'lower bound':<16}" + "".join(
             f"{_fmt(table['chaos'].get(k, {}).get('lower_bound_s'), ''):>10}" for k in keys))
+        # the slowest non-donor's step rate during the join over its steady rate (1.0: unslowed)
+        click.echo(f"{'non-donor rate':<16}" + "".join(
+            f"{_fmt(table['chaos'].get(k, {}).get('non_donor_rate_min'), ''):>10}" for k in keys))
     click.echo(json.dumps(summary["ratios"], indent=1))
 
 

@@ -224,7 +224,8 @@ def _train(
                            "update_s": t2 - t1, "serving": serving,
                            "links": trainer.data_links,
                            "loss": float(loss.detach()),
-                           "digest": state_digest(model, opt)})  # fmt: skip
+                           "digest": state_digest(model, opt),
+                           "audit": trainer.audit})  # fmt: skip
         for ev in events.new():
             write_record(out, {"kind": "trainer_event", **ev})
         if ckpt_flag.exists():

@@ -26,7 +26,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from chaos.emulate.runner import RunResult
+from chaos.emulate.fleet import RunResult
 
 WINDOW_S = 3.0
 """Steps this long before/after an event's interval are attributed to it (for stalls)."""

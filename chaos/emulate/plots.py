@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from chaos.emulate.runner import RunResult  # noqa: E402
+from chaos.emulate.fleet import RunResult  # noqa: E402
 
 PAPER_SCALE_OUT = ("paper, Fig. 7 (full-scale links, GPUs): Pollux over 100 s; EDL+ above 10 s for "
                    "larger models;\nAutoscaling grows with the cluster; Chaos about 1 s, flat. "

@@ -20,8 +20,9 @@ from typing import Any
 
 import click
 
+from chaos.emulate.fleet import EmulationError
 from chaos.emulate.metrics import consistency, summarize
-from chaos.emulate.runner import STOP_TIMEOUT_S, EmulationError, Runner
+from chaos.emulate.runner import STOP_TIMEOUT_S, Runner
 from chaos.emulate.scenario import Event, Scenario
 from chaos.emulate.stand_in import StandInKind, kind_for
 

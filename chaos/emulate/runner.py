@@ -23,12 +23,20 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
 import networkx as nx
 
+from chaos.emulate.fleet import (
+    Device,
+    EmulationError,
+    Loopback,
+    RunResult,
+    exited_error,
+    log_tail,
+    stop_helper,
+)
 from chaos.emulate.netns import NetworkSetupError
 from chaos.emulate.network import LinkSpec, Network, NetworkConfig
 from chaos.emulate.partitions import (
@@ -40,7 +48,7 @@ from chaos.emulate.partitions import (
 from chaos.emulate.scenario import Event, Scenario
 from chaos.emulate.schedule import BandwidthSchedule, ScheduleConfig, random_overlay
 from chaos.errors import ChaosTimeout
-from chaos.launch import daemon_cli, free_port, signal_group, spawn_worker
+from chaos.launch import daemon_cli, signal_group, spawn_worker
 from chaos.security import ClusterKey
 
 log = logging.getLogger("chaos.emulate.runner")
@@ -56,92 +64,6 @@ DAEMON_ARGS = ("--heartbeat-interval", "0.5", "--failure-timeout", "1.5",
 """Every daemon accepts the named faults: loopback cuts and partitions are injected that way."""
 FAULT_TIMEOUT_S = 30.0
 """How long one ``chaos-daemon fault`` call may take."""
-
-
-class EmulationError(RuntimeError):
-    """A run could not go on: a device died unexpectedly or never became ready."""
-
-
-@dataclass
-class Device:
-    """One running device (its training process; the daemon is its child)."""
-
-    name: str
-    proc: subprocess.Popen[bytes]
-    out: Path
-    daemon_dir: Path
-    address: str
-    started: float
-    gone: str | None = None
-
-    def records(self) -> list[dict[str, Any]]:
-        """The JSON lines it wrote so far."""
-        if not self.out.exists():
-            return []
-        recs = []
-        for line in self.out.read_text().splitlines():
-            if line.endswith("}"):
-                recs.append(json.loads(line))
-        return recs
-
-    def ready(self) -> dict[str, Any] | None:
-        return next((r for r in self.records() if r.get("kind") == "ready"), None)
-
-    def entered(self) -> bool:
-        """Its trainer is in the allreduce (its trainer's ``ready`` event). A catch-up joiner's
-        device is :meth:`ready` once its snapshot is pulled, before it replays and enters."""
-        return any(r.get("kind") == "trainer_event" and r.get("event") == "ready"
-                   for r in self.records())  # fmt: skip
-
-    def last_step(self) -> dict[str, Any] | None:
-        steps = [r for r in self.records() if r.get("kind") == "step"]
-        return steps[-1] if steps else None
-
-
-@dataclass
-class RunResult:
-    """What a run recorded; :mod:`chaos.emulate.metrics` derives the figures."""
-
-    scenario: Scenario
-    network: str
-    started: float
-    harness_events: list[dict[str, Any]] = field(default_factory=list)
-    devices: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    daemon_events: list[dict[str, Any]] = field(default_factory=list)
-    link_rates: dict[str, float] = field(default_factory=dict)
-
-
-class _Loopback:
-    """The unshaped stand-in for :class:`Network` (no root): every device on 127.0.0.1."""
-
-    def __init__(self, devices: tuple[str, ...]) -> None:
-        self._ports = {d: free_port() for d in devices}  # parallel runs never collide
-        self._links: dict[tuple[str, str], LinkSpec] = {}
-
-    def address(self, node: str) -> str:
-        return "127.0.0.1"
-
-    def port(self, node: str) -> int:
-        return self._ports[node]
-
-    def links(self) -> dict[tuple[str, str], LinkSpec]:
-        return dict(self._links)
-
-    def add_link(self, a: str, b: str, bandwidth_bps: float) -> None:
-        self._links[tuple(sorted((a, b)))] = LinkSpec(a, b, bandwidth_bps)  # type: ignore[index]
-
-    def remove_link(self, a: str, b: str) -> None:
-        self._links.pop(tuple(sorted((a, b))), None)  # type: ignore[arg-type]
-
-    def cut_link(self, a: str, b: str) -> None:
-        raise EmulationError("loopback cannot drop packets: cut links with the daemons' faults")
-
-    def popen(self, node: str, argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(argv, **kwargs)
-
-    def exec(self, node: str, argv: list[str], *, timeout_s: float, check: bool) -> Any:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
-                              check=check)  # fmt: skip
 
 
 class Runner:
@@ -209,7 +131,7 @@ class Runner:
             self._net = Network(cfg)
             self._net.__enter__()
         else:
-            self._net = _Loopback(sc.devices)
+            self._net = Loopback(sc.devices)
             for (a, b), bps in rates.items():
                 self._net.add_link(a, b, bps)
         del initial
@@ -289,7 +211,7 @@ class Runner:
             for d in self.devices.values():
                 code = d.proc.poll()
                 if code is not None and d.gone is None:
-                    raise EmulationError(f"device {d.name} exited with {code}:\n{_tail(d)}")
+                    raise EmulationError(f"device {d.name} exited with {code}:\n{log_tail(d)}")
             left = deadline - time.monotonic()
             if left <= 0:
                 return
@@ -362,9 +284,9 @@ class Runner:
             if rec is not None:
                 return rec
             if d.proc.poll() is not None:
-                raise EmulationError(f"device {name} exited with {d.proc.returncode}:\n{_tail(d)}")
+                raise exited_error(d)
             time.sleep(0.1)
-        raise ChaosTimeout(f"device {name} not ready after {READY_TIMEOUT_S} s:\n{_tail(d)}")
+        raise ChaosTimeout(f"device {name} not ready after {READY_TIMEOUT_S} s:\n{log_tail(d)}")
 
     def wait_entered(self, name: str) -> None:
         """Waits until device ``name``'s trainer is in the allreduce (a catch-up joiner replays
@@ -378,7 +300,7 @@ class Runner:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not d.entered():
             if d.proc.poll() is not None:
-                raise EmulationError(f"device {name} exited with {d.proc.returncode}:\n{_tail(d)}")
+                raise exited_error(d)
             if time.monotonic() > deadline:
                 raise ChaosTimeout(f"device {name} not in the allreduce after {READY_TIMEOUT_S} s")
             time.sleep(0.2)
@@ -494,7 +416,7 @@ class Runner:
         saved = time.time()
         ckpt = live[store].out.with_suffix(".pt")
         if not ckpt.exists():
-            raise EmulationError(f"no checkpoint written by {store}:\n{_tail(live[store])}")
+            raise EmulationError(f"no checkpoint written by {store}:\n{log_tail(live[store])}")
         nbrs = sorted(self.join_rng.sample(sorted(before), min(self.sc.degree, len(before))))
         for n in nbrs:
             self._net.add_link(name, n, self._rate(name, n))
@@ -505,7 +427,7 @@ class Runner:
             fetch = {n: self.devices[n].ready().get("checkpoint_fetch_s")  # type: ignore[union-attr]
                      for n in members}  # fmt: skip
         finally:
-            _stop(server)
+            stop_helper(server)
         done = self._wait_world(members, len(members))
         rec.update(neighbors=nbrs, saved_t=saved, done_t=done, scale_out_s=done - rec["t"],
                    replication_s=saved - rec["t"] + (fetch[name] or 0.0), fetch_s=fetch,
@@ -550,7 +472,7 @@ class Runner:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not ready.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
-                _stop(proc)
+                stop_helper(proc)
                 log = (self.out_dir / "store.log").read_text()[-2000:]
                 raise EmulationError(f"the checkpoint store on {store} did not start:\n{log}")
             time.sleep(0.02)  # polling the file the store creates
@@ -578,7 +500,7 @@ class Runner:
             if path.exists() and '"view_installed"' in path.read_text():
                 return
             if d.proc.poll() is not None:
-                raise EmulationError(f"device {name} exited with {d.proc.returncode}:\n{_tail(d)}")
+                raise exited_error(d)
             time.sleep(0.05)
         raise ChaosTimeout(f"the daemon of {name} did not join within {READY_TIMEOUT_S} s")
 
@@ -797,22 +719,4 @@ class Runner:
             res.link_rates = {f"{a}-{b}": s.bandwidth_bps for (a, b), s in links}
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """Terminates a helper process group (the checkpoint store) and reaps it."""
-    signal_group(proc, signal.SIGTERM)
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        signal_group(proc, signal.SIGKILL)
-        proc.wait(timeout=5)
-
-
-def _tail(d: Device) -> str:
-    path = d.daemon_dir / "device.log"
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-15:])
-    except OSError:
-        return ""
-
-
-__all__ = ["Device", "EmulationError", "NetworkSetupError", "RunResult", "Runner"]
+__all__ = ["NetworkSetupError", "Runner"]

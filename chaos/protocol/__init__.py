@@ -29,7 +29,9 @@ from chaos.protocol.ids import Address, Endpoint, NodeId
 from chaos.protocol.messages import (
     DEFAULT_MAX_FRAME_BYTES,
     MAX_COUNTER,
+    MAX_EPOCH_JUMP,
     MAX_STATE_TENSORS,
+    MAX_TERM_JUMP,
     AgentReport,
     ApplyAt,
     BulkAck,
@@ -79,6 +81,7 @@ from chaos.protocol.messages import (
     TrainerEventKind,
     TrainerInfo,
     TrainerRegister,
+    Vote,
     VoteReply,
 )
 from chaos.protocol.states import NODE_TRANSITIONS, TRAINER_TRANSITIONS, NodeState, TrainerState
@@ -126,6 +129,8 @@ __all__ = [
     "Message",
     "NodeInfo",
     "MAX_COUNTER",
+    "MAX_EPOCH_JUMP",
+    "MAX_TERM_JUMP",
     "Counter",
     "NonNeg",
     "OpId",
@@ -153,5 +158,6 @@ __all__ = [
     "TrainerEventKind",
     "TrainerInfo",
     "TrainerRegister",
+    "Vote",
     "VoteReply",
 ]

@@ -14,6 +14,8 @@ import msgspec
 from chaos.errors import ProtocolError
 from chaos.protocol.messages import (
     DEFAULT_MAX_FRAME_BYTES,
+    MAX_EPOCH_JUMP,
+    MAX_TERM_JUMP,
     BulkData,
     JoinRequest,
     Message,
@@ -204,6 +206,9 @@ def _validate(
         return Rejected(refusal(Reason.MALFORMED, ctx, "a scheduler message without sender", tag))
     if kind == "peer" and msg.sender not in ctx.members:
         return Rejected(refusal(Reason.UNKNOWN_PEER, ctx, f"{msg.sender!r}", tag))
+    ahead = _far_ahead(msg, kind, term, ctx)
+    if ahead:
+        return Rejected(refusal(Reason.BAD_REQUEST, ctx, ahead, tag))
     stale_term = term is not None and term < ctx.term and not ctx.joining
     if kind in ("command", "scheduler") and stale_term:
         return Rejected(refusal(Reason.STALE_TERM, ctx, f"term {term} < {ctx.term}", tag))
@@ -220,6 +225,18 @@ def _validate(
     if bad:
         return Rejected(refusal(Reason.BAD_REQUEST, ctx, bad, tag))
     return msg
+
+
+def _far_ahead(msg: Message, kind: str, term: int | None, ctx: ValidationContext) -> str:
+    """A member's or scheduler's term or epoch too far ahead of the receiver's own (see
+    :data:`~chaos.protocol.messages.MAX_TERM_JUMP`); a joiner takes the cluster's as it is."""
+    if ctx.joining or kind not in ("command", "scheduler", "peer"):
+        return ""
+    if term is not None and term > ctx.term + MAX_TERM_JUMP:
+        return f"term {term} too far ahead of {ctx.term}"
+    if msg.epoch > ctx.epoch + MAX_EPOCH_JUMP:
+        return f"epoch {msg.epoch} too far ahead of {ctx.epoch}"
+    return ""
 
 
 def kind_of(msg: Message) -> tuple[str, bool]:

@@ -55,6 +55,15 @@ every counter exact as a float and far from any fixed-width integer limit: a for
 ``2**64 - 1`` is refused as malformed instead of overflowing at the next increment."""
 Counter = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNTER)]
 """A term, an epoch or a step: a bounded non-negative integer (see :data:`MAX_COUNTER`)."""
+MAX_TERM_JUMP = 1 << 20
+"""Most a member's message may carry a term ahead of the receiver's own. A term grows by one per
+election, at most a few per second, so an honest member, even one partitioned for weeks, stays
+far below this; a forged term near :data:`MAX_COUNTER` is refused instead of pushing every
+daemon to the bound, where no election could ever be held again."""
+MAX_EPOCH_JUMP = 1 << 20
+"""Most a member's message may carry an epoch ahead of the receiver's own: an epoch grows by one
+per commit, so an honest member is never this far ahead; a forged epoch near
+:data:`MAX_COUNTER` is refused instead of taken up by the next commit."""
 Seconds = Annotated[float, msgspec.Meta(ge=0.0)]
 MAX_JOIN_CONTACTS = 16
 """Most member addresses a join refusal suggests to the joiner (:attr:`Refusal.members`)."""
@@ -65,6 +74,12 @@ MAX_STATE_TENSORS = 32_768
 TensorSizes = Annotated[list[NonNeg], msgspec.Meta(max_length=MAX_STATE_TENSORS)]
 PublicKey = Annotated[str, msgspec.Meta(max_length=40, pattern=r"^[\x21-\x7e]*$")]
 """A CURVE public key, Z85 text (40 characters); empty: none (a cluster without a key)."""
+SignKey = Annotated[str, msgspec.Meta(max_length=64, pattern=r"^[0-9a-f]*$")]
+"""An Ed25519 public key, hex (64 characters); empty: none (a cluster without a key)."""
+Signature = Annotated[str, msgspec.Meta(max_length=128, pattern=r"^[0-9a-f]*$")]
+"""An Ed25519 signature, hex (128 characters); empty: none."""
+MAX_CERT_VOTES = 256
+"""Most votes a scheduler's certificate may list (no cluster is bigger than its view)."""
 """Byte size of every tensor of the training state, in canonical stream order."""
 
 
@@ -86,6 +101,12 @@ class Reason(str, enum.Enum):
     TIMEOUT = "timeout"
     NO_STATE_SOURCE = "no_state_source"
     STATE_CONFLICT = "state_conflict"
+    ID_IN_USE = "id_in_use"
+    """A join names the id of a member still heard from under another key: retried until that
+    incarnation is gone (a restarted device), refused for as long as it lives (an impostor)."""
+    UNVERIFIED_SCHEDULER = "unverified_scheduler"
+    """A scheduler's message from a sender that the receiver cannot verify won that term (no
+    vote of its own, no valid certificate)."""
     NOT_AUTHENTICATED = "not_authenticated"
     """The sender is not the authenticated peer of the connection (another key than the one
     bound to its id at admission)."""
@@ -112,8 +133,17 @@ class Reason(str, enum.Enum):
 ApplyAt = Literal["after_allreduce", "before_next_allreduce"]
 FaultName = Literal["drop_to", "drop_from", "cut_link", "partition", "clear"]
 TrainerEventKind = Literal[
-    "ready", "replication_done", "step_failed", "gone", "progress", "throughput", "caught_up"
+    "ready",
+    "replication_done",
+    "step_failed",
+    "gone",
+    "progress",
+    "throughput",
+    "caught_up",
+    "nonfinite",
 ]
+MAX_OFFENDERS = 256
+"""Most devices one ``nonfinite`` trainer event may name."""
 MAX_ELAPSED_S = 1e9
 """Longest duration a trainer's progress report may state (about 31 years)."""
 Elapsed = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_ELAPSED_S)]
@@ -166,6 +196,16 @@ class NodeInfo(msgspec.Struct, kw_only=True, frozen=True):
     """The daemon's CURVE public key, bound to its id at admission (empty: no cluster key)."""
     data_key: PublicKey = ""
     """Its trainer's CURVE public key (data plane and shard server; empty: none)."""
+    sign_key: SignKey = ""
+    """The daemon's Ed25519 vote-signing key, bound to its id at admission with ``public_key``
+    (empty: no cluster key); see :mod:`chaos.daemon.vote_certs`."""
+
+
+class Vote(msgspec.Struct, kw_only=True, frozen=True):
+    """One signed vote of a scheduler's certificate."""
+
+    voter: NodeId
+    signature: Signature
 
 
 class LinkInfo(msgspec.Struct, kw_only=True, frozen=True):
@@ -310,6 +350,8 @@ class SchedulerHeartbeat(_Base, frozen=True, tag="scheduler_heartbeat"):
 
     KIND: ClassVar[str] = "scheduler"
     term: Counter
+    cert: Annotated[list[Vote], msgspec.Meta(max_length=MAX_CERT_VOTES)] = []
+    """The signed votes the sender won ``term`` with (empty without a cluster key)."""
 
 
 class MemberHeartbeat(_Base, frozen=True, tag="member_heartbeat"):
@@ -335,6 +377,8 @@ class VoteReply(_Base, frozen=True, tag="vote_reply"):
     KIND: ClassVar[str] = "peer"
     term: Counter
     granted: bool
+    signature: Signature = ""
+    """A granted vote, signed by the voter's bound signing key (empty without a cluster key)."""
 
 
 class TimeoutNow(_Base, frozen=True, tag="timeout_now"):
@@ -358,6 +402,12 @@ class JoinRequest(_Base, frozen=True, tag="join_request"):
     public_key: PublicKey = ""
     """The joiner's CURVE public key; the member it contacts checks it is the key of the
     connection it came in on, and the scheduler binds it to ``node_id`` at admission."""
+    sign_key: SignKey = ""
+    """The joiner's vote-signing key, bound to ``node_id`` at admission with ``public_key``."""
+    incarnation: OpId = ""
+    """A nonce drawn once per daemon process: the scheduler tells a retry of a join it admitted
+    (same nonce: the admission is sent again) from a restart at the same address (a new one:
+    the old incarnation is replaced), with or without a cluster key."""
 
 
 class LeaveRequest(_Base, frozen=True, tag="leave_request"):
@@ -455,6 +505,8 @@ class ClusterUpdate(_Base, frozen=True, tag="cluster_update"):
     restart_allreduce: bool = False
     cause: Annotated[str, msgspec.Meta(max_length=64)] = ""
     op_id: OpId = ""
+    cert: Annotated[list[Vote], msgspec.Meta(max_length=MAX_CERT_VOTES)] = []
+    """The signed votes the sender won ``term`` with (empty without a cluster key)."""
 
 
 class PolicyAck(_Base, frozen=True, tag="policy_ack"):
@@ -560,6 +612,9 @@ class StatusReply(_Base, frozen=True, tag="status_reply"):
     links: list[LinkInfo]
     sync: SyncPolicyWire | None = None
     notes: Annotated[list[_Note], msgspec.Meta(max_length=32)] = []
+    audit: AuditInfo | None = None
+    """This node's trainer's state audit, as its last progress report said (``None``: none
+    reported)."""
 
 
 class LeaveCommand(_Base, frozen=True, tag="leave_command"):
@@ -628,6 +683,18 @@ class TrainerRegister(_Base, frozen=True, tag="trainer_register"):
     (``TrainerConfig.join_mode``)."""
 
 
+class AuditInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """A trainer's state audit (``TrainerConfig.audit_every``): the last audited ``step`` and
+    whether every member agreed there; ``audits`` run, ``mismatches`` (audits that found any
+    member different) and ``healed`` (times this trainer pulled the state again)."""
+
+    step: Counter = 0
+    agreed: bool = True
+    audits: Counter = 0
+    mismatches: Counter = 0
+    healed: Counter = 0
+
+
 class TrainerEvent(_Base, frozen=True, tag="trainer_event"):
     """Trainer -> local daemon (``node_id`` unset) -> scheduler (``node_id`` = ``sender``).
 
@@ -642,6 +709,12 @@ class TrainerEvent(_Base, frozen=True, tag="trainer_event"):
     was last heard, and ``elapsed_s`` aged to that moment.
 
     ``replication_done`` (answered) carries the joiner's :class:`PullReport` in ``pull``.
+
+    ``nonfinite`` (one-way, never answered, like ``progress``): the trainer skipped ``step``
+    because its summed gradients were not finite, and names in ``devices`` the members whose
+    contribution was marked bad; its daemon forwards it to the scheduler at once, which evicts
+    a device that a majority of the training members named in enough steps
+    (:mod:`chaos.daemon.scheduler.offenders`).
 
     A trainer with a global batch adds ``samples_per_s`` (its throughput: samples per second
     of compute, allreduce waits excluded) and ``global_batch`` to its progress; its daemon
@@ -660,9 +733,14 @@ class TrainerEvent(_Base, frozen=True, tag="trainer_event"):
     silent_s: Elapsed = 0.0
     samples_per_s: Rate = 0.0
     global_batch: Annotated[int, msgspec.Meta(ge=0, le=MAX_BATCH)] = 0
+    audit: AuditInfo | None = None
+    """With ``progress``: the trainer's state audit, once it ran one (its daemon keeps the
+    latest for ``status``)."""
     pull: PullReport | None = None
     """With ``replication_done``: the pull the joiner executed (the scheduler measures the
     per-shard cost from it and logs ``replication_executed``)."""
+    devices: Annotated[list[NodeId], msgspec.Meta(max_length=MAX_OFFENDERS)] = []
+    """With ``nonfinite``: the devices whose gradients of ``step`` were marked bad."""
 
 
 class PolicyReply(_Base, frozen=True, tag="policy_reply"):

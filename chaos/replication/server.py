@@ -22,7 +22,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from chaos.errors import ChaosTimeout, ConfigError
 from chaos.protocol.messages import Reason, Refusal
@@ -41,7 +40,7 @@ from chaos.replication.wire import (
     shard_checksum,
     validate_request,
 )
-from chaos.security import Security
+from chaos.security import HandshakeRefusal, HandshakeWatch, Security
 from chaos.sockets import keep_alive, start_zero_copy_collector
 
 # The server logs under the replication logger, as it did when it lived in chaos.replication.
@@ -49,19 +48,24 @@ log = logging.getLogger("chaos.replication.server")
 
 __all__ = [
     "DIE_EXIT_CODE",
+    "MAX_MSG_BYTES",
     "ServerFaults",
     "ServerStats",
     "ShardServer",
     "ShardServerConfig",
 ]
 
-_HANDSHAKE_FAILED: dict[int, str] = {
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no detail",
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "authentication",
-}
-_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)  # fmt: skip
+_REFUSALS_LOGGED = 3
+"""The server logs this many refused handshakes; it only counts the later ones."""
+
+HANDSHAKE_IVL_MS = 5_000
+"""A shard-server connection must finish its handshake within this (milliseconds)."""
+
+MAX_MSG_BYTES = 1 << 20
+"""The shard server's frame cap (``MAXMSGSIZE``): a larger frame drops its connection before it
+is read into memory. Requests are far smaller; one over
+:data:`~chaos.replication.wire.MAX_REQUEST_BYTES` but under this is read and refused
+``too_large``."""
 
 DIE_EXIT_CODE = 70
 """Exit status of a donor process killed by :attr:`ServerFaults.die_after_shards`."""
@@ -195,10 +199,17 @@ class ShardServer:
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         keep_alive(sock)  # drops a joiner's half-open connection
+        # a connection that has not completed its handshake within this is dropped, so idle
+        # strangers do not hold the trainer's descriptors for libzmq's 30 s
+        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MSG_BYTES)
         self.security.server(sock)
-        self._handshakes: zmq.Socket | None = None
+        self._handshakes: HandshakeWatch | None = None
         if self.security.enabled:
-            self._handshakes = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+            self._handshakes = HandshakeWatch(
+                sock, on_refused=self._count_refusal, report=self._log_refusal,
+                log_first=_REFUSALS_LOGGED,
+            )  # fmt: skip
         bind = self.config.listen
         if bind.endswith(":0"):
             bind = bind[:-2] + ":*"
@@ -283,13 +294,13 @@ class ShardServer:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         if self._handshakes is not None:
-            poller.register(self._handshakes, zmq.POLLIN)
+            poller.register(self._handshakes.monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 try:
                     ready = dict(poller.poll(poll_ms))
-                    if self._handshakes is not None and self._handshakes in ready:
-                        self._drain_handshakes()
+                    if self._handshakes is not None and self._handshakes.monitor in ready:
+                        self._handshakes.drain()
                     if self._sock not in ready:
                         continue
                     frames = self._sock.recv_multipart(zmq.NOBLOCK)
@@ -302,26 +313,22 @@ class ShardServer:
         finally:
             self._close_sockets()
 
-    def _drain_handshakes(self) -> None:
-        """Counts (and logs, the first ones) the connections refused in the CURVE handshake."""
-        sock = self._handshakes
-        while sock is not None and sock.poll(0):
-            event = recv_monitor_message(sock)["event"]
-            with self._lock:
-                self._stats.handshake_failures += 1
-                first = self._stats.handshake_failures <= 3
-            if first:
-                log.warning(
-                    "shard server %s refused a connection: CURVE handshake failed (%s): the "
-                    "joiner has no or a different cluster key", self.address,
-                    _HANDSHAKE_FAILED.get(event, "error"),
-                )  # fmt: skip
+    def _count_refusal(self, _refusal: HandshakeRefusal) -> None:
+        """Counts a connection refused in the CURVE handshake."""
+        with self._lock:
+            self._stats.handshake_failures += 1
+
+    def _log_refusal(self, refusal: HandshakeRefusal) -> None:
+        """Logs one of the first connections refused in the CURVE handshake."""
+        log.warning(
+            "shard server %s refused a connection: CURVE handshake failed (%s): the "
+            "joiner has no or a different cluster key", self.address, refusal.detail,
+        )  # fmt: skip
 
     def _close_sockets(self) -> None:
         """Closes the socket (and its monitor), then the server's own context."""
         if self._handshakes is not None:
-            self._sock.disable_monitor()
-            self._handshakes.close(linger=0)
+            self._handshakes.close()
         self._sock.close(linger=0)
         self.security.release(self._ctx)
         if self._own_ctx:

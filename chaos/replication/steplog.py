@@ -197,7 +197,7 @@ def fetch_steps(
         ChaosTimeout: no answer in time.
         ReplicationError: refused, malformed, or entries of another size.
     """
-    from chaos.replication.pull import donor_request  # pull imports the state; lazily
+    from chaos.replication.donor_requests import donor_request  # it imports the state; lazily
 
     req = StepLogRequest(req_id=2, from_step=from_step, max_entries=max_entries)
     head, frames = donor_request(address, req, timeout_s, security=security, what="step log")

@@ -81,12 +81,15 @@ class CatchUpState:
         epoch: The epoch of the policy that planned the snapshot.
         started: When the join began (monotonic seconds).
         snapshot_step: The step of the snapshot pulled.
+        members: The members of the policy that planned the snapshot (a replayed step the
+            members skipped as non-finite names the devices among them).
     """
 
     donors: dict[str, str]
     epoch: int
     started: float
     snapshot_step: int
+    members: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

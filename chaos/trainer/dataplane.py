@@ -18,7 +18,14 @@ from typing import TypeVar
 import torch
 import zmq
 
-from chaos.collectives import Communicator, CommunicatorConfig, Topology
+from chaos.collectives import (
+    CollectiveStats,
+    Communicator,
+    CommunicatorConfig,
+    ErrorFeedback,
+    Topology,
+)
+from chaos.collectives.config import DEFAULT_MAX_EARLY_BYTES
 from chaos.errors import ConfigError
 from chaos.replication.server import ShardServer, ShardServerConfig
 from chaos.replication.state import TrainingState
@@ -40,7 +47,8 @@ class DataPlane:
         host: Interface both endpoints bind to (and advertise).
         chunk_bytes: Allreduce frame size; see :class:`CommunicatorConfig`.
         step_timeout_s: Longest wait for the next allreduce frame.
-        wire_dtype: Gradient wire format (``None``, ``"float16"`` or ``"bfloat16"``).
+        wire_dtype: Gradient wire format (``None``, ``"float16"``, ``"bfloat16"`` or ``"int8"``,
+            which keeps this member's error feedback from step to step).
         lanes: Send gradient chunks over plain TCP payload lanes beside ZeroMQ.
         poll_interval_s: How often ``interrupt`` runs while blocked in an allreduce.
         interrupt: Run while blocked in an allreduce; a reason string abandons the round
@@ -48,6 +56,8 @@ class DataPlane:
         ports: ``(first, last)``, inclusive: both endpoints bind the first free ports of this
             range (ports in use by other sockets are skipped); ``None``: ephemeral ports.
         security: The cluster key and this process's keypair (default: none, plain sockets).
+        max_early_bytes: Most bytes of frames the communicator keeps for a later round (see
+            :attr:`CommunicatorConfig.max_early_bytes`).
 
     Raises:
         ConfigError: an endpoint could not be bound (every port of ``ports`` in use, or a bad
@@ -67,6 +77,7 @@ class DataPlane:
         interrupt: Callable[[], str | None],
         ports: tuple[int, int] | None = None,
         security: Security | None = None,
+        max_early_bytes: int = DEFAULT_MAX_EARLY_BYTES,
     ) -> None:
         self._host, self._ports = host, ports
         self.security = security if security is not None else Security()
@@ -82,6 +93,7 @@ class DataPlane:
                     wire_dtype=wire_dtype,
                     lanes=lanes,
                     poll_slice_s=min(0.1, poll_interval_s),
+                    max_early_bytes=max_early_bytes,
                 ),
                 security=self.security,
             )
@@ -100,6 +112,7 @@ class DataPlane:
             raise
         self._comm = comm
         self._server = server
+        self._feedback = ErrorFeedback() if wire_dtype == "int8" else None
 
     def _candidates(self, skip: str | None) -> Iterator[str]:
         """The endpoints to try, in order: the range's ports (but the one ``skip`` holds), or
@@ -154,6 +167,13 @@ class DataPlane:
         return self._server.address
 
     @property
+    def stats(self) -> CollectiveStats:
+        """The communicator's counters (frames received and dropped, by reason: refused in the
+        handshake, unauthenticated, kept for a later round or dropped as too far ahead or over
+        the bytes bound, ...)."""
+        return self._comm.stats
+
+    @property
     def topology(self) -> Topology | None:
         """The installed allreduce topology."""
         return self._comm.topology
@@ -176,9 +196,14 @@ class DataPlane:
 
     # ------------------------------------------------------------------ the allreduce
 
-    def allreduce(self, flat: torch.Tensor, step: int) -> tuple[torch.Tensor, bool]:
+    def allreduce(
+        self, flat: torch.Tensor, step: int, exact_tail: int = 0
+    ) -> tuple[torch.Tensor, bool]:
         """Sums ``flat`` over the members for ``step`` (the trainer divides by the sample
         count the buffer's last element carries).
+
+        With the int8 wire format the last ``exact_tail`` elements (the sample count and an
+        audit's digests) travel unrounded, and the others with this member's error feedback.
 
         ``keep_result``: a member that never got this step's result (a member died while it was
         going out) completes the step with it, so the survivors stay equal.
@@ -191,7 +216,8 @@ class DataPlane:
             PeerFailure: a neighbour failed or timed out.
         """
         caught_up = self._comm.stats.caught_up
-        out = self._comm.allreduce(flat, "sum", step=step, keep_result=True)
+        out = self._comm.allreduce(flat, "sum", step=step, keep_result=True,
+                                   feedback=self._feedback, exact_tail=exact_tail)  # fmt: skip
         return out, self._comm.stats.caught_up > caught_up
 
     def newer_round_seen(self) -> int | None:

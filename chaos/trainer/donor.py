@@ -24,7 +24,8 @@ import torch
 from chaos.errors import ReplicationError
 from chaos.protocol import ReplicationWire
 from chaos.protocol.messages import MAX_PULL_RANGES, DonorPull, PullReport
-from chaos.replication.pull import PullConfig, PullStats, choose_plan, gather_manifests, pull_state
+from chaos.replication.donor_requests import gather_manifests
+from chaos.replication.pull import PullConfig, PullStats, choose_plan, pull_state
 from chaos.replication.state import (
     ExtraState,
     TrainingState,
@@ -178,6 +179,13 @@ class Donor:
         if self.extra:
             h.update(extra_digest(self.extra).encode())
         return h.hexdigest()
+
+    def audit_digest(self, step: int) -> bytes:
+        """SHA-256 of the manifest of the state this member would serve at ``step``: its
+        chunk addresses cover every tensor byte, and it names the hyperparameters, the
+        optimizer's other values, the extra objects' state and the runtime record's digest
+        (the online audit, :mod:`chaos.trainer.audit`). Equal states, equal digests."""
+        return hashlib.sha256(self._capture_for_serving(step, 0).manifest_bytes).digest()
 
     # ------------------------------------------------------------------ serving
 

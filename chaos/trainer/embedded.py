@@ -15,10 +15,31 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from chaos.daemon.config import ipc_endpoint_for
 from chaos.errors import ChaosError, ChaosTimeout
 from chaos.launch import daemon_command, spawn_daemon
+
+if TYPE_CHECKING:
+    from chaos.protocol import StatusReply
+
+EXIT_GRACE_S = 5.0
+"""How long past its join deadline the readiness wait allows a daemon that gives its join up
+to exit (it checks the deadline at every housekeeping tick, then logs why and exits), so that
+the error raised is the daemon's own."""
+STATUS_TIMEOUT_S = 2.0
+"""One status request of the readiness wait (a busy daemon answers late; the wait asks again)."""
+
+
+def _describe(st: StatusReply, node_id: str, join: str | None) -> str:
+    """Where a daemon that is not ready yet stands, from its status."""
+    where = f"joining through {join}" if join else "starting a new cluster"
+    member = any(n.id == node_id for n in st.nodes)
+    parts = [f"it was {where}, in state {st.state}",
+             "a member" if member else "not a member yet",
+             f"scheduler {st.scheduler}" if st.scheduler else "no scheduler known"]  # fmt: skip
+    return ", ".join(parts)
 
 
 class DaemonStartError(ChaosError):
@@ -51,6 +72,9 @@ class EmbeddedDaemon:
     ) -> None:
         self.node_id = node_id
         self.listen = listen
+        self.join = join
+        self.progress = "not started"
+        """Where the readiness wait last saw the daemon (its phase and state)."""
         self._temporary = run_dir is None
         self.run_dir = run_dir or tempfile.mkdtemp(prefix=f"chaos-{node_id}-")
         Path(self.run_dir).mkdir(parents=True, exist_ok=True)
@@ -83,31 +107,56 @@ class EmbeddedDaemon:
             return ""
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Waits until the daemon's IPC endpoint answers and it is a cluster member.
+        """Waits until the daemon's IPC endpoint answers and it is a cluster member with a
+        scheduler, following its progress (:attr:`progress`).
+
+        Two phases, each bounded by ``timeout_s`` (the daemon's join timeout, which the
+        trainer passes it): its process starting until its IPC endpoint first answers (a busy
+        device imports slowly), then its join, counted from that first answer as the daemon
+        counts its own join deadline, plus :data:`EXIT_GRACE_S` for a daemon that gives its
+        join up to be seen exiting. So a join that cannot complete ends in the daemon's own
+        error (its log names why), not in a wait that gave up first.
 
         Raises:
             DaemonStartError: the daemon exited (bad arguments, join refused or timed out).
-            ChaosTimeout: it did not become ready within ``timeout_s``.
+            ChaosTimeout: it did not become ready in time; the message names the phase and
+                the state it was last seen in.
         """
-        from chaos.daemon.client import DaemonClient
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        started = time.monotonic()
+        deadline = started + timeout_s
+        answered = False
+        self.progress = "its process had not answered on its IPC endpoint yet"
+        while (now := time.monotonic()) < deadline:
             if self.proc.poll() is not None:
                 raise DaemonStartError(
-                    f"embedded daemon {self.node_id} exited with code {self.proc.returncode}:\n"
-                    + self.log_tail()
+                    f"embedded daemon {self.node_id} exited with code {self.proc.returncode} "
+                    f"({self.progress}):\n" + self.log_tail()
                 )
-            if os.path.exists(self.endpoint[len("ipc://") :]):
-                try:
-                    with DaemonClient(self.endpoint, timeout_s=1.0) as c:
-                        st = c.status()
-                    if any(n.id == self.node_id for n in st.nodes) and st.scheduler:
-                        return
-                except ChaosError:
-                    pass
+            st = self._status()
+            if st is not None:
+                if not answered:  # its join started: the daemon's own deadline counts now
+                    answered = True
+                    deadline = now + timeout_s + EXIT_GRACE_S
+                if any(n.id == self.node_id for n in st.nodes) and st.scheduler:
+                    return
+                self.progress = _describe(st, self.node_id, self.join)
             time.sleep(0.05)
-        raise ChaosTimeout(f"embedded daemon {self.node_id} not ready within {timeout_s} s")
+        raise ChaosTimeout(
+            f"embedded daemon {self.node_id} not ready within {now - started:.1f} s: "
+            f"{self.progress}\n{self.log_tail()}"
+        )
+
+    def _status(self) -> StatusReply | None:
+        """The daemon's status, or ``None`` while its IPC endpoint does not answer."""
+        from chaos.daemon.client import DaemonClient
+
+        if not os.path.exists(self.endpoint[len("ipc://") :]):
+            return None
+        try:
+            with DaemonClient(self.endpoint, timeout_s=STATUS_TIMEOUT_S) as c:
+                return c.status()
+        except ChaosError:
+            return None
 
     def stop(self, timeout_s: float = 10.0) -> int | None:
         """Stops the daemon (SIGHUP: a graceful leave; SIGKILL after ``timeout_s``).

@@ -24,8 +24,16 @@ import zmq
 
 from chaos.collectives import Topology
 from chaos.errors import ChaosError, ChaosTimeout, ProtocolError
-from chaos.protocol import OpResult, PolicyReply, ReplicationWire, StatusReply, TrainerEvent, encode
-from chaos.protocol.messages import MAX_ELAPSED_S, PullReport
+from chaos.protocol import (
+    OpResult,
+    PolicyReply,
+    ReplicationWire,
+    StatusReply,
+    TrainerEvent,
+    TrainerRegister,
+    encode,
+)
+from chaos.protocol.messages import MAX_ELAPSED_S, MAX_OFFENDERS, AuditInfo, PullReport
 from chaos.trainer.policy_watch import PolicyWatch
 
 __all__ = [
@@ -85,16 +93,7 @@ class DaemonLink(Protocol):
         """The policies in force at the daemon."""
         ...
 
-    def register_trainer(
-        self,
-        data_address: str,
-        shard_address: str,
-        has_state: bool,
-        tensor_sizes: list[int] | None = None,
-        timeout_s: float | None = None,
-        state_digest: str = "",
-        catch_up: bool = False,
-    ) -> object:
+    def register(self, reg: TrainerRegister, timeout_s: float | None = None) -> object:
         """Registers the trainer with the scheduler."""
         ...
 
@@ -105,6 +104,7 @@ class DaemonLink(Protocol):
         detail: str = "",
         timeout_s: float | None = None,
         epoch: int = 0,
+        step: int = 0,
     ) -> object:
         """Reports a trainer event to the scheduler."""
         ...
@@ -189,6 +189,7 @@ class StepBeacon:
         self._sent_in_step = False
         self._rate = 0.0  # samples per second of compute (0: not measured)
         self._global_batch = 0
+        self._audit: AuditInfo | None = None
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self.sent = 0
@@ -214,6 +215,24 @@ class StepBeacon:
             self._rate = max(0.0, min(samples_per_s, 1e12))
             self._global_batch = max(0, min(global_batch, 1 << 31))
 
+    def audit(self, info: AuditInfo) -> None:
+        """The trainer's state audit, sent with its next notes."""
+        with self._lock:
+            self._audit = info
+
+    def nonfinite(self, step: int, devices: list[str]) -> None:
+        """Tells the daemon at once (one way) that step ``step`` was skipped as non-finite,
+        naming the devices whose gradients were bad (a full queue drops it: the scheduler
+        counts a device when a majority of the members name it)."""
+        msg = TrainerEvent(kind="nonfinite", step=step, devices=devices[:MAX_OFFENDERS])
+        with self._lock:
+            if self._closed.is_set():
+                return
+            try:
+                self._sock.send(encode(msg), zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                log.debug("non-finite step report not sent: %s", exc)
+
     def alive(self) -> None:
         """The trainer is still in its phase (it waits inside ``update()``)."""
         now = time.monotonic()
@@ -238,6 +257,7 @@ class StepBeacon:
             elapsed_s=min(now - self._since, MAX_ELAPSED_S),
             samples_per_s=self._rate,
             global_batch=self._global_batch,
+            audit=self._audit,
         )
         try:
             while self._sock.poll(0, zmq.POLLIN):  # a refusal from the daemon: nothing to do
@@ -336,29 +356,17 @@ class DaemonSession:
     # ------------------------------------------------------------------ requests
 
     def register(
-        self,
-        data_address: str,
-        shard_address: str,
-        *,
-        has_state: bool,
-        tensor_sizes: list[int] | None,
-        timeout_s: float,
-        state_digest: str = "",
-        catch_up: bool = False,
-        queue_s: float | None = 0.0,
+        self, reg: TrainerRegister, *, timeout_s: float, queue_s: float | None = 0.0
     ) -> None:
         """Registers the trainer's endpoints and state layout with the scheduler.
 
         Args:
-            data_address: The allreduce endpoint.
-            shard_address: The shard server's endpoint.
-            has_state: The trainer holds a training state (``False``: it joins and pulls one).
-            tensor_sizes: The state's tensor sizes (``None`` without a state).
+            reg: The registration: the endpoints, whether the trainer holds a state, its
+                tensor sizes, a restored state's digest, a catching-up join (the client adds
+                this process's id and the data plane's key).
             timeout_s: Longest wait for one answer. A registration lost to a scheduler change
                 (no answer, ``timeout``, ``paused``, ``not_scheduler``) is sent again, within
                 ``max(timeout_s, _RETRY_TOTAL_S)`` in all.
-            state_digest: The digest of a restored state (stop-resume), else ``""``.
-            catch_up: A joiner that catches up (see ``TrainerConfig.join_mode``).
             queue_s: Longest time it waits in line behind other joiners (refused
                 ``overloaded``), not counted against ``timeout_s``; ``None``: no limit.
 
@@ -368,20 +376,12 @@ class DaemonSession:
         """
         self._retrying(
             "registration",
-            lambda t: self._client.register_trainer(
-                data_address=data_address,
-                shard_address=shard_address,
-                has_state=has_state,
-                tensor_sizes=tensor_sizes,
-                timeout_s=t,
-                state_digest=state_digest,
-                catch_up=catch_up,
-            ),
+            lambda t: self._client.register(reg, timeout_s=t),
             timeout_s,
             queue_s=queue_s,
         )
 
-    def report_ready(self, elapsed_s: float, detail: str) -> bool:
+    def report_ready(self, elapsed_s: float, detail: str, step: int) -> bool:
         """Tells the scheduler the trainer's state is in place (tried again, within
         ``_RETRY_TOTAL_S``, when a scheduler change loses it).
 
@@ -396,7 +396,9 @@ class DaemonSession:
         try:
             self._retrying(
                 "ready report",
-                lambda t: self._client.trainer_event("ready", elapsed_s, detail, timeout_s=t),
+                lambda t: self._client.trainer_event(
+                    "ready", elapsed_s, detail, timeout_s=t, step=step
+                ),
                 _ATTEMPT_S,
             )
         except (ChaosTimeout, ProtocolError) as exc:  # ProtocolError: refused as well
@@ -542,6 +544,19 @@ class DaemonSession:
         trainer without a local ``ipc://`` daemon has no progress to add them to."""
         if self._beacon is not None:
             self._beacon.throughput(samples_per_s, global_batch)
+
+    def report_nonfinite(self, step: int, devices: tuple[str, ...]) -> None:
+        """Tells the daemon (one way) that step ``step`` was skipped as non-finite because of
+        ``devices``; the scheduler evicts a repeat offender. Without a local ``ipc://`` daemon
+        it goes nowhere."""
+        if self._beacon is not None and devices:
+            self._beacon.nonfinite(step, list(devices))
+
+    def report_audit(self, info: AuditInfo) -> None:
+        """Adds the trainer's state audit to its step progress (one way), which its daemon
+        shows in ``status``."""
+        if self._beacon is not None:
+            self._beacon.audit(info)
 
     @property
     def daemon_paused(self) -> bool:

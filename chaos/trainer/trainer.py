@@ -28,30 +28,23 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, NoReturn
+from dataclasses import replace
+from typing import Any
 
 import torch
 
 from chaos import ops
 from chaos.errors import (
     ChaosError,
-    ChaosTimeout,
     ConfigError,
     DaemonGone,
     PeerFailure,
-    ProtocolError,
-    ReplicationError,
     RoundInterrupted,
 )
-from chaos.replication.steplog import LoggedStep
 from chaos.security import Security
+from chaos.trainer.audit import StateAudit
 from chaos.trainer.catch_up import (
     CatchUpState,
-    Hooks,
-    StepSource,
-    plans_snapshot,
-    replay,
-    run_logged_step,
 )
 from chaos.trainer.config import (
     TrainerConfig,
@@ -59,6 +52,7 @@ from chaos.trainer.config import (
     check_extra_state,
     check_num_samples,
     default_node_id,
+    resolve_host,
 )
 from chaos.trainer.dataplane import DataPlane
 from chaos.trainer.embedded import EmbeddedDaemon
@@ -67,9 +61,11 @@ from chaos.trainer.exit_signals import (  # capture_exit_event and request_exit 
 )
 from chaos.trainer.exit_signals import install_exit_handlers
 from chaos.trainer.exit_signals import request_exit as request_exit
+from chaos.trainer.finite import FiniteGuard, Verdict
 from chaos.trainer.gradients import GradientPacker
-from chaos.trainer.join_retry import join_until
-from chaos.trainer.session import DaemonSession, Policy, transient
+from chaos.trainer.join_retry import UnreachableWatch
+from chaos.trainer.joining import JoinFlows, _Rejoined
+from chaos.trainer.session import DaemonSession, Policy
 from chaos.trainer.session import TrainingStalled as TrainingStalled  # part of this API
 from chaos.trainer.throughput import ThroughputMeter
 from chaos.trainer.wiring import connect_session, make_donor, open_data_plane, start_embedded
@@ -77,16 +73,10 @@ from chaos.trainer.wiring import connect_session, make_donor, open_data_plane, s
 log = logging.getLogger("chaos.trainer")
 
 
-class _Rejoined(Exception):
-    """The scheduler had evicted this trainer (a straggler); it joined again inside
-    ``update()``, pulling the current state, so the step's gradients are stale: the step is
-    skipped (the next one computes them on the pulled state)."""
-
-
 # ----------------------------------------------------------------------------- the trainer
 
 
-class Trainer:
+class Trainer(JoinFlows):
     """Makes this training process a member of an elastic Chaos cluster.
 
     Args:
@@ -126,10 +116,11 @@ class Trainer:
         **options: Any,
     ) -> None:
         try:
-            self.config = TrainerConfig(**options)
+            config = TrainerConfig(**options)
         except TypeError as exc:
             raise ConfigError(f"unknown Trainer option: {exc}") from exc
         check_endpoints(join, daemon, node_id, listen)
+        self.config = resolve_host(config, listen, join)  # the data plane's host
         self.extra_state: dict[str, Any] = check_extra_state(extra_state)
         self._security = Security.from_key_file(self.config.cluster_key)
         install_exit_handlers()
@@ -141,6 +132,8 @@ class Trainer:
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._grads = GradientPacker(self._params)
         self.node_id = node_id if node_id is not None else default_node_id()
+        self._finite = FiniteGuard(self.config.nonfinite, self.config.max_grad_norm,
+                                   sum(p.numel() for p in self._params), self.node_id)  # fmt: skip
         self._step = 0
         self._epoch = -1
         self._round_started = 0.0  # when the allreduce in progress began (wait reports)
@@ -151,6 +144,7 @@ class Trainer:
         self._meter = ThroughputMeter()  # samples per second of this member's compute
         self.events: list[dict[str, Any]] = []
         self._catching: CatchUpState | None = None  # a catching-up joiner, until it enters
+        self._unreachable = UnreachableWatch()  # joins failing on the same donor addresses
         self._embedded: EmbeddedDaemon | None = None
         t0 = time.monotonic()
         try:
@@ -160,9 +154,10 @@ class Trainer:
                 self._embedded = start_embedded(self.node_id, cfg, join, listen)
                 address = self._embedded.endpoint
             self._session = connect_session(address, self.node_id, cfg, key, t0)
-            self._plane = open_data_plane(self.node_id, cfg, key, self._newer_policy)
+            self._plane = open_data_plane(self.node_id, cfg, key, self._newer_policy, model)
             self._donor = make_donor(model, optimizer, self.node_id, self._plane, cfg, key,
                                      self._event, self.extra_state)  # fmt: skip
+            self._audit = StateAudit(self.node_id, cfg.audit_every, self._donor.audit_digest)
             if join is not None and not cfg.restored:
                 self._join_until(t0 + cfg.join_timeout_s, t0)
             else:
@@ -187,6 +182,12 @@ class Trainer:
     def world_size(self) -> int:
         """Members taking part in the allreduce under the current policy."""
         return len(self._policy.members) if self._policy else 1
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The members taking part in the allreduce under the policy in force (empty before
+        the first; a catching-up joiner is not among them until it enters)."""
+        return tuple(self._policy.members) if self._policy else ()
 
     @property
     def data_links(self) -> int:
@@ -227,152 +228,17 @@ class Trainer:
         return self._meter.samples_per_s
 
     @property
+    def nonfinite_offences(self) -> dict[str, int]:
+        """Member id -> the steps its gradients were not finite (or over ``max_grad_norm``)
+        and were skipped for it; the same on every member."""
+        return dict(self._finite.offences)
+
+    @property
     def neighbors(self) -> list[str]:
         """This node's overlay neighbours, as the daemon knows them."""
         return self._session.neighbors()
 
     # ------------------------------------------------------------------ joining
-
-    def _register_and_sync(self, joining: bool, t0: float, rejoin: bool = False) -> None:
-        restored = self.config.restored and not rejoin
-        if restored:
-            joining = False
-        session, plane = self._session, self._plane
-        catch_up = joining and self.config.join_mode == "catch-up"
-        session.register(
-            plane.address,
-            plane.shard_address,
-            has_state=not joining,
-            tensor_sizes=self._donor.initial_layout(has_state=not joining),
-            timeout_s=self.config.join_timeout_s,
-            state_digest=self._donor.restored_digest() if restored else "",
-            catch_up=catch_up,
-            queue_s=self.config.join_queue_timeout_s,
-        )
-        policy = session.wait(
-            lambda p: (self.node_id in p.members and p.topology is not None)
-            or (catch_up and plans_snapshot(p, self.node_id)),
-            self.config.join_timeout_s,
-            "the scheduler to add this trainer to the sync policy",
-        )
-        if catch_up and policy.topology is None:
-            self._pull_snapshot(policy, t0)
-            return
-        if joining:
-            self._step = self._donor.pull(policy.replication, policy.epoch)
-            session.report_pull(self._donor.last_pull)  # the scheduler measures c from it
-        self._install(policy)
-        elapsed = time.monotonic() - t0
-        # the throughput clock starts when the first update() returns: the time from here to the
-        # first update() holds whatever the script does first (waiting for the world, loading
-        # data), not a step's compute
-        self._meter.stop()
-        self._event("ready", elapsed_s=elapsed, epoch=self._epoch, step=self._step)
-        session.report_ready(elapsed, f"epoch {self._epoch} step {self._step}")
-
-    def _pull_snapshot(self, policy: Policy, t0: float) -> None:
-        """A catching-up joiner pulls the donors' snapshot; the members train on. It enters the
-        data plane in its first :meth:`update` (:meth:`_catch_up_and_enter`)."""
-        rep = policy.replication
-        if rep is None:
-            raise ChaosError(f"the policy of epoch {policy.epoch} plans no snapshot")
-        try:
-            self._step = self._donor.pull(rep, policy.epoch)
-        except (ReplicationError, ChaosTimeout) as exc:  # e.g. the donors are cut off for now
-            self._event("snapshot_failed", epoch=policy.epoch, error=str(exc)[:300])
-            log.warning("%s: no catch-up snapshot (%s); it enters pulling the whole state",
-                        self.node_id, exc)  # fmt: skip
-            self._catching = CatchUpState({}, policy.epoch, t0, self._step)
-            return
-        self._session.report_pull(self._donor.last_pull)
-        self._catching = CatchUpState(dict(rep.donor_addresses), policy.epoch, t0, self._step)
-        self._meter.stop()
-        self._event("snapshot_pulled", epoch=policy.epoch, step=self._step,
-                    planned_step=rep.at_step, elapsed_s=time.monotonic() - t0)  # fmt: skip
-
-    def _catch_up_and_enter(self, hooks: Hooks) -> None:
-        """Replays the steps the members took since the snapshot, asks the scheduler to enter
-        (``caught_up``), and once the policy includes this trainer replays up to the step the
-        donors serve and pulls only what still differs; then installs the policy (ready).
-
-        Raises:
-            ChaosTimeout: no policy with this trainer within ``join_timeout_s``, or the join
-                again after a failed entry pull did not finish in time.
-            ReplicationError: the join again could not pull the state from any neighbour.
-            _Rejoined: the entry pull failed (the policy named no donor, the donors were gone)
-                and this trainer joined again.
-        """
-        cu = self._catching
-        if cu is None:
-            return
-        cfg, session = self.config, self._session
-        source = StepSource(cu.donors, self._grads.zeros(), self._security)
-
-        def apply(entry: LoggedStep) -> None:
-            run_logged_step(entry, self._grads, self.optimizer, hooks)
-            self._step += 1
-
-        seen = [cu.epoch]
-
-        def taken_in() -> bool:  # a new scheduler (after an election) made it a barrier join
-            p = session.poll(seen[0])
-            if p is not None:
-                seen[0] = p.epoch
-            return p is not None and self.node_id in p.members and p.topology is not None
-
-        t0 = time.monotonic()
-        first = replay(source, self._step, apply, until=None,
-                       deadline=t0 + cfg.catch_up_timeout_s,
-                       poll_interval_s=cfg.poll_interval_s, stop=taken_in)  # fmt: skip
-        self._event("replayed", step=self._step, replayed=first.steps, lag=first.lag,
-                    why=first.why, elapsed_s=time.monotonic() - t0)  # fmt: skip
-        try:
-            session.report_caught_up(self._step, first.lag, first.why, cfg.join_timeout_s,
-                                     cfg.join_queue_timeout_s)  # fmt: skip
-        except ProtocolError as exc:  # e.g. a new scheduler that never saw this registration
-            self._enter_again(cu.epoch, exc)
-        policy = session.wait(
-            lambda p: self.node_id in p.members and p.topology is not None,
-            cfg.join_timeout_s,
-            "the scheduler to put this catching-up trainer into the sync policy",
-        )
-        tail: list[int] = []
-
-        def to_snapshot(step: int) -> None:
-            before = self._step
-            last = replay(source, self._step, apply, until=step,
-                          deadline=time.monotonic() + cfg.catch_up_timeout_s,
-                          poll_interval_s=cfg.poll_interval_s)  # fmt: skip
-            tail.extend((before, step, last.steps))
-
-        try:
-            self._step = self._donor.pull(policy.replication, policy.epoch, prepare=to_snapshot)
-        except (ReplicationError, ChaosTimeout) as exc:  # e.g. a new scheduler named no donor
-            self._enter_again(policy.epoch, exc)
-        session.report_pull(self._donor.last_pull)
-        self._catching = None
-        self._install(policy)
-        pull = self._donor.last_pull
-        self._event("entered", epoch=self._epoch, step=self._step,
-                    replayed=first.steps + (tail[2] if tail else 0),
-                    pulled_bytes=sum(d.bytes for d in pull.donors) if pull else None,
-                    state_bytes=pull.state_bytes if pull else None,
-                    log_failures=source.failures)  # fmt: skip
-        elapsed = time.monotonic() - cu.started
-        self._event("ready", elapsed_s=elapsed, epoch=self._epoch, step=self._step)
-        session.report_ready(elapsed, f"epoch {self._epoch} step {self._step} (caught up)")
-
-    def _enter_again(self, epoch: int, exc: ChaosError) -> NoReturn:
-        """A catching-up joiner's entry failed (event ``entry_failed``): it joins again.
-
-        Raises:
-            _Rejoined: always, once it joined again (it enters in a later ``update()``).
-        """
-        self._event("entry_failed", epoch=epoch, error=str(exc)[:300])
-        log.warning("%s: entry failed (%s); joining again", self.node_id, exc)
-        self._catching = None
-        self._join_again()
-        raise _Rejoined from exc
 
     def wait_world(self, size: int, timeout_s: float) -> None:
         """Blocks until the sync policy holds at least ``size`` members (stop-resume restarts).
@@ -463,54 +329,6 @@ class Trainer:
         self._install(policy)
         return False
 
-    def _rejoin(self, policy: Policy) -> None:
-        """Joins again, as a joiner pulling the current state, after the scheduler evicted this
-        trainer as a straggler (it was stopped, or blocked, while the others waited).
-
-        Raises:
-            ChaosTimeout: the join or the state pull did not finish in time.
-            ReplicationError: the state could not be pulled from any neighbour.
-        """
-        self._event("evicted", epoch=policy.epoch, step=self._step)
-        log.warning(
-            "%s: left out of the sync policy of epoch %d (evicted as a straggler); joining again",
-            self.node_id,
-            policy.epoch,
-        )
-        self._join_again()
-
-    def _join_again(self) -> None:
-        """Registers again as a joiner and pulls the current state, until ``stall_timeout_s``
-        has passed (``None``: for as long as it takes: a cluster that can heal is not given up
-        on); see :meth:`_join_until`.
-
-        Raises:
-            ChaosTimeout: the last attempt's join or pull did not finish in time, and
-                ``stall_timeout_s`` has passed.
-            ProtocolError: the registration was refused for good, or refused
-                ``no_state_source`` or for a transient reason when ``stall_timeout_s`` had
-                passed.
-            ReplicationError: the last attempt could not pull the state, and
-                ``stall_timeout_s`` has passed.
-        """
-        self._donor.retire()
-        limit = self.config.stall_timeout_s
-        self._join_until(math.inf if limit is None else time.monotonic() + limit)
-
-    def _join_until(self, deadline: float, t0: float | None = None) -> None:
-        """Registers as a joiner and pulls the state, retrying a failed pull, a
-        ``no_state_source`` refusal or a transient one (``paused``) until ``deadline``
-        (monotonic; see :func:`join_until`). The
-        first join passes ``t0`` (when the trainer started, for its ``ready`` time) and
-        ``join_timeout_s`` after it; joining again passes neither.
-
-        Raises:
-            ChaosTimeout, ProtocolError, ReplicationError: as :func:`join_until`.
-        """
-        join_until(lambda: self._register_and_sync(True, time.monotonic() if t0 is None else t0,
-                                                   rejoin=t0 is None),
-                   deadline, self.node_id, self._event)  # fmt: skip
-
     def _install_newer(self, p: Policy) -> None:
         """Installs the policy a wait after a failed round returned (the rerun needs exactly
         that structure or a later one, never an older one a notice may still carry)."""
@@ -526,7 +344,7 @@ class Trainer:
         before_step: Callable[[], object] | None = None,
         step_fn: Callable[[], object] | None = None,
         after_step: Callable[[], object] | None = None,
-    ) -> None:
+    ) -> bool:
         """Averages the gradients over the members, then steps the optimizer.
 
         In this order: the allreduce writes the averaged gradients into every ``p.grad``;
@@ -539,6 +357,14 @@ class Trainer:
         A failure or a membership change during the allreduce aborts it and reruns the step
         under the new policy; no partial result is ever applied.
 
+        One call runs at most one live step, the one at the :attr:`step` the script read before
+        the call, with the hyperparameters the script set for it. A call that joins (a
+        catching-up joiner's entry, a join again after an eviction or a partition's heal)
+        runs none: it returns with :attr:`step` at the cluster's step and the state, the
+        hyperparameters included, as the members hold them; the loop's next call is the live
+        step there. So a loop may set the learning rate (or anything else) from
+        :attr:`step` before each call (``docs/trainer.md``, *The step contract*).
+
         Args:
             num_samples: The samples this device's gradients come from in this step (over
                 every backward pass since the gradients were zeroed). Each parameter's
@@ -546,7 +372,9 @@ class Trainer:
                 the mean loss), and the average is weighted by sample: ``sum(N_i * g_i) /
                 sum(N_i)`` over the members, the gradient of the mean loss over every sample
                 of the cluster's step. ``None``: every member weighs the same (the mean of the
-                members' gradients), as if each passed 1.
+                members' gradients), as if each passed 1. ``0``: this member takes part in the
+                step but contributes nothing (a joiner in local-steps mode); some member must
+                contribute, or the step is not finite (see ``nonfinite``).
             before_step: Called with the averaged gradients, before the step: clip them
                 (``torch.nn.utils.clip_grad_norm_``), or ``scaler.unscale_(optimizer)`` first.
             step_fn: Replaces ``optimizer.step()``, e.g. ``lambda: scaler.step(optimizer)``.
@@ -554,9 +382,13 @@ class Trainer:
                 joiner: advance everything in ``extra_state`` here (``scaler.update()``,
                 ``scheduler.step()``, an EMA update).
 
+        Returns:
+            Whether this call ran a live step (``False``: it joined, and its gradients were
+            not used; the state is the one the members hold at :attr:`step`).
+
         Raises:
             TypeError: ``num_samples`` is not an int.
-            ValueError: ``num_samples`` is below 1.
+            ValueError: ``num_samples`` is negative.
             TrainingStalled: an allreduce failed (or was interrupted) and no new policy came
                 within ``stall_timeout_s`` (``None``: it waits as long as it takes, reporting
                 ``waiting`` events), or the daemon did not answer for ``policy_timeout_s``. It
@@ -565,48 +397,76 @@ class Trainer:
         check_num_samples(num_samples)
         session = self._session
         if self._catching is not None:
-            # a catching-up joiner: its gradients were computed on the snapshot, steps ago;
-            # it enters with weight 0 (the others' sample-weighted mean is the step's average)
+            # a catching-up joiner: its gradients were computed on the snapshot, steps ago, and
+            # the script set its hyperparameters for the snapshot's step. It replays the logged
+            # steps (with the members' hyperparameters), enters, and returns at the cluster's
+            # step without a live step: the loop's next call, with hyperparameters set from the
+            # new trainer.step and gradients of the entered state, is its first live step
             try:
                 self._catch_up_and_enter((before_step, step_fn, after_step))
             except _Rejoined:  # its entry failed and it joined again: it enters next time
-                self._meter.computing()
-                return
-            flat = self._grads.zeros()
-        else:
-            self._measure(num_samples)
-            flat = self._grads.pack(num_samples)
+                pass
+            self._meter.computing()
+            return False
+        self._measure(num_samples)
+        flat = self._finite.outgoing(self._grads.pack(num_samples))  # marked if not finite
         session.step_started(self._step)  # the step progress the scheduler finds stragglers by
         try:
             reduced = self._allreduce(flat)
         except _Rejoined:  # this trainer was evicted and joined again: its gradients are stale
             session.step_done(self._step)
             self._meter.computing()
-            return
-        if reduced is not None:
+            return False
+        members = self._policy.members if self._policy else ()
+        bad = self._finite.verdict(flat if reduced is None else reduced, members)
+        if bad is not None:  # every member holds the same sum: every member skips it alike
+            self._nonfinite(bad)  # raises NonFiniteGradient in "raise" mode
+            reduced = flat if reduced is None else reduced  # the step logged is the one skipped
+        elif reduced is not None:
             self._grads.install(reduced)
         self._donor.retire()  # the state is about to change
         if self._donor.logging:  # a catching-up joiner replays this step from the log
             self._donor.log_step(self._step, reduced if reduced is not None else
                                  self._grads.pack(None))  # fmt: skip
-        if before_step is not None:
-            before_step()
-        if step_fn is not None:
-            step_fn()
-        else:
-            self.optimizer.step()
-        if after_step is not None:
-            after_step()
+        if bad is None:  # a skipped step runs no hook and no optimizer step, but counts
+            if before_step is not None:
+                before_step()
+            if step_fn is not None:
+                step_fn()
+            else:
+                self.optimizer.step()
+            if after_step is not None:
+                after_step()
         self._step += 1
         session.step_done(self._step)
         self._donor.at_boundary(self._step)  # a catch-up snapshot planned for this step
         self._maybe_reregister()
+        self._audit_boundary()
         self._meter.computing()
+        return True
+
+    def _nonfinite(self, bad: Verdict) -> None:
+        """A step whose summed gradients are not finite: event ``nonfinite_gradient`` naming
+        the devices whose contribution was bad (see :mod:`chaos.trainer.finite`).
+
+        Raises:
+            NonFiniteGradient: ``TrainerConfig.nonfinite`` is ``"raise"``.
+        """
+        fields = self._finite.record(bad, self._step, self._epoch)
+        self._event("nonfinite_gradient", **fields)
+        self._session.report_nonfinite(self._step, self._finite.reported(bad))  # offenders
+        log.warning("%s: the gradients of step %d are not finite (bad: %s; this device: %s); "
+                    "%s", self.node_id, self._step, ", ".join(bad.devices) or "the sum",
+                    self._finite.local_reason or "finite", fields["action"])  # fmt: skip
+        self._finite.raise_if(bad, self._step)
 
     def _measure(self, num_samples: int | None) -> None:
         """Measures this step's throughput (see :mod:`chaos.trainer.throughput`); with a global
         batch, reports it to the daemon with the step progress."""
         samples = num_samples if num_samples is not None else self.local_batch_size
+        if samples == 0:  # a member that contributes nothing computed nothing
+            self._meter.stop()
+            return
         rate = self._meter.measure(samples)
         gb = self.config.global_batch
         if rate is not None and gb is not None:
@@ -633,10 +493,14 @@ class Trainer:
             self._round_started = started
             self._next_wait_report = started + self.config.stall_progress_s
             try:
-                out, caught_up = plane.allreduce(flat, self._step)
+                members = self._policy.members if self._policy else ()
+                folded = self._audit.fold(flat, self._step, members)  # the state audit's digest
+                # the sample count and the audit's tail travel exact in the int8 format
+                tail = folded.numel() - flat.numel() + 1
+                out, caught_up = plane.allreduce(folded, self._step, tail)
                 if caught_up:
                     self._event("caught_up", epoch=self._epoch, step=self._step)
-                return out
+                return self._audit.unfold(out)
             except RoundInterrupted as exc:
                 self._event("restart", epoch=self._epoch, step=self._step, reason=str(exc))
                 target = plane.newer_round_seen() or plane.topology_epoch + 1
@@ -706,39 +570,6 @@ class Trainer:
             raise _Rejoined
         self._install_newer(p)
 
-    def _maybe_reregister(self) -> None:
-        """Adam creates its state on the first step: tell the scheduler the new layout.
-
-        A paused daemon (a minority side of a partition) or a scheduler change holds that up:
-        it is sent again, with a ``waiting`` event about every 15 s, until ``stall_timeout_s``
-        (``None``: for as long as it takes; a campaign trainer crashed on a 15 s limit).
-
-        Raises:
-            TrainingStalled: not taken within ``stall_timeout_s``.
-            ProtocolError: refused for good.
-        """
-        sizes = self._donor.layout_change(self._step, self._epoch)
-        if sizes is None:
-            return
-        plane, limit, started = self._plane, self.config.stall_timeout_s, time.monotonic()
-        while True:
-            try:
-                self._session.register(plane.address, plane.shard_address, has_state=True,
-                                       tensor_sizes=sizes, timeout_s=5.0)  # fmt: skip
-                return
-            except ChaosError as exc:
-                waited = time.monotonic() - started
-                if not transient(exc):
-                    raise
-                if limit is not None and waited >= limit:
-                    raise TrainingStalled(f"the state's new layout not taken in {waited:.0f} s "
-                                          f"({exc})") from exc  # fmt: skip
-                self._event("waiting", what="the scheduler to take the state's new layout",
-                            waited_s=round(waited, 1), paused=self._session.daemon_paused,
-                            epoch=self._epoch, step=self._step)  # fmt: skip
-                log.warning("%s: the state's new layout not taken yet (%s); still waiting",
-                            self.node_id, exc)  # fmt: skip
-
     def fail_at(self, step: int, after_frames: int = 0) -> None:
         """Fault injection by name: this device dies (``kill -9``) mid-allreduce of ``step``.
 
@@ -751,6 +582,59 @@ class Trainer:
         """
         embedded = self._embedded
         self._plane.fail_at(step, after_frames, embedded.kill if embedded is not None else None)
+
+    def flip_bit_at(self, step: int, param: int = 0, element: int = 0, bit: int = 0) -> None:
+        """Fault injection by name: flips one bit of one parameter on this member once its
+        state reaches ``step`` (at the end of the ``update()`` that reaches it): bit ``bit`` of
+        element ``element`` of the optimizer's ``param``-th parameter. A silent divergence,
+        for the state audit (``audit_every``) to catch. For tests and emulation.
+
+        Raises:
+            ValueError: a negative step, index or bit.
+        """
+        self._audit.flip_bit_at(step, param, element, bit)
+
+    def _audit_boundary(self) -> None:
+        """At a step boundary: an armed bit flip; then, when the last audit found this
+        member's state different from the others' (event ``state_diverged``), pulls the state
+        again, only the chunks that differ (event ``state_healed``)."""
+        audit = self._audit
+        if audit.maybe_flip(self._step, self._params):
+            self._event("bit_flipped", epoch=self._epoch, step=self._step)
+        if (info := audit.info()) is not None:
+            self._session.report_audit(info)  # chaos-daemon status shows it
+        bad = audit.to_heal
+        if bad is None:
+            return
+        audit.to_heal = None
+        self._event("state_diverged", epoch=self._epoch, step=self._step, audit_step=bad.step,
+                    first_step=audit.first_diverged, members=bad.members,
+                    odd=list(bad.odd))  # fmt: skip
+        log.error("%s: state differs from the other members' at the audit of step %d; "
+                  "pulling it again", self.node_id, bad.step)  # fmt: skip
+        cfg = self.config  # a barrier join: the members wait in the step this member is at, so
+        self.config = replace(cfg, join_mode="barrier")  # its state differs only where it diverged
+        try:
+            self._join_again()
+        finally:
+            self.config = cfg
+        audit.healed += 1
+        pull = self._donor.last_pull
+        self._event("state_healed", epoch=self._epoch, step=self._step, audit_step=bad.step,
+                    pulled_bytes=sum(d.bytes for d in pull.donors) if pull else None,
+                    state_bytes=pull.state_bytes if pull else None)  # fmt: skip
+
+    @property
+    def audit(self) -> dict[str, Any]:
+        """The state audit's record on this member: ``every``, the ``last`` audited step and
+        whether it ``agreed`` (``None`` before the first), and counts of ``audits``,
+        ``mismatches`` (audits that found any member different) and ``healed`` (times this
+        member pulled the state again)."""
+        a = self._audit
+        last = a.last
+        return {"every": a.every, "last": last.step if last else None,
+                "agreed": last.agreed if last else None, "audits": a.audits,
+                "mismatches": a.mismatches, "healed": a.healed}  # fmt: skip
 
     def fail_serving_after(self, shards: int) -> None:
         """Fault injection by name: this device dies (``kill -9`` of its embedded daemon, then

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from chaos.collectives.config import DEFAULT_MAX_EARLY_BYTES
 from chaos.launch import free_tcp_address
 from chaos.security import Security
 from chaos.trainer.config import TrainerConfig
@@ -41,7 +42,7 @@ def start_embedded(node_id: str, cfg: TrainerConfig, join: str | None,
     """
     embedded = EmbeddedDaemon(
         node_id,
-        listen or free_tcp_address(cfg.host),
+        listen or free_tcp_address(cfg.data_host),
         join,
         embedded_args(cfg),
         cfg.daemon_dir,
@@ -74,12 +75,14 @@ def connect_session(address: str, node_id: str, cfg: TrainerConfig, security: Se
 
 
 def open_data_plane(node_id: str, cfg: TrainerConfig, security: Security,
-                    interrupt: Callable[[], str | None]) -> DataPlane:  # fmt: skip
+                    interrupt: Callable[[], str | None],
+                    model: torch.nn.Module | None = None) -> DataPlane:  # fmt: skip
     """The allreduce communicator and the shard server, on ephemeral ports or in
-    ``data_ports``; ``interrupt`` is checked while a round blocks."""
+    ``data_ports``; ``interrupt`` is checked while a round blocks; ``model``'s gradient size
+    sets the default bound on frames kept for a later round (see :func:`early_bytes_bound`)."""
     return DataPlane(
         node_id,
-        cfg.host,
+        cfg.data_host,
         chunk_bytes=cfg.chunk_bytes,
         step_timeout_s=cfg.step_timeout_s,
         wire_dtype=cfg.wire_dtype,
@@ -88,7 +91,21 @@ def open_data_plane(node_id: str, cfg: TrainerConfig, security: Security,
         interrupt=interrupt,
         ports=cfg.data_ports,
         security=security,
+        max_early_bytes=early_bytes_bound(cfg, 0 if model is None else gradient_bytes(model)),
     )
+
+
+def early_bytes_bound(cfg: TrainerConfig, grad_bytes: int) -> int:
+    """:attr:`TrainerConfig.max_early_bytes`, or by default four times ``grad_bytes`` (the
+    model's gradient in float32), at least 256 MiB."""
+    if cfg.max_early_bytes is not None:
+        return cfg.max_early_bytes
+    return max(DEFAULT_MAX_EARLY_BYTES, 4 * grad_bytes)
+
+
+def gradient_bytes(model: torch.nn.Module) -> int:
+    """The bytes of ``model``'s gradient in float32 (its trainable parameters)."""
+    return 4 * sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def make_donor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, node_id: str,

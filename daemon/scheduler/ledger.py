@@ -32,7 +32,9 @@ from chaos.daemon.scheduler.planner import (
 from chaos.daemon.scheduler.quorum import QuorumBase
 from chaos.daemon.transport import ReplyPath
 
+from chaos.errors import CounterLimit
 from chaos.protocol import (
+    MAX_COUNTER,
     ApplyAt,
     ClusterUpdate,
     Message,
@@ -42,6 +44,7 @@ from chaos.protocol import (
     ReplicationWire,
     SyncPolicyWire,
     TimeoutNow,
+    Vote,
 )
 
 
@@ -52,6 +55,10 @@ class CommitHost(Protocol):
 
     @property
     def term(self) -> int: ...  # noqa: D102
+
+    @property
+    def vote_cert(self) -> list[Vote]:
+        """The signed votes this scheduler won its term with (empty without a cluster key)."""
 
     def send(self, peer: str, msg: Message) -> bool: ...  # noqa: D102
 
@@ -120,11 +127,6 @@ class EpochLedger:
         """The quorum base: the membership of the newest committed epoch."""
         return self.quorum.members
 
-    @property
-    def pending_views(self) -> dict[int, frozenset[str]]:
-        """The committed epochs not yet acknowledged by a majority of their membership."""
-        return self.quorum.unsettled
-
     # -- the policy in force ---------------------------------------------------------------
 
     def current_sync(self) -> SyncPolicyWire:
@@ -167,7 +169,12 @@ class EpochLedger:
 
         Returns:
             The primitive, waiting for the members' acknowledgements.
+
+        Raises:
+            CounterLimit: The epoch is at :data:`~chaos.protocol.MAX_COUNTER`.
         """
+        if self.epoch >= MAX_COUNTER:
+            raise CounterLimit(f"epoch {self.epoch} is at the wire limit: no new commit")
         self.epoch += 1
         view = self.monitor.to_view(self.epoch, self.host.term, self.host.node_id)
         sync = self.current_sync()
@@ -188,6 +195,7 @@ class EpochLedger:
             restart_allreduce=restart,
             cause=cause,
             op_id=op_id,
+            cert=self.host.vote_cert,
         )
         self.last_update = upd
         members = set(self.monitor.members())

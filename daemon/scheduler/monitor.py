@@ -188,10 +188,10 @@ class ClusterMonitor:
 
     def add_node(
         self, node_id: str, address: str, state: NodeState, joined_at: float,
-        public_key: str = "",
+        public_key: str = "", sign_key: str = "",
     ) -> None:  # fmt: skip
-        """Adds (or replaces) a node without links (``public_key``: its CURVE key, bound to its
-        id; empty without a cluster key)."""
+        """Adds (or replaces) a node without links (``public_key``: its CURVE key, and
+        ``sign_key``: its vote-signing key, bound to its id; empty without a cluster key)."""
         if node_id in self.g:
             self.g.remove_node(node_id)
         self._nodes_changed()
@@ -206,6 +206,7 @@ class ClusterMonitor:
             shard_address=None,
             tensor_sizes=None,
             public_key=public_key,
+            sign_key=sign_key,
             data_key="",
         )
 
@@ -299,6 +300,11 @@ class ClusterMonitor:
         """The node's address (KeyError if unknown)."""
         a: str = self.g.nodes[node_id]["address"]
         return a
+
+    def public_key(self, node_id: str) -> str:
+        """The CURVE key bound to the node's id (empty: no cluster key; KeyError if unknown)."""
+        k: str = self.g.nodes[node_id]["public_key"]
+        return k
 
     def members(self, states: tuple[NodeState, ...] = (NodeState.ACTIVE,)) -> list[str]:
         """Sorted ids of the nodes in ``states``."""
@@ -440,6 +446,7 @@ class ClusterMonitor:
                 trainer=d["trainer"].value,
                 public_key=d["public_key"],
                 data_key=d["data_key"],
+                sign_key=d["sign_key"],
             )
             for n, d in sorted(self.g.nodes(data=True))
             if n in keep
@@ -463,7 +470,8 @@ class ClusterMonitor:
         """Rebuilds a monitor from a view (a new scheduler starts from its last copy)."""
         m = cls()
         for n in view.nodes:
-            m.add_node(n.id, n.address, NodeState(n.state), n.joined_at, n.public_key)
+            m.add_node(n.id, n.address, NodeState(n.state), n.joined_at, n.public_key,
+                       n.sign_key)  # fmt: skip
             m.g.nodes[n.id]["data_key"] = n.data_key
             m.set_resources(n.id, n.resources)
             if n.trainer != "none":

@@ -73,7 +73,3 @@ class QuorumBase:
     def settling(self) -> bool:
         """Whether a committed epoch still waits for a majority of its membership."""
         return bool(self.unsettled)
-
-    def has_quorum(self, heard: Collection[str]) -> bool:
-        """Whether the members ``heard`` are a strict majority of the quorum base."""
-        return is_majority(heard, self.members)

@@ -13,7 +13,7 @@ from typing import Protocol
 from chaos.daemon.scheduler.ledger import EpochLedger
 from chaos.daemon.scheduler.monitor import ClusterMonitor
 
-from chaos.protocol import AgentReport
+from chaos.protocol import MAX_EPOCH_JUMP, AgentReport
 
 
 class TrainerRecords(Protocol):
@@ -56,8 +56,13 @@ class ViewRebuild:
         """Takes an agent's report into the monitor; commits when it was the last awaited, or
         when it came after the rebuild and changed a trainer (its policy must say so)."""
         ledger, mon = self.ledger, self.monitor
-        ledger.epoch = max(ledger.epoch, msg.epoch)
         late = ledger.last_update is not None  # the rebuild was committed without this report
+        if not late and mon.has(msg.sender) and msg.epoch <= ledger.epoch + MAX_EPOCH_JUMP:
+            # a member may hold a commit of the former scheduler this one never saw: the
+            # rebuild's commit must be newer, or that member would refuse it as stale. Only a
+            # member's report, before the rebuild's commit, and never far ahead (validation
+            # refuses those already): an epoch otherwise only grows by a commit
+            ledger.epoch = max(ledger.epoch, msg.epoch)
         changed = False
         if mon.has(msg.sender):
             mon.set_resources(msg.sender, msg.resources)

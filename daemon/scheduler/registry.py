@@ -11,7 +11,6 @@ for. Each member's side, which forwards its trainer's messages here, is
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Protocol
 
@@ -20,6 +19,7 @@ from chaos.daemon.config import DaemonConfig
 from chaos.daemon.scheduler.batch_split import BatchSplitter
 from chaos.daemon.scheduler.monitor import ClusterMonitor, PullSample
 from chaos.daemon.scheduler.planner import replication_policy
+from chaos.daemon.scheduler.snapshot_lead import snapshot_step
 from chaos.daemon.transport import ReplyPath
 
 from chaos.protocol import (
@@ -32,13 +32,10 @@ from chaos.protocol import (
     TrainerEvent,
     TrainerInfo,
 )
+from chaos.protocol.ids import is_loopback_endpoint
 from chaos.protocol.messages import PullReport, merge_ranges
 from chaos.protocol.states import NodeState, TrainerState
 
-SNAPSHOT_LEAD_STEPS = 2
-"""Steps past the donors' current step at which a catch-up snapshot is planned..."""
-SNAPSHOT_LEAD_S = 0.3
-"""... plus the steps the donors take in this long (the commit's way to them)."""
 ENTRY_EXCLUSIVE_S = 300.0
 """One joiner enters the data plane at a time: while one's entry (a commit that puts it into the
 sync policy with a plan for its state) waits for its ``ready``, or while a catch-up joiner
@@ -98,6 +95,48 @@ class Liveness(Protocol):
     last_heard: dict[str, float]
 
 
+def loopback_advertised(node: str, endpoints: tuple[str, ...],
+                        members: dict[str, str]) -> str | None:  # fmt: skip
+    """Why a trainer's registration must be refused for advertising loopback, or ``None``.
+
+    A trainer's data-plane endpoints on a loopback address reach only its own device; when a
+    member's daemon (``node``'s own included) is at a non-loopback address, the members are on
+    a network, and the others would connect to their own loopback: every pull from this
+    trainer and every allreduce with it would fail, join after join.
+
+    Args:
+        node: The registering trainer's node.
+        endpoints: Its advertised data-plane endpoints (``tcp://HOST:PORT``; empty ones are
+            skipped).
+        members: Active member -> its daemon's address.
+
+    Returns:
+        The refusal's detail (the endpoint, a member on the network, what to set), or
+        ``None`` when nothing is advertised on loopback or every member is on loopback.
+    """
+    loop = [e for e in endpoints if e and is_loopback_endpoint(e)]
+    if not loop:
+        return None
+    networked = sorted(m for m, a in members.items() if _on_network(a))
+    if not networked:
+        return None
+    m = node if node in networked else networked[0]
+    return (
+        f"{node}'s trainer advertises its data plane at loopback {loop[0]} while member {m}'s "
+        f"daemon is at {members[m]}: no other device could reach it; start the trainer with "
+        "TrainerConfig host set to its device's address (or Trainer(listen=...) on it)"
+    )
+
+
+def _on_network(endpoint: str) -> bool:
+    """Whether a daemon's ``tcp://HOST:PORT`` address names a host on a network (not
+    loopback, not a wildcard); anything else says nothing."""
+    if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    return bool(host) and host not in ("0.0.0.0", "::", "*") and not is_loopback_endpoint(endpoint)
+
+
 class TrainerRegistry:
     """The scheduler's record of the trainers (rules 1-5 of the interface).
 
@@ -145,6 +184,11 @@ class TrainerRegistry:
         if not mon.has(n) or mon.state(n) != NodeState.ACTIVE:
             self._answer(reply, msg.op_id, Reason.BAD_REQUEST, f"{n} is not an active member")
             return
+        members = {m: mon.address(m) for m in mon.members()}
+        if (why := loopback_advertised(n, (msg.data_address, msg.shard_address), members)):
+            self.host.event("trainer_refused", peer=n, reason="loopback_advertised", detail=why)
+            self._answer(reply, msg.op_id, Reason.BAD_REQUEST, why)
+            return
         cur = mon.trainer(n)
         training = [m for m in mon.trainer_members((TrainerState.TRAINING,)) if m != n]
         if msg.has_state:
@@ -170,7 +214,7 @@ class TrainerRegistry:
         if repl.skipped:
             self._answer(reply, msg.op_id, Reason.BAD_REQUEST, repl.skipped)
             return
-        at_step = self._snapshot_step(list(repl.donor_addresses), now) if msg.catch_up else None
+        at_step = self._snapshot_step(repl, now) if msg.catch_up else None
         if at_step is not None:
             repl = msgspec.structs.replace(repl, at_step=at_step)
             mon.catching_up.add(n)
@@ -216,18 +260,24 @@ class TrainerRegistry:
                 return f"{m} is catching up; ask again once it has entered"
         return None
 
-    def _snapshot_step(self, donors: list[str], now: float) -> int | None:
-        """The step a catch-up snapshot is planned at: a few steps past the donors' step now,
-        far enough that every donor installs the plan before it gets there
-        (:data:`SNAPSHOT_LEAD_S` plus :data:`SNAPSHOT_LEAD_STEPS`). ``None`` (a barrier join)
-        while no donor's step period is measured."""
+    def _snapshot_step(self, repl: ReplicationWire, now: float) -> int | None:
+        """The step a catch-up snapshot is planned at: the first boundary every donor reaches
+        after the commit has reached it, from each donor's step clock, the measured latency of
+        the scheduler's path to it and the plan's transfer time
+        (:func:`~chaos.daemon.scheduler.snapshot_lead.snapshot_step`). ``None`` (a barrier
+        join) while no donor's step period is measured."""
         age = SNAPSHOT_CLOCK_AGE_S
-        known = [x for d in donors if (x := self.monitor.step_now(d, now, age)) is not None]
-        if not known:
-            return None
-        step = max(s for s, _ in known)
-        period = min(p for _, p in known)
-        return step + SNAPSHOT_LEAD_STEPS + math.ceil(SNAPSHOT_LEAD_S / period)
+        steps = []
+        for d in repl.donor_addresses:
+            known = self.monitor.step_now(d, now, age)
+            if known is None:
+                continue
+            left = self.monitor.tau_sync_s(d, now, age) or 0.0
+            reach = 0.0  # the scheduler's own trainer: the commit is local
+            if d != self.host.node_id:
+                reach = self.monitor.path_link(self.host.node_id, d)[0] or 0.0
+            steps.append(snapshot_step(known[0], known[1], left, reach, repl.makespan_s))
+        return max(steps) if steps else None
 
     def _on_caught_up(self, n: str, now: float) -> None:
         """A catching-up joiner asks to enter: the sync policy takes it in (a new structure,

@@ -13,14 +13,16 @@ the messages that only the scheduler handles to them:
   the bandwidth refinements;
 * :class:`~chaos.daemon.scheduler.registry.TrainerRegistry`: the trainers;
 * :class:`~chaos.daemon.scheduler.stragglers.StragglerWatch`: the trainers' step progress, and
-  who holds the others up.
+  who holds the others up;
+* :class:`~chaos.daemon.scheduler.offenders.OffenderWatch`: the steps the trainers skipped as
+  non-finite, and which device spoils them too often.
 
 It carries out itself what spans several of them: a scale-in, for a leave (``after_allreduce``)
 or a failure (``before_next_allreduce``, and the allreduce in flight restarts), and the eviction
-of a straggler's trainer (like a trainer that exited: the node stays a member without a trainer,
-and the others rerun their step without it). Step-boundary rules (paper IV-B): planned changes
-apply after the current allreduce; failures apply before the next one and restart any
-allreduce in flight.
+of a straggler's or a repeat offender's trainer (like a trainer that exited: the node stays a
+member without a trainer, and the others rerun their step without it). Step-boundary rules
+(paper IV-B): planned changes apply after the current allreduce; failures apply before the next
+one and restart any allreduce in flight.
 
 Quorum: a member silent for ``failure_timeout_s`` is failed. If the members still heard are not
 a strict majority of the quorum base (the membership of the newest committed epoch, a leaver
@@ -30,6 +32,7 @@ steps down and pauses, and commits nothing more.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Protocol
 
@@ -40,6 +43,7 @@ from chaos.daemon.scheduler.ledger import EpochLedger
 from chaos.daemon.scheduler.link_checks import LinkChecks
 from chaos.daemon.scheduler.links import LinkOps
 from chaos.daemon.scheduler.monitor import ClusterMonitor
+from chaos.daemon.scheduler.offenders import Offender, OffenderWatch
 from chaos.daemon.scheduler.rebuild import ViewRebuild
 from chaos.daemon.scheduler.registry import TrainerRegistry
 from chaos.daemon.scheduler.scale_out import ScaleOuts
@@ -63,6 +67,8 @@ from chaos.protocol import (
 )
 from chaos.protocol.states import NodeState, TrainerState
 
+log = logging.getLogger("chaos.daemon.scheduler")
+
 
 class SchedulerHost(Protocol):
     """What the scheduler role needs from its daemon."""
@@ -70,6 +76,7 @@ class SchedulerHost(Protocol):
     node_id: str
     address: str
     public_key: str
+    sign_key: str
 
     @property
     def term(self) -> int: ...  # noqa: D102
@@ -113,7 +120,8 @@ class SchedulerRole:
         if view is None:
             self.monitor = ClusterMonitor()
             self.monitor.add_node(
-                host.node_id, host.address, NodeState.ACTIVE, time.time(), host.public_key
+                host.node_id, host.address, NodeState.ACTIVE, time.time(), host.public_key,
+                host.sign_key,
             )
         else:
             self.monitor = ClusterMonitor.from_view(view)
@@ -140,6 +148,8 @@ class SchedulerRole:
         self.stragglers = StragglerWatch(
             cfg.straggler_grace_s, 3 * cfg.heartbeat_interval_s, cfg.behind_grace_s
         )
+        # the steps the trainers skipped as non-finite: who spoils them too often
+        self.offenders = OffenderWatch(cfg.offender_limit, cfg.offender_window_steps)
 
     def _carried(self) -> ReplicationWire | None:
         return self.trainers.carried()
@@ -256,6 +266,7 @@ class SchedulerRole:
         self.failures.forget(node)
         self.trainers.forget(node)
         self.stragglers.forget(node)
+        self.offenders.forget(node)
         self.ledger.wait_for_none_from(node, now)
         self.scale_outs.forget(node)
 
@@ -282,6 +293,9 @@ class SchedulerRole:
                 self.stragglers.report(n, msg.step, msg.in_step, msg.elapsed_s, msg.silent_s, now)
                 self.trainers.on_progress(msg, now)  # its step boundaries date tau_sync
             return  # one-way: never answered
+        if msg.kind == "nonfinite":
+            self.on_nonfinite(msg, now)
+            return  # one-way: never answered
         if msg.kind == "step_failed" and self.monitor.trainer(n) != TrainerState.NONE:
             neighbour = msg.detail
             training = self.monitor.trainer_members((TrainerState.TRAINING,))
@@ -298,6 +312,7 @@ class SchedulerRole:
                 self.links.verify(n, neighbour, now)
         elif msg.kind == "gone":
             self.stragglers.forget(n)
+            self.offenders.forget(n)
         self.trainers.on_event(msg, reply, now)
 
     def evict_stragglers(self, now: float) -> None:
@@ -319,12 +334,48 @@ class SchedulerRole:
                 "straggler_evicted", now, apply_at="before_next_allreduce", restart=True
             )
 
+    def _take_trainer_out(self, node: str) -> None:
+        """Leaves ``node`` a member without a trainer (an eviction from the sync policy)."""
+        self.monitor.set_trainer(node, TrainerState.NONE, None, None)
+        self.trainers.forget(node)
+        self.stragglers.forget(node)
+
     def _evict(self, s: Straggler) -> None:
-        self.monitor.set_trainer(s.node, TrainerState.NONE, None, None)
-        self.trainers.forget(s.node)
-        self.stragglers.forget(s.node)
+        self._take_trainer_out(s.node)
         self.host.event(
             "straggler_evicted", peer=s.node, step=s.step, silent_s=round(s.silent_s, 3),
             at_step=s.at_step, waiting=list(s.waiting), waited_s=round(s.waited_s, 3),
             behind=s.behind,
+        )  # fmt: skip
+
+    # -- repeat offenders: devices whose gradients keep spoiling the steps ------------------
+
+    def on_nonfinite(self, msg: TrainerEvent, now: float) -> None:
+        """A training member's report of a step it skipped as non-finite, naming the devices
+        whose gradients were bad: counted (:mod:`chaos.daemon.scheduler.offenders`); a device
+        due is evicted from the sync policy (one commit, before the next allreduce, restarting
+        the one in flight), and its trainer joins again, pulling the state."""
+        training = self.monitor.trainer_members((TrainerState.TRAINING,))
+        self.offenders.report(msg.sender, msg.step, msg.devices, training)
+        if self.ledger.last_update is None:
+            return  # still rebuilding after an election: the next report evicts
+        found = self.offenders.due(training)
+        for o in found:
+            self._evict_offender(o)
+        if found:
+            self.ledger.commit(
+                "offender_evicted", now, apply_at="before_next_allreduce", restart=True
+            )
+
+    def _evict_offender(self, o: Offender) -> None:
+        self._take_trainer_out(o.node)
+        self.offenders.forget(o.node)
+        self.host.event(
+            "offender_evicted", peer=o.node, offences=o.count, steps=list(o.steps),
+            limit=o.limit, window_steps=o.window,
+        )  # fmt: skip
+        log.warning(
+            "%s: evicted from the sync policy: its gradients made %d steps non-finite within "
+            "%d steps (steps %s; offender_limit %d); it joins again, pulling the state",
+            o.node, o.count, o.window, ", ".join(map(str, o.steps)), o.limit,
         )  # fmt: skip

@@ -97,7 +97,8 @@ class ScaleOuts:
         self.liveness = liveness
         self.trainers = trainers
         self.joins: dict[str, ScaleOut] = {}
-        self._admitted: dict[str, float] = {}  # when each joiner was admitted here (monotonic)
+        # when each joiner was admitted here (monotonic), and under which incarnation nonce
+        self._admitted: dict[str, tuple[float, str]] = {}
 
     def on_join(self, msg: JoinRequest, reply: ReplyPath | None, now: float) -> None:
         """Starts a scale-out (or refuses it)."""
@@ -114,7 +115,8 @@ class ScaleOuts:
         # a named neighbour that is no member (removed since the joiner chose it) is left out
         # while another one is: the joiner comes in through the others (event field dropped)
         nbrs = known or [msg.forwarded_by or self.host.node_id]
-        self.monitor.add_node(j, msg.address, NodeState.JOINING, time.time(), msg.public_key)
+        self.monitor.add_node(j, msg.address, NodeState.JOINING, time.time(), msg.public_key,
+                              msg.sign_key)  # fmt: skip
         so = ScaleOut(
             msg, uuid.uuid4().hex[:12], now, now + self.cfg.probe_timeout_s + 1.0, set(nbrs)
         )
@@ -139,18 +141,27 @@ class ScaleOuts:
         """A join under the id of a member: whether to admit it anew in place of the member.
 
         At another address, while the member is still heard from: refused (``duplicate_id``),
-        as the member may be alive. At its own address, within ``failure_timeout_s`` of its
-        admission: the joiner missed its admission, which is sent again. Otherwise it is a
-        restarted incarnation (the old one is treated as failed: scaled in with its trainer
-        registration, and the new one scaled out).
+        as the member may be alive. Under another key than the one bound to the id, while the
+        member is still heard from: refused ``id_in_use``, which the joiner retries (a
+        restarted device's new incarnation is admitted once its old one falls silent; a key
+        holder that names a live member's id never is). At its own address, under the
+        incarnation nonce it was admitted with, within ``failure_timeout_s`` of its admission:
+        the joiner missed its admission, which is sent again. Otherwise it is a restarted
+        incarnation (the old one is treated as failed: scaled in with its trainer registration,
+        and the new one scaled out).
         """
         j = msg.node_id
         fresh = self.liveness.fresh(j, now)
         if self.monitor.address(j) != msg.address and fresh:
             self._refuse(msg, Reason.DUPLICATE_ID, f"{j} is a member at another address")
             return False
-        since = now - self._admitted.get(j, float("-inf"))
-        if fresh and since <= self.cfg.failure_timeout_s and self.ledger.last_update is not None:
+        if fresh and self.monitor.public_key(j) != msg.public_key:
+            self._refuse(msg, Reason.ID_IN_USE, f"{j} is a member still heard from under "
+                         "another key: retry once that incarnation is gone")  # fmt: skip
+            return False
+        at, incarnation = self._admitted.get(j, (float("-inf"), ""))
+        retry = incarnation == msg.incarnation and now - at <= self.cfg.failure_timeout_s
+        if fresh and retry and self.ledger.last_update is not None:
             self.host.send(j, self.ledger.last_update)  # the joiner missed its admission
             return False
         self.host.event("incarnation_replaced", peer=j, was_fresh=fresh)
@@ -205,7 +216,7 @@ class ScaleOuts:
             )
         self.monitor.set_state(j, NodeState.ACTIVE)
         self.liveness.heard(j, now)
-        self._admitted[j] = now
+        self._admitted[j] = (now, so.req.incarnation)
         links = {n: (r.latency_s, r.bandwidth_bps) for n, r in up.items()}
         repl = replication_policy(j, links, so.req.state_bytes, so.req.tensor_sizes, self.cfg)
         self.host.event(

@@ -18,6 +18,15 @@ most ``N``). A device that is merely slow is heard at every step it completes, s
 above its step time it is never silent that long: it sets the pace. Members that all wait (a
 link that drops its packets) are all heard: nobody is a straggler.
 
+**A slow step is not a straggler.** When the step is slow for everyone (a slow link: every
+member spends seconds moving the allreduce's bytes), a member may go unheard for a while without
+holding anyone up. So the grace scales with the step period the members measured: the rule
+applies :meth:`StragglerWatch.grace_at`, the larger of ``grace_s`` and :data:`PERIOD_FACTOR`
+times the cluster's step period. A member's step period is the shortest of its last
+:data:`PERIOD_SAMPLES` intervals between step advances (one long step, a join's barrier say,
+does not stretch it); the cluster's is the median over the training members. A member that
+stops does not lengthen anything: its period, and the waiters', were measured before it stopped.
+
 **A step behind.** A member that is heard and waits inside ``update()`` at step ``N`` while
 other members wait at a later step, all of them past the step-behind grace period (shorter
 than the straggler's: members waiting at two different steps is never a normal state), missed
@@ -40,10 +49,17 @@ the failure detector's business) says nothing about its trainer.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass
 
-__all__ = ["Progress", "Straggler", "StragglerWatch"]
+__all__ = ["PERIOD_FACTOR", "PERIOD_SAMPLES", "Progress", "Straggler", "StragglerWatch"]
+
+PERIOD_FACTOR = 2.0
+"""The grace is at least this many step periods (see the module's rule)."""
+PERIOD_SAMPLES = 3
+"""A member's step period is the shortest of this many of its last step intervals."""
 
 
 @dataclass(frozen=True)
@@ -114,16 +130,41 @@ class StragglerWatch:
         self.behind_grace_s = grace_s if behind_grace_s is None else behind_grace_s
         self.fresh_s = fresh_s
         self.reports: dict[str, Progress] = {}
+        self._advanced: dict[str, tuple[int, float]] = {}  # the last step seen, and when
+        self._intervals: dict[str, deque[float]] = {}  # seconds per step, the last few
 
     def report(
         self, node: str, step: int, in_step: bool, phase_s: float, silent_s: float, now: float
     ) -> None:
         """Records ``node``'s progress report, received at ``now``."""
         self.reports[node] = Progress(step, in_step, phase_s, silent_s, now)
+        last = self._advanced.get(node)
+        if last is None or step < last[0]:
+            self._advanced[node] = (step, now)  # first seen, or a rejoined trainer's new steps
+        elif step > last[0]:
+            per = (now - last[1]) / (step - last[0])
+            self._intervals.setdefault(node, deque(maxlen=PERIOD_SAMPLES)).append(per)
+            self._advanced[node] = (step, now)
 
     def forget(self, node: str) -> None:
         """Drops what is known of ``node``'s trainer (it was evicted, left or failed)."""
         self.reports.pop(node, None)
+        self._advanced.pop(node, None)
+        self._intervals.pop(node, None)
+
+    def step_period(self, training: Collection[str]) -> float | None:
+        """The cluster's step period (seconds): the median over ``training`` of each member's
+        shortest recent step interval; ``None`` while no member's is measured."""
+        periods = [min(q) for n, q in self._intervals.items() if n in training and q]
+        return statistics.median(periods) if periods else None
+
+    def grace_at(self, training: Collection[str]) -> float:
+        """The grace the straggler rule applies: ``grace_s``, or :data:`PERIOD_FACTOR` step
+        periods when that is longer (0 when the rule is off)."""
+        if self.grace_s <= 0:
+            return 0.0
+        period = self.step_period(training)
+        return max(self.grace_s, PERIOD_FACTOR * period) if period is not None else self.grace_s
 
     def _fresh(self, training: Collection[str], now: float) -> dict[str, Progress]:
         return {
@@ -143,11 +184,11 @@ class StragglerWatch:
         Returns:
             The stragglers, sorted by id (empty when the grace is 0).
         """
-        grace = self.grace_s
+        grace = self.grace_at(training)
         if grace <= 0:
             return []
         fresh = self._fresh(training, now)
-        alive_s = grace / 2  # a waiting trainer is heard far more often than this
+        alive_s = self.grace_s / 2  # a waiting trainer is heard far more often than this
         waiters = {
             n: p
             for n, p in fresh.items()

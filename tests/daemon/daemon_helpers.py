@@ -132,8 +132,9 @@ class Cluster:
         extra: tuple[str, ...] = (),
         wait: bool = True,
         fault_injection: bool = True,
+        port: int | None = None,
     ) -> Node:
-        port = free_port()
+        port = port if port is not None else free_port()
         run_dir = self.tmp / node_id
         argv = daemon_command(
             node_id,

@@ -106,7 +106,9 @@ def test_a_duplicate_of_a_member_killed_before_detection(cluster: Cluster) -> No
 
 
 def test_a_restart_at_the_same_address_before_detection_replaces_it(cluster: Cluster) -> None:
-    n1, n2, n3 = cluster.start(3)
+    # slow detection: the restart's join must reach the scheduler before n2 is found failed
+    # (a 0.5 s failure timeout made that a race on a loaded machine)
+    n1, n2, n3 = _start_slow_detection(cluster)
     with n2.client() as c:  # the old incarnation had a trainer
         c.register_trainer("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", True, [64, 32])
     wait_until(lambda: _trainer_of(n1, n2.id) == "training", "n2's trainer registered")

@@ -11,7 +11,6 @@ import os
 import resource
 import socket
 import stat
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,27 +28,9 @@ from daemon_helpers import Cluster, Node, wait_until
 from chaos.errors import ConfigError
 from chaos.launch import free_tcp_address
 from chaos.protocol import PROTOCOL_VERSION, Ping, Refusal, decode
+from chaos.security import ClusterKey
 
 _REPLY_S = 10.0
-
-
-@pytest.fixture
-def dealer() -> Iterator[Any]:
-    """Opens raw DEALERs to a daemon's endpoints; all closed at the end."""
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    socks: list[zmq.Socket[bytes]] = []
-
-    def open_to(endpoint: str) -> zmq.Socket[bytes]:
-        s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(endpoint)
-        socks.append(s)
-        return s
-
-    yield open_to
-    for s in socks:
-        s.close(linger=0)
-    ctx.term()
 
 
 def _frame(**fields: Any) -> bytes:
@@ -354,9 +335,22 @@ def test_the_event_log_refuses_a_symlink(tmp_path: Path) -> None:
     assert stat.S_IMODE((tmp_path / "real.jsonl").stat().st_mode) & 0o077 == 0
 
 
-def test_the_metrics_endpoint_binds_the_listen_host() -> None:
+def test_the_metrics_endpoint_binds_loopback(tmp_path: Path) -> None:
     cfg = DaemonConfig(node_id="a", listen="tcp://127.0.0.1:5000")
     assert cfg.resolved_metrics_host == "127.0.0.1"
     assert DaemonConfig(node_id="a", listen="tcp://[::1]:5000").resolved_metrics_host == "::1"
     other = DaemonConfig(node_id="a", listen="tcp://127.0.0.1:5000", metrics_host="127.0.0.2")
     assert other.resolved_metrics_host == "127.0.0.2"
+    wide = DaemonConfig(node_id="a", listen="tcp://0.0.0.0:5000", insecure=True, metrics_port=9)
+    assert wide.resolved_metrics_host == "127.0.0.1"  # not the listen host
+
+
+def test_metrics_off_loopback_need_a_cluster_key(tmp_path: Path) -> None:
+    for host in ("0.0.0.0", "192.0.2.1"):
+        with pytest.raises(ConfigError, match="refusing to serve metrics"):
+            DaemonConfig(node_id="a", listen="tcp://127.0.0.1:5000", metrics_port=9,
+                         metrics_host=host)  # fmt: skip
+    key = ClusterKey.generate().write(tmp_path / "k.key")
+    keyed = DaemonConfig(node_id="a", listen="tcp://127.0.0.1:5000", metrics_port=9,
+                         metrics_host="0.0.0.0", cluster_key=str(key))  # fmt: skip
+    assert keyed.resolved_metrics_host == "0.0.0.0"

@@ -99,5 +99,5 @@ def test_the_trainer_sends_a_lost_ready_report_again() -> None:
         policy_notices=False,
         contact_since=time.monotonic(),
     )
-    session.report_ready(1.0, "test")
+    session.report_ready(1.0, "test", 0)
     assert link.calls == 2

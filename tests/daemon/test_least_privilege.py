@@ -1,6 +1,7 @@
 """Who may do what, against live daemons: faults only with ``--enable-fault-injection``;
-``leave``, ``link`` and ``fault`` only on the local IPC socket or from a cluster key holder; a
-handover only from the scheduler a member follows; no ``connect_command`` re-points a peer.
+``leave``, ``link`` and ``fault`` only on the local IPC socket (or from a key holder where the
+daemon allows remote operators); a handover only from the scheduler a member follows; no
+``connect_command`` re-points a peer.
 And the keys themselves: ``keygen`` writes a private file once, and a daemon refuses to listen
 beyond loopback without a key unless told ``--insecure``.
 
@@ -9,6 +10,7 @@ Every process is killed and reaped when its test ends.
 
 from __future__ import annotations
 
+import contextlib
 import stat
 import subprocess
 from collections.abc import Iterator
@@ -231,24 +233,56 @@ def test_a_non_loopback_listen_needs_a_key_or_insecure(tmp_path: Path) -> None:
         kill_and_reap([proc])
 
 
-def test_client_commands_take_the_key_from_the_environment(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def _keyed_daemon(tmp_path: Path, **options: Any) -> Iterator[tuple[Any, Path, str]]:
+    """A keyed daemon ``a`` on loopback, answering; yields its process, key and TCP endpoint
+    (killed and reaped at the end)."""
     key = tmp_path / "cluster.key"
     assert _cli("keygen", str(key)).returncode == 0
     run_dir = tmp_path / "a"
-    port = free_port()
-    proc = spawn_daemon(
-        daemon_command("a", f"tcp://127.0.0.1:{port}", cluster_key=key), run_dir,
-        log_level="WARNING",
-    )  # fmt: skip
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    proc = spawn_daemon(daemon_command("a", endpoint, cluster_key=key, **options), run_dir,
+                        log_level="WARNING")  # fmt: skip
     try:
         env = daemon_env(run_dir)
         wait_until(lambda: _cli("status", env=env).returncode == 0, "the keyed daemon")
-        connect = ("status", "--connect", f"tcp://127.0.0.1:{port}", "--json")
-        keyed = _cli(*connect, env={**env, "CHAOS_CLUSTER_KEY": str(key)})
-        assert keyed.returncode == 0, keyed.stderr
-        # over TCP a key holder may leave
-        leave = _cli("leave", "--connect", f"tcp://127.0.0.1:{port}", "--cluster-key", str(key))
-        assert leave.returncode == 0, leave.stderr
-        assert proc.wait(timeout=30) == 0
+        yield proc, key, endpoint
     finally:
         kill_and_reap([proc])
+
+
+def test_client_commands_take_the_key_from_the_environment(tmp_path: Path) -> None:
+    with _keyed_daemon(tmp_path, extra_args=("--allow-remote-operator",)) as (proc, key, ep):
+        env = daemon_env(tmp_path / "a")
+        keyed = _cli("status", "--connect", ep, "--json",
+                     env={**env, "CHAOS_CLUSTER_KEY": str(key)})  # fmt: skip
+        assert keyed.returncode == 0, keyed.stderr
+        # over TCP a key holder may leave, as this daemon allows remote operators
+        leave = _cli("leave", "--connect", ep, "--cluster-key", str(key))
+        assert leave.returncode == 0, leave.stderr
+        assert proc.wait(timeout=30) == 0
+
+
+def test_a_key_holder_may_not_send_operator_commands_unless_the_daemon_allows_it(
+    tmp_path: Path,
+) -> None:
+    """A cluster key is not a crown: over TCP, leave, link and fault are refused from any key
+    holder unless the daemon runs with --allow-remote-operator; status still answers."""
+    with _keyed_daemon(tmp_path, enable_fault_injection=True) as (proc, key, ep):
+        tcp = ("--connect", ep, "--cluster-key", str(key))
+        for args in (("leave",), ("link", "remove", "b"), ("fault", "clear")):
+            res = _cli(*args, *tcp)
+            assert res.returncode != 0, res.stdout
+            assert "forbidden" in res.stderr and "--allow-remote-operator" in res.stderr, res.stderr
+        assert _cli("status", *tcp).returncode == 0
+        assert proc.poll() is None
+        assert _cli("leave", env=daemon_env(tmp_path / "a")).returncode == 0  # on the IPC socket
+        assert proc.wait(timeout=30) == 0
+
+
+def test_remote_operators_need_a_cluster_key(tmp_path: Path) -> None:
+    argv = daemon_command("a", f"tcp://127.0.0.1:{free_port()}",
+                          extra_args=["--allow-remote-operator"])  # fmt: skip
+    res = subprocess.run(argv, env=daemon_env(tmp_path / "a"), capture_output=True, text=True,
+                         timeout=60, check=False)  # fmt: skip
+    assert res.returncode != 0 and "needs a cluster key" in res.stderr, res.stderr

@@ -44,6 +44,9 @@ class _Transport:
     def send_contact(self, address: str, frame: bytes) -> None:
         self.contacts.append((address, decode(frame)))
 
+    def refused_contact(self) -> str | None:
+        return None  # no handshake refused (tests/daemon/test_wrong_key.py covers a refusal)
+
 
 class _Host:
     """Stands in for the daemon: records what Membership asks of it."""
@@ -52,6 +55,7 @@ class _Host:
         self.node_id = "me"
         self.address = "tcp://127.0.0.1:7000"
         self.public_key = ""
+        self.sign_key = ""
         self.cfg = DaemonConfig(node_id="me", listen=self.address, join_timeout_s=10.0)
         self.view: ClusterView | None = None
         self.state = state

@@ -108,7 +108,7 @@ def test_models_plot_and_the_compare_plot_command(tmp_path: Path) -> None:
 def test_a_failed_run_is_recorded_and_the_others_go_on(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     import chaos.emulate.commands as commands
-    from chaos.emulate.runner import EmulationError
+    from chaos.emulate.fleet import EmulationError
 
     def fake_runs(strategy: str, lo: int, hi: int, *_: Any) -> list[dict[str, Any]]:
         if strategy == "even":

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from chaos.emulate.fleet import RunResult
 from chaos.emulate.metrics import consistency, failure_metrics, join_metrics, stall_metrics
 from chaos.emulate.netns import list_namespaces
-from chaos.emulate.runner import RunResult
 from chaos.emulate.scenario import Scenario, demo_scenario, load_scenario, scenario_from_dict
 from chaos.errors import ConfigError
 

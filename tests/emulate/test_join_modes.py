@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from chaos.emulate.fleet import RunResult
 from chaos.emulate.metrics import join_metrics
-from chaos.emulate.runner import RunResult
 from chaos.emulate.scenario import Scenario, scenario_from_dict
 from chaos.errors import ConfigError
 

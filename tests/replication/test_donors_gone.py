@@ -28,12 +28,8 @@ from test_replication import (  # the donor processes and joiner helpers of that
 
 from chaos.errors import ReplicationError
 from chaos.launch import wait_until
-from chaos.replication.pull import (
-    DonorUnreachable,
-    PullConfig,
-    gather_manifests,
-    latest_manifest,
-)
+from chaos.replication.donor_requests import DonorUnreachable, gather_manifests, latest_manifest
+from chaos.replication.pull import PullConfig
 
 
 @pytest.fixture

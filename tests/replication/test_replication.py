@@ -28,14 +28,8 @@ from chaos.scheduling import Neighbor, Plan, plan_replication
 
 from chaos.errors import ChaosTimeout, ReplicationError, StateLayoutError
 from chaos.protocol import ReplicationWire
-from chaos.replication.pull import (
-    PullConfig,
-    fetch_manifest,
-    gather_manifests,
-    latest_manifest,
-    plan_for_snapshot,
-    pull_state,
-)
+from chaos.replication.donor_requests import fetch_manifest, gather_manifests, latest_manifest
+from chaos.replication.pull import PullConfig, plan_for_snapshot, pull_state
 from chaos.replication.server import DIE_EXIT_CODE, ServerFaults, ShardServer
 from chaos.replication.state import TrainingState, state_digest
 from chaos.replication.wire import (

@@ -19,7 +19,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from chaos.errors import ReplicationError
 from chaos.launch import wait_until
-from chaos.replication.pull import DonorUnreachable, PullConfig, fetch_manifest, pull_state
+from chaos.replication.donor_requests import DonorUnreachable, fetch_manifest
+from chaos.replication.pull import PullConfig, pull_state
 from chaos.replication.server import ShardServer
 from chaos.replication.state import TrainingState, state_digest
 from chaos.replication.wire import WIRE_ENCODER, ManifestRequest, ShardRequest, manifest_digest

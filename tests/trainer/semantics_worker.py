@@ -161,7 +161,7 @@ def main() -> int:
             weighted = args.weighted or args.global_batch is not None
             entries = sum(1 for e in trainer.events if e["event"] == "entered")
             trainer.update(num_samples=size if weighted else None, **hooks)
-            # a catching-up joiner's first update enters with weight 0: not its own gradient
+            # a catching-up joiner's entering update takes no live step: not its own gradient
             entered = sum(1 for e in trainer.events if e["event"] == "entered") > entries
             stepped = trainer.step == step + 1 and not entered
             if (stepped and args.dump_dir is not None and dumped < args.dump_count

@@ -143,3 +143,34 @@ def test_barrier_join_still_works(cluster: Cluster) -> None:
     cluster.wait(lambda: all(world(m, 4, first + 5) for m in (a, b, c, d)), "four to train")
     assert assert_equal_from([a, b, c, d], first) >= 5
     assert _event(d, "entered") is None and _event(d, "snapshot_pulled") is None
+
+
+def test_a_loop_that_sets_the_lr_from_the_step_stays_equal_after_a_catch_up(
+    cluster: Cluster,
+) -> None:
+    # nanoGPT's loop: AdamW with two parameter groups, every group's lr set from trainer.step
+    # before update() (a new value every step), the local gradient clipped first. A joiner that
+    # catches up over several steps must not run a live step in the same update() call as its
+    # entry: that step would run with the lr the loop set for the step it stood at before
+    loop = (*WIDTH, "--optimizer", "adamw", "--lr-from-step", "--clip", "1.0")
+    a = cluster.start("a", None, *loop)
+    cluster.wait(lambda: a.last().get("step", 0) >= 3, "a to train")
+    b = cluster.start("b", a, *loop)
+    cluster.wait(lambda: world(a, 2) and world(b, 2), "b to join")
+    cluster.wait(lambda: b.last().get("step", 0) >= a.last()["step"] - 1 >= 0, "b to train")
+    c = cluster.start("c", b, *loop, "--step-time", "0.5")  # the members step on meanwhile
+    cluster.wait(lambda: _event(c, "entered") is not None and c.digests(), "c to enter")
+    first = min(c.digests())
+    cluster.wait(lambda: all(world(m, 3, first + 10) for m in (a, b, c)), "three to train")
+    entered, replayed = _event(c, "entered"), _event(c, "replayed")
+    assert entered is not None and replayed is not None, _events(a, b, c)
+    assert entered["replayed"] > 0, _events(a, b, c)  # it caught up over logged steps
+    assert first == entered["step"]  # the entry's update() took no live step of its own
+    assert assert_equal_from([a, b, c], first) >= 10
+    # the digests cover parameters and optimizer state; the lr each step ran with must match
+    # too. A record of step s holds the lr that step s - 1 ran with (the loop set it before that
+    # call); at the entry step itself it holds the donor's, whatever its loop had set by then
+    lrs = [{r["step"]: r["lr"] for r in m.records() if "lr" in r} for m in (a, b, c)]
+    for step in sorted(set.intersection(*(set(x) for x in lrs))):
+        if step > first:
+            assert len({x[step] for x in lrs}) == 1, (step, [x[step] for x in lrs])

@@ -16,6 +16,7 @@ from chaos.daemon.client import RequestRefused
 
 import chaos.trainer.join_retry as retry_module
 from chaos.errors import ReplicationError
+from chaos.trainer.join_retry import UnreachableWatch
 from chaos.trainer.trainer import Trainer
 
 
@@ -35,6 +36,7 @@ def _joiner(failures: int, stall_timeout_s: float | None,
         config=SimpleNamespace(stall_timeout_s=stall_timeout_s),
         _register_and_sync=register_and_sync,
         _event=lambda name, **kw: events.append((name, kw)),
+        _unreachable=UnreachableWatch(),
         node_id="n1", calls=calls, events=events,
     )  # fmt: skip
     joiner._join_until = lambda *a, **kw: Trainer._join_until(joiner, *a, **kw)
@@ -114,3 +116,50 @@ def test_a_join_again_refused_paused_past_the_sessions_retries_waits_on(
                      error=RequestRefused("paused", "no scheduler with a majority"))  # fmt: skip
     Trainer._join_again(joiner)
     assert len(joiner.calls) == 6
+
+
+def test_a_new_layout_refused_as_a_second_state_joins_again() -> None:
+    """A member whose new layout (step 128's wider runtime record) waited out a partition on
+    the minority side was evicted meanwhile; after the heal the scheduler refuses the layout
+    ``state_conflict`` (the others train, it does not any more). It joins again and pulls the
+    current state instead of exiting (a CI run's minority trainer exited on it)."""
+    refusals = [RequestRefused("paused", "no scheduler with a majority"),
+                RequestRefused("state_conflict", "a,b already train")]  # fmt: skip
+    registered: list[dict[str, Any]] = []
+    joined: list[bool] = []
+
+    def register(*args: Any, **kwargs: Any) -> None:
+        registered.append(kwargs)
+        raise refusals.pop(0)
+
+    events: list[tuple[str, dict[str, Any]]] = []
+    trainer = SimpleNamespace(
+        _donor=SimpleNamespace(layout_change=lambda step, epoch: [4, 8]),
+        _plane=SimpleNamespace(address="tcp://10.0.0.3:1", shard_address="tcp://10.0.0.3:2"),
+        config=SimpleNamespace(stall_timeout_s=None),
+        _session=SimpleNamespace(register=register, daemon_paused=True),
+        _event=lambda name, **kw: events.append((name, kw)),
+        _join_again=lambda: joined.append(True),
+        node_id="c", _step=128, _epoch=9,
+    )  # fmt: skip
+    trainer._layout_refused = lambda exc: Trainer._layout_refused(trainer, exc)
+    Trainer._maybe_reregister(trainer)
+    assert len(registered) == 2 and all(kw["has_state"] for kw in registered)
+    assert joined == [True]
+    assert [name for name, _ in events] == ["waiting", "evicted"]
+
+
+def test_a_new_layout_refused_for_another_reason_still_raises() -> None:
+    def register(*args: Any, **kwargs: Any) -> None:
+        raise RequestRefused("bad_request", "c is not an active member")
+
+    trainer = SimpleNamespace(
+        _donor=SimpleNamespace(layout_change=lambda step, epoch: [4, 8]),
+        _plane=SimpleNamespace(address="tcp://10.0.0.3:1", shard_address="tcp://10.0.0.3:2"),
+        config=SimpleNamespace(stall_timeout_s=None),
+        _session=SimpleNamespace(register=register, daemon_paused=False),
+        _event=lambda name, **kw: None, _join_again=lambda: None,
+        node_id="c", _step=128, _epoch=9,
+    )  # fmt: skip
+    with pytest.raises(RequestRefused, match="bad_request"):
+        Trainer._maybe_reregister(trainer)

@@ -12,30 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from chaos.daemon.client import DaemonClient
-from chaos.daemon.config import ipc_endpoint_for
 
-from chaos.security import ClusterKey
-from tests.trainer.trainer_cluster import (
-    Cluster,
-    assert_equal_from,
-    world,
-)
-
-
-class KeyedCluster(Cluster):
-    """Workers that all hold one cluster key."""
-
-    def __init__(self, tmp: Path) -> None:
-        super().__init__(tmp)
-        self.key = ClusterKey.generate().write(tmp / "cluster.key")
-
-    def node_args(self, node_id: str) -> list[str]:
-        return ["--cluster-key", str(self.key), "--daemon-dir", str(self.tmp / f"{node_id}.daemon")]
-
-    def status(self, node_id: str):  # type: ignore[no-untyped-def]
-        with DaemonClient(ipc_endpoint_for(str(self.tmp / f"{node_id}.daemon"))) as c:
-            return c.status()
+from tests.trainer.trainer_cluster import KeyedCluster, assert_equal_from, world
 
 
 @pytest.fixture

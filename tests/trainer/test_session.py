@@ -9,7 +9,14 @@ from typing import Literal
 import pytest
 
 from chaos.errors import ChaosTimeout, ProtocolError
-from chaos.protocol import NodeInfo, NodeState, PolicyReply, StatusReply, SyncPolicyWire
+from chaos.protocol import (
+    NodeInfo,
+    NodeState,
+    PolicyReply,
+    StatusReply,
+    SyncPolicyWire,
+    TrainerRegister,
+)
 from chaos.trainer import TrainingStalled
 from chaos.trainer.session import DaemonSession, topology_epoch, topology_of
 
@@ -46,7 +53,7 @@ class FakeDaemon:
             raise item
         return item
 
-    def register_trainer(self, *args: object, **kwargs: object) -> object:
+    def register(self, reg: object, timeout_s: float | None = None) -> object:
         return None  # the session's registration is not under test here
 
     def trainer_event(
@@ -56,6 +63,7 @@ class FakeDaemon:
         detail: str = "",
         timeout_s: float | None = None,
         epoch: int = 0,
+        step: int = 0,
     ) -> object:
         if kind == "step_failed":
             raise ProtocolError("refused")
@@ -137,7 +145,7 @@ def test_reports_neighbours_and_close() -> None:
     daemon = FakeDaemon([_reply(1, _ring())])
     session = _session(daemon)
     session.report_step_failed("b", epoch=1)  # refused: best effort, no exception
-    session.report_ready(0.5, "epoch 1 step 0")
+    session.report_ready(0.5, "epoch 1 step 0", 0)
     assert daemon.events == [("ready", "epoch 1 step 0", 0)]
     assert session.neighbors() == ["b", "c"]
     session.close()
@@ -152,7 +160,7 @@ class QueuedDaemon(FakeDaemon):
         self.busy = busy
         self.asked = 0
 
-    def register_trainer(self, *args: object, **kwargs: object) -> object:
+    def register(self, reg: object, timeout_s: float | None = None) -> object:
         from chaos.daemon.client import RequestRefused
 
         self.asked += 1
@@ -175,8 +183,9 @@ def test_a_joiner_waits_in_line_without_spending_its_join_timeout(
     monkeypatch.setattr(session_mod, "_BUSY_BACKOFF_S", 0.05)
 
     def register(daemon: FakeDaemon, queue_s: float | None) -> None:
-        _session(daemon).register("tcp://x:1", "tcp://x:2", has_state=False, tensor_sizes=None,
-                                  timeout_s=0.1, catch_up=True, queue_s=queue_s)  # fmt: skip
+        reg = TrainerRegister(data_address="tcp://x:1", shard_address="tcp://x:2",
+                              has_state=False, catch_up=True)  # fmt: skip
+        _session(daemon).register(reg, timeout_s=0.1, queue_s=queue_s)
 
     # 40 refusals x 0.05 s: well past the 1 s budget, admitted in the end
     daemon = QueuedDaemon(busy=40)
@@ -214,10 +223,10 @@ def test_a_ready_report_that_finds_no_scheduler_is_logged_not_raised(
     class Silent(FakeDaemon):
         def trainer_event(self, kind: Literal["ready", "step_failed"], elapsed_s: float = 0.0,
                           detail: str = "", timeout_s: float | None = None,
-                          epoch: int = 0) -> object:  # fmt: skip
+                          epoch: int = 0, step: int = 0) -> object:  # fmt: skip
             raise ChaosTimeout("no answer from the daemon")
 
     monkeypatch.setattr(session_mod, "_RETRY_TOTAL_S", 0.3)
     monkeypatch.setattr(session_mod, "_ATTEMPT_S", 0.1)
-    assert _session(Silent([_reply(4, _ring())])).report_ready(1.0, "epoch 4") is False
-    assert _session(FakeDaemon([_reply(4, _ring())])).report_ready(1.0, "epoch 4") is True
+    assert _session(Silent([_reply(4, _ring())])).report_ready(1.0, "epoch 4", 3) is False
+    assert _session(FakeDaemon([_reply(4, _ring())])).report_ready(1.0, "epoch 4", 3) is True

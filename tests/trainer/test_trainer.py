@@ -82,9 +82,9 @@ def test_link_removal_changes_the_policy_and_training_goes_on(
     # link changes over TCP (--connect) need the cluster key: its daemons and the CLI share one
     key = tmp_path / "cluster.key"
     assert _cli("keygen", str(key)).returncode == 0
-    keyed = f"--daemon-arg=--cluster-key={key}"
-    a, b = _start_pair(cluster, keyed)
-    c = cluster.start("c", a, keyed)  # overlay: a-b, a-c
+    keyed = (f"--daemon-arg=--cluster-key={key}", "--daemon-arg=--allow-remote-operator")
+    a, b = _start_pair(cluster, *keyed)
+    c = cluster.start("c", a, *keyed)  # overlay: a-b, a-c
     cluster.wait(lambda: all(world(m, 3) for m in (a, b, c)), "three members")
     added = _cli("link", "add", "c", "--connect", b.address, "--cluster-key", str(key))
     assert added.returncode == 0, added.stderr

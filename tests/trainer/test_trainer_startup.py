@@ -179,3 +179,22 @@ def test_the_temporary_run_directory_stays_when_the_daemon_failed(short_tempdir:
         trainer.close()
     made = list(short_tempdir.glob("chaos-solo-*"))
     assert len(made) == 1 and (made[0] / "daemon.log").exists(), made
+
+
+def test_a_join_that_cannot_complete_ends_in_the_daemons_own_error(tmp_path: Path) -> None:
+    """The trainer's readiness wait and the daemon's join used to share one deadline counted
+    from different moments: from the spawn for the wait, from the join's start (after the
+    daemon's imports, slow on a busy device) for the daemon. So the wait always gave up first,
+    with a bare "not ready" that hid why. Now the join phase counts from the daemon's first
+    answer: the daemon gives its join up itself and the error carries its reason."""
+    from chaos.trainer.config import TrainerConfig
+    from chaos.trainer.embedded import DaemonStartError
+    from chaos.trainer.wiring import start_embedded
+
+    cfg = TrainerConfig(host="127.0.0.1", join_timeout_s=3.0, daemon_dir=str(tmp_path))
+    with pytest.raises(DaemonStartError) as err:  # nobody listens at the join address
+        start_embedded("lonely", cfg, free_tcp_address(), None)
+    text = str(err.value)
+    assert "exited with code 4" in text, text
+    assert "join timed out" in text, text
+    assert "joining through tcp://" in text, text  # where the wait last saw it

@@ -18,9 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from chaos.daemon.client import DaemonClient
+from chaos.daemon.config import ipc_endpoint_for
 
 from chaos.errors import ChaosTimeout
 from chaos.launch import ProcessExited, free_port, kill_and_reap, spawn_worker, wait_until
+from chaos.protocol.messages import StatusReply
+from chaos.security import ClusterKey
 
 WORKER = Path(__file__).with_name("worker.py")
 SEMANTICS_WORKER = Path(__file__).with_name("semantics_worker.py")
@@ -103,6 +107,22 @@ class Cluster:
 
     def close(self) -> None:
         kill_and_reap([m.proc for m in self.members.values()], group=True)
+
+
+class KeyedCluster(Cluster):
+    """Workers that all hold one cluster key (``self.key``, a file in the test's directory),
+    each with its embedded daemon's run directory, so that a test can ask its status."""
+
+    def __init__(self, tmp: Path, worker: Path = WORKER) -> None:
+        super().__init__(tmp, worker)
+        self.key = ClusterKey.generate().write(tmp / "cluster.key")
+
+    def node_args(self, node_id: str) -> list[str]:
+        return ["--cluster-key", str(self.key), "--daemon-dir", str(self.tmp / f"{node_id}.daemon")]
+
+    def status(self, node_id: str) -> StatusReply:
+        with DaemonClient(ipc_endpoint_for(str(self.tmp / f"{node_id}.daemon"))) as c:
+            return c.status()
 
 
 def world(member: Member, size: int, after_step: int = 0) -> bool:

@@ -23,6 +23,8 @@ class RoleHost:
     node_id = "a"
     address = "tcp://127.0.0.1:1"
     public_key = ""
+    sign_key = ""
+    vote_cert: list[Any] = []
     term = 1
 
     def __init__(self) -> None:

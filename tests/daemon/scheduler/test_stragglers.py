@@ -292,3 +292,56 @@ def test_a_failed_step_is_blamed_on_the_member_that_stopped() -> None:
     assert ev["peer"] == "c" and ev["neighbour"] == "b" and ev["reporter"] == "a"
     answer = host.answers[-1]
     assert answer.ok and answer.op_id == "x" and answer.detail == "c"
+
+
+def _steps(w: StragglerWatch, nodes: tuple[str, ...], period_s: float, upto: int) -> float:
+    """Every member in ``nodes`` reports steps 1..``upto``, one every ``period_s`` (heard at
+    each boundary); returns the time of the last."""
+    now = 0.0
+    for step in range(1, upto + 1):
+        now = step * period_s
+        for n in nodes:
+            w.report(n, step, True, 0.0, 0.0, now)
+    return now
+
+
+def test_the_grace_scales_with_a_step_that_is_slow_for_everyone() -> None:
+    w = _watch()
+    assert w.grace_at(ABC) == GRACE  # nothing measured yet
+    now = _steps(w, ABC, 6.0, 4)  # a slow link: 6 s a step for every member
+    assert w.step_period(ABC) == pytest.approx(6.0)
+    assert w.grace_at(ABC) == pytest.approx(12.0)
+    # a and b wait 5 s in the round at step 5 and are heard; c, busy in it, was not heard
+    # for 5 s (past the 2 s grace, within two of its slow steps): no straggler
+    w.report("a", 5, True, 5.0, 0.1, now + 5.0)
+    w.report("b", 5, True, 5.0, 0.1, now + 5.0)
+    w.report("c", 5, True, 5.0, 5.0, now + 5.0)
+    assert w.find(ABC, now + 5.0) == []
+    # silent for longer than two step periods: it is not progressing
+    w.report("a", 5, True, 13.0, 0.1, now + 13.0)
+    w.report("b", 5, True, 13.0, 0.1, now + 13.0)
+    w.report("c", 5, True, 13.0, 13.0, now + 13.0)
+    assert [s.node for s in w.find(ABC, now + 13.0)] == ["c"]
+
+
+def test_a_stopped_member_of_a_fast_cluster_keeps_the_plain_grace() -> None:
+    w = _watch()
+    now = _steps(w, ABC, 0.5, 6)
+    assert w.grace_at(ABC) == GRACE  # two 0.5 s steps are shorter than the grace
+    w.report("a", 7, True, 2.5, 0.1, now + 2.5)
+    w.report("b", 7, True, 2.5, 0.1, now + 2.5)
+    w.report("c", 6, False, 2.5, 2.5, now + 2.5)  # stopped (SIGSTOP) while computing step 7
+    assert [s.node for s in w.find(ABC, now + 2.5)] == ["c"]
+
+
+def test_one_long_step_does_not_stretch_the_period_and_forget_drops_it() -> None:
+    w = _watch()
+    now = _steps(w, ABC, 0.5, 3)
+    for n in ABC:  # one 30 s step (a joiner's barrier pull), then fast steps again
+        w.report(n, 4, True, 0.0, 0.0, now + 30.0)
+    assert w.step_period(ABC) == pytest.approx(0.5)
+    assert w.grace_at(ABC) == GRACE
+    for n in ABC:
+        w.forget(n)
+    assert w.step_period(ABC) is None
+    assert StragglerWatch(0.0, FRESH).grace_at(ABC) == 0.0
