@@ -56,6 +56,7 @@ class _Host:
         self.address = "tcp://127.0.0.1:7000"
         self.public_key = ""
         self.sign_key = ""
+        self.incarnation = "incarnation1"
         self.cfg = DaemonConfig(node_id="me", listen=self.address, join_timeout_s=10.0)
         self.view: ClusterView | None = None
         self.state = state

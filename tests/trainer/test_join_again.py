@@ -16,6 +16,7 @@ from chaos.daemon.client import RequestRefused
 
 import chaos.trainer.join_retry as retry_module
 from chaos.errors import ReplicationError
+from chaos.protocol import TrainerRegister
 from chaos.trainer.join_retry import UnreachableWatch
 from chaos.trainer.trainer import Trainer
 
@@ -125,11 +126,11 @@ def test_a_new_layout_refused_as_a_second_state_joins_again() -> None:
     current state instead of exiting (a CI run's minority trainer exited on it)."""
     refusals = [RequestRefused("paused", "no scheduler with a majority"),
                 RequestRefused("state_conflict", "a,b already train")]  # fmt: skip
-    registered: list[dict[str, Any]] = []
+    registered: list[TrainerRegister] = []
     joined: list[bool] = []
 
-    def register(*args: Any, **kwargs: Any) -> None:
-        registered.append(kwargs)
+    def register(reg: TrainerRegister, **_kwargs: Any) -> None:
+        registered.append(reg)
         raise refusals.pop(0)
 
     events: list[tuple[str, dict[str, Any]]] = []
@@ -144,7 +145,7 @@ def test_a_new_layout_refused_as_a_second_state_joins_again() -> None:
     )  # fmt: skip
     trainer._layout_refused = lambda exc: Trainer._layout_refused(trainer, exc)
     Trainer._maybe_reregister(trainer)
-    assert len(registered) == 2 and all(kw["has_state"] for kw in registered)
+    assert len(registered) == 2 and all(reg.has_state for reg in registered)
     assert joined == [True]
     assert [name for name, _ in events] == ["waiting", "evicted"]
 

@@ -13,15 +13,16 @@ import pytest
 from chaos.daemon.client import RequestRefused
 
 import chaos.trainer.trainer as trainer_module
+from chaos.protocol import TrainerRegister
 from chaos.trainer.trainer import Trainer, TrainingStalled
 
 
 def _trainer(refusals: list[Exception], stall_timeout_s: float | None) -> Any:
-    calls: list[dict[str, Any]] = []
+    calls: list[TrainerRegister] = []
     events: list[tuple[str, dict[str, Any]]] = []
 
-    def register(*_args: Any, **kwargs: Any) -> None:
-        calls.append(kwargs)
+    def register(reg: TrainerRegister, **_kwargs: Any) -> None:
+        calls.append(reg)
         if len(calls) <= len(refusals):
             raise refusals[len(calls) - 1]
 
@@ -42,7 +43,7 @@ def _paused() -> RequestRefused:
 def test_the_new_layout_waits_out_a_paused_daemon() -> None:
     t = _trainer([_paused() for _ in range(6)], stall_timeout_s=None)
     Trainer._maybe_reregister(t)
-    assert len(t.calls) == 7 and t.calls[-1]["tensor_sizes"] == [4, 4, 1]
+    assert len(t.calls) == 7 and list(t.calls[-1].tensor_sizes) == [4, 4, 1]
     waits = [kw for name, kw in t.events if name == "waiting"]
     assert len(waits) == 6 and all(w["paused"] for w in waits)
 
