@@ -91,6 +91,8 @@ def result_doc(result: RunResult, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "daemon_events": result.daemon_events,
         "devices": result.devices,
         "link_rates_bps": result.link_rates,
+        "cpu_per_device": result.scenario.cpu_per_device or None,
+        "cpu_throttled_s": result.cpu_throttled_s,
     }
 
 
@@ -260,9 +262,15 @@ def compare_runs(
               required=True)  # fmt: skip
 @click.option("--plot", "plot_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--loopback", is_flag=True, help="Unshaped loopback mode (no root needed).")
+@click.option("--cpu-per-device", "cpu_per_device", type=click.FloatRange(0.0, 1024.0),
+              default=0.0, show_default=True,
+              help="Each device's own CPU budget in cores (a cgroup each; needs root), so that "
+                   "one device's work (a joiner's) takes no CPU from the others, as on separate "
+                   "machines; 0: every device shares every core.")  # fmt: skip
 def compare_command(sizes: str, model: str, strategies: str | None, rejoin: bool, away_s: float,
                     bandwidth: str, scale: float, repeats: int, first_repeat: int, settle: float,
-                    json_path: Path, plot_dir: Path | None, loopback: bool) -> None:  # fmt: skip
+                    json_path: Path, plot_dir: Path | None, loopback: bool,
+                    cpu_per_device: float) -> None:  # fmt: skip
     """Scale-out under each strategy as the cluster grows (the paper's Figs. 7, 10 and 15);
     with --rejoin, what content-addressed joins pull: a returning device and fresh ones."""
     lo, hi = _parse_sizes(sizes)
@@ -270,7 +278,8 @@ def compare_command(sizes: str, model: str, strategies: str | None, rejoin: bool
     low, _, high = bandwidth.partition("-")
     try:
         base = Scenario(name="compare", nodes=lo, model=model, scale=scale, settle_s=settle,
-                        bandwidth_mbps=(float(low), float(high or low)))  # fmt: skip
+                        bandwidth_mbps=(float(low), float(high or low)),
+                        cpu_per_device=cpu_per_device)  # fmt: skip
     except (ConfigError, ValueError) as exc:
         raise click.BadParameter(str(exc)) from exc
     shaped = _shaped(loopback)
@@ -289,7 +298,8 @@ def _compare_grow(strategies: list[str], lo: int, hi: int, base: Scenario, json_
     runs: list[dict[str, Any]] = []
     links: list[dict[str, Any]] = []
     failed: list[dict[str, Any]] = []
-    doc: dict[str, Any] = {"scale": base.scale, "sizes": [lo, hi]}
+    doc: dict[str, Any] = {"scale": base.scale, "sizes": [lo, hi],
+                           "cpu_per_device": base.cpu_per_device or None}  # fmt: skip
     for rep in repeats:
         for strategy in strategies:
             click.echo(f"== {strategy}, repeat {rep + 1}/{repeats.stop}", err=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,8 @@ class RunResult:
     devices: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     daemon_events: list[dict[str, Any]] = field(default_factory=list)
     link_rates: dict[str, float] = field(default_factory=dict)
+    cpu_throttled_s: dict[str, float] = field(default_factory=dict)
+    """Per device, how long its CPU budget held it back (``Scenario.cpu_per_device``)."""
 
 
 class Loopback:
@@ -106,8 +109,10 @@ class Loopback:
     def cut_link(self, a: str, b: str) -> None:
         raise EmulationError("loopback cannot drop packets: cut links with the daemons' faults")
 
-    def popen(self, node: str, argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(argv, **kwargs)
+    def popen(
+        self, node: str, argv: list[str], prefix: Sequence[str] = (), **kwargs: Any
+    ) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([*prefix, *argv], **kwargs)
 
     def exec(self, node: str, argv: list[str], *, timeout_s: float, check: bool) -> Any:
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,

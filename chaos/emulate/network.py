@@ -652,12 +652,16 @@ class Network:
         return run_cmd(["ip", "netns", "exec", self.ns(node), *argv], timeout_s=timeout_s,
                        check=check)  # fmt: skip
 
-    def popen(self, node: str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[Any]:
+    def popen(
+        self, node: str, argv: Sequence[str], prefix: Sequence[str] = (), **kwargs: Any
+    ) -> subprocess.Popen[Any]:
         """Starts ``argv`` inside ``node``'s namespace; the network stops it on close.
 
         Args:
             node: The device.
             argv: The command.
+            prefix: Words run before ``ip netns exec`` (outside the namespace's fresh
+                ``/sys``), e.g. :meth:`chaos.emulate.cpu_budget.CpuBudget.prefix`.
             **kwargs: Passed to :class:`subprocess.Popen`.
 
         Raises:
@@ -665,7 +669,7 @@ class Network:
             NetworkSetupError: the network is not active.
         """
         self._require_active()
-        p = subprocess.Popen(["ip", "netns", "exec", self.ns(node), *argv], **kwargs)
+        p = subprocess.Popen([*prefix, "ip", "netns", "exec", self.ns(node), *argv], **kwargs)
         self._procs.append(p)
         return p
 

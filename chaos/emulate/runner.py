@@ -28,6 +28,7 @@ from typing import Any, Self
 
 import networkx as nx
 
+from chaos.emulate.cpu_budget import CpuBudget
 from chaos.emulate.fleet import (
     Device,
     EmulationError,
@@ -95,9 +96,12 @@ class Runner:
         self.devices: dict[str, Device] = {}
         self.retired: list[Device] = []  # earlier incarnations (stop-resume restarts)
         self.device_args: dict[str, list[str]] = {}  # more arguments of a device's next start
-        self.result = RunResult(scenario, "tc-shaped netns" if shaped else "loopback (unshaped)",
-                                time.time())  # fmt: skip
+        label = "tc-shaped netns" if shaped else "loopback (unshaped)"
+        if scenario.cpu_per_device:
+            label += f", {scenario.cpu_per_device:g} cores per device"
+        self.result = RunResult(scenario, label, time.time())
         self._net: Any = None
+        self._cpu: CpuBudget | None = None
         self._schedule: BandwidthSchedule | None = None
         self._t0 = 0.0
         self.cut: set[tuple[str, str]] = set()  # links cut by a link_cut or a partition
@@ -135,6 +139,12 @@ class Runner:
             for (a, b), bps in rates.items():
                 self._net.add_link(a, b, bps)
         del initial
+        if sc.cpu_per_device:
+            try:
+                self._cpu = CpuBudget(sc.cpu_per_device)
+            except BaseException:
+                self.close()
+                raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -165,6 +175,9 @@ class Runner:
         if self._net is not None and self.shaped:
             self._net.close()
             self._net = None
+        if self._cpu is not None:
+            self._cpu.close()
+            self._cpu = None
 
     # ------------------------------------------------------------------ running
 
@@ -268,8 +281,10 @@ class Runner:
             argv += ["--gate", str(gate)]
         argv += self.device_args.get(name, [])
         argv += [f"--daemon-arg=--config={self._daemon_toml()}"]
+        prefix = self._cpu.prefix(name) if self._cpu is not None else ()
+        popen = functools.partial(self._net.popen, name, prefix=prefix)
         proc = spawn_worker(argv, log_path=ddir / "device.log", env={"OMP_NUM_THREADS": "1"},
-                            popen=functools.partial(self._net.popen, name))  # fmt: skip
+                            popen=popen)  # fmt: skip
         dev = Device(name, proc, out, ddir, self._endpoint(name), time.time())
         self.devices[name] = dev
         via = f" (links to {', '.join(neighbors)})" if neighbors else ""
@@ -717,6 +732,11 @@ class Runner:
         if self._net is not None:
             links = self._net.links().items()
             res.link_rates = {f"{a}-{b}": s.bandwidth_bps for (a, b), s in links}
+        if self._cpu is not None:  # how long each device's budget held it back
+            for name in self.devices:
+                held = self._cpu.throttled_s(name)
+                if held is not None:
+                    res.cpu_throttled_s[name] = round(held, 3)
 
 
 __all__ = ["NetworkSetupError", "Runner"]

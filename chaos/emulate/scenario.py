@@ -15,6 +15,8 @@ A scenario file (see ``examples/scenarios/``)::
     strategy = "chaos"            # replication strategy of the daemons
     join_mode = "catch-up"        # how joiners get the state: catch-up | barrier
     settle_s = 5                  # keep running this long after the last event
+    cpu_per_device = 0.2          # optional: each device's own CPU budget, in cores (cgroups,
+                                  # root); 0 (the default): every device shares every core
     seed = 0
 
     [[events]]
@@ -155,6 +157,7 @@ class Scenario:
     strategy: str = "chaos"
     join_mode: str = "catch-up"
     settle_s: float = 5.0
+    cpu_per_device: float = 0.0
     seed: int = 0
     events: tuple[Event, ...] = field(default_factory=tuple)
 
@@ -169,7 +172,8 @@ class Scenario:
         for name, low, high in (("scale", 1e-6, 1.0), ("period_s", 1.0, 1e6),
                                 ("latency_s", 0.0, 1.0), ("step_time_s", 0.0, 60.0),
                                 ("step_timeout_s", 1.0, 3600.0),
-                                ("settle_s", 0.0, 3600.0)):  # fmt: skip
+                                ("settle_s", 0.0, 3600.0),
+                                ("cpu_per_device", 0.0, 1024.0)):  # fmt: skip
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or not low <= v <= high:
                 raise ConfigError(f"{name} must be in [{low}, {high}], got {v!r}")
