@@ -314,13 +314,19 @@ def _print_relay_table(doc: dict[str, Any]) -> None:
 @click.option("--prefix", default="chaos-", show_default=True, help="Namespace prefix of the runs.")
 @click.option("--force", is_flag=True, help="Also remove namespaces of runs still alive.")
 def cleanup_command(prefix: str, force: bool) -> None:
-    """Removes namespaces (and their processes) left by crashed runs."""
+    """Removes namespaces (and their processes) and CPU budget groups left by crashed runs."""
     with _root_errors():
         try:
             removed = cleanup_stale(prefix, force=force)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--prefix") from e
     click.echo(f"removed {len(removed)} namespace(s)" + "".join(f"\n  {ns}" for ns in removed))
+    from chaos.emulate.cpu_budget import cleanup_stale_groups
+
+    groups = cleanup_stale_groups()
+    if groups:
+        click.echo(f"removed {len(groups)} CPU budget group(s) of dead runs"
+                   + "".join(f"\n  {g}" for g in groups))  # fmt: skip
 
 
 def _register_run_commands() -> None:

@@ -150,3 +150,28 @@ class CpuBudget:
             path.write_text(text)
         except OSError as exc:
             raise EmulationError(f"cannot write {text!r} to {path}: {exc}") from exc
+
+
+def cleanup_stale_groups(root: Path = CGROUP_ROOT) -> list[Path]:
+    """Removes the groups of runs whose process is gone (a harness killed with ``kill -9``);
+    their devices were killed with their namespaces (``chaos-emulate cleanup``).
+
+    Returns:
+        The groups removed. None when there is no CPU controller.
+    """
+    try:
+        base, _ = find_cpu_controller(root)
+    except EmulationError:
+        return []
+    removed = []
+    for run in sorted(base.glob("chaos-emulate-*")):
+        pid = run.name.rsplit("-", 1)[-1]
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists():
+            continue
+        for g in [*sorted(p for p in run.iterdir() if p.is_dir()), run]:
+            try:
+                g.rmdir()
+                removed.append(g)
+            except OSError as exc:  # a process still in it
+                log.warning("cgroup %s not removed: %s", g, exc)
+    return removed

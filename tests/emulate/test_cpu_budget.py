@@ -12,7 +12,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from chaos.emulate.cpu_budget import PERIOD_US, CpuBudget, find_cpu_controller, quota_us
+from chaos.emulate.cpu_budget import (
+    PERIOD_US,
+    CpuBudget,
+    cleanup_stale_groups,
+    find_cpu_controller,
+    quota_us,
+)
 from chaos.emulate.fleet import EmulationError
 from chaos.emulate.scenario import Scenario
 from chaos.errors import ConfigError
@@ -80,3 +86,15 @@ def test_a_busy_device_is_held_to_its_budget_and_its_group_goes_away() -> None:
         proc.wait(timeout=10)
         budget.close()
     assert not group.exists() and not group.parent.exists()
+
+
+def test_cleanup_removes_only_the_groups_of_dead_runs(tmp_path: Path) -> None:
+    cpu = tmp_path / "cpu"
+    cpu.mkdir()
+    (cpu / "cpu.cfs_quota_us").write_text("-1\n")
+    dead = cpu / "chaos-emulate-999999999"  # no such pid
+    (dead / "n0").mkdir(parents=True)
+    alive = cpu / f"chaos-emulate-{os.getpid()}"
+    (alive / "n0").mkdir(parents=True)
+    removed = cleanup_stale_groups(tmp_path)
+    assert removed == [dead / "n0", dead] and not dead.exists() and (alive / "n0").exists()
