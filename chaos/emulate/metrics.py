@@ -11,7 +11,10 @@
   the daemons measured (the trainer's ``lower_bound_s``).
 * **cluster idle time**: the sum over the other devices of the time each was blocked because of
   the scale-out: for every step that overlaps the scale-out, its duration beyond that device's
-  median step duration outside any event.
+  steady step duration before the join (:func:`_steady_before`: the median of its last steps at
+  the membership size it had when the join began, outside other events).
+* **non-donors' rate**: each non-donor's steady step duration before the join over its mean
+  step duration during the scale-out (1: it did not slow down).
 * **primitive delay** (leave, link add/remove/cut, partition, heal): the stall added to the
   training step (the largest excess step duration on any device in the event's window) plus the
   control-path time (the CLI's round trip, for link add/remove).
@@ -46,6 +49,33 @@ def _baseline(result: RunResult, node: str, busy: list[tuple[float, float]]) -> 
         if not any(start < b and r["t"] > a for a, b in busy):
             durs.append(r["dur_s"])
     return statistics.median(durs) if durs else None
+
+
+STEADY_STEPS = 100
+"""How many of a device's last steps before a join its steady step duration is taken over."""
+MIN_QUIET_STEPS = 10
+"""Fewer steps than this outside other events: the steady duration takes them all."""
+
+
+def _steady_before(
+    result: RunResult, node: str, at: float, busy: list[tuple[float, float]]
+) -> float | None:
+    """``node``'s steady step duration just before ``at``: the median of its last
+    :data:`STEADY_STEPS` steps at the membership size (``world``) of its last step before
+    ``at``, leaving out those overlapping an event when :data:`MIN_QUIET_STEPS` remain.
+
+    A growing cluster's steps get longer with every member (a larger allreduce): a median over
+    the whole run would hold a smaller cluster's steps, and a join would read as a slowdown
+    that is only the cluster's size. ``None``: no step before ``at``."""
+    before = [r for r in _steps(result, node) if r["t"] < at]
+    if not before:
+        return None
+    world = before[-1].get("world")
+    same = [r for r in before if r.get("world") == world][-STEADY_STEPS:]
+    quiet = [r for r in same
+             if not any(r["t"] - r["dur_s"] < b and r["t"] > a for a, b in busy)]  # fmt: skip
+    return statistics.median(r["dur_s"] for r in (quiet if len(quiet) >= MIN_QUIET_STEPS
+                                                  else same))  # fmt: skip
 
 
 def _busy_intervals(result: RunResult) -> list[tuple[float, float]]:
@@ -124,7 +154,7 @@ def join_metrics(
     for other in result.devices:
         if other.split(".")[0] == node:
             continue
-        base = _baseline(result, other, busy)
+        base = _steady_before(result, other, min(a, ev["t"]), busy)
         if base is not None:
             idle += sum(_excess(result, other, a, b, base))
             rate = _rate_ratio(result, other, a, b, base)
@@ -140,7 +170,8 @@ def join_metrics(
 
 def _rate_ratio(result: RunResult, node: str, a: float, b: float, base: float) -> float | None:
     """``node``'s step rate over the steps that overlap ``[a, b]`` against its steady rate
-    (``base``: its median step duration outside events); ``None`` without such a step."""
+    (``base``: its steady step duration before the join, :func:`_steady_before`); ``None``
+    without such a step."""
     durs = [r["dur_s"] for r in _steps(result, node) if r["t"] - r["dur_s"] < b and r["t"] > a]
     if not durs or base <= 0:
         return None

@@ -11,11 +11,11 @@ from chaos.emulate.scenario import Scenario, scenario_from_dict
 from chaos.errors import ConfigError
 
 
-def _steps(t0: float, durs: list[float]) -> list[dict]:
+def _steps(t0: float, durs: list[float], world: int = 3) -> list[dict]:
     out, t = [], t0
     for i, d in enumerate(durs):
         t += d
-        out.append({"kind": "step", "t": t, "dur_s": d, "step": i, "epoch": 1, "world": 3,
+        out.append({"kind": "step", "t": t, "dur_s": d, "step": i, "epoch": 1, "world": world,
                     "digest": f"d{i}"})  # fmt: skip
     return out
 
@@ -76,3 +76,23 @@ def test_a_barrier_join_has_no_catch_up_figures() -> None:
     row = join_metrics(res, {"kind": "join", "node": "j", "t": 9.6, "ready_t": 10.0},
                        busy=[(9.0, 14.0)])  # fmt: skip
     assert row["replayed"] is None and row["entered_step"] is None
+
+
+def test_a_grown_clusters_longer_steps_are_not_read_as_a_slowdown() -> None:
+    """A cluster that grew from 2 to 3 members steps in 0.1 s instead of 0.05 s: against its
+    steps at the size it had when the join began, a join that slowed nobody rates 1 and idles
+    nothing (over the whole run's median, 0.05 s of the smaller cluster, it read about 0.5)."""
+    res = RunResult(Scenario(), "test", 0.0)
+    for name in ("a", "b"):
+        small = _steps(0.0, [0.05] * 200, world=2)
+        res.devices[name] = small + _steps(small[-1]["t"], [0.1] * 150, world=3)
+    res.daemon_events = [
+        {"event": "scale_out_started", "peer": "j", "ts": 18.0},
+        {"event": "scale_out_complete", "peer": "j", "ts": 21.0},
+    ]
+    res.devices["j"] = [{"kind": "ready", "t": 21.0, "events": [
+        {"event": "replication_done", "elapsed_s": 2.0, "donors": {"b": 10}}]}]  # fmt: skip
+    ev = {"kind": "join", "node": "j", "t": 17.9, "ready_t": 21.0, "join_mode": "catch-up"}
+    row = join_metrics(res, ev, busy=[(9.5, 13.0), (17.4, 24.0)])  # the growth, then this join
+    assert row["non_donor_rate"] == {"a": pytest.approx(1.0)}
+    assert row["idle_s"] == pytest.approx(0.0)
