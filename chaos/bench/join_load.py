@@ -38,6 +38,8 @@ POLL_S = 0.1
 """How often the launcher reads the trainers' record files."""
 KILL_WAIT_S = 10.0
 """How long the launcher waits for a killed process group's leader to be reaped."""
+STACK_WAIT_S = 5.0
+"""How long the launcher waits for a pending trainer to dump its threads' stacks."""
 JOINERS = ("n1", "n2")
 """The joiners' node ids (the founder is ``n0``)."""
 
@@ -152,11 +154,26 @@ class _Run:
             if all(_settled(s) for s in states.values()):
                 return states
             if time.monotonic() >= deadline:
-                for s in states.values():
+                for n, s in states.items():
                     if not _settled(s):
-                        s["error"] = f"no step within the run's deadline of {timeout_s} s"
+                        s["error"] = (f"no step within the run's deadline of {timeout_s} s; "
+                                      f"where it was: {self._stacks(n)}")  # fmt: skip
                 return states
             time.sleep(POLL_S)
+
+    def _stacks(self, node_id: str) -> str:
+        """A pending trainer's threads' stacks (the worker dumps them on SIGUSR1 into its log),
+        the end of its log, for a failure's record."""
+        log = self.work / f"{node_id}.log"
+        size = log.stat().st_size if log.exists() else 0
+        try:
+            self.procs[node_id].send_signal(signal.SIGUSR1)
+        except ProcessLookupError:
+            return "it had exited"
+        deadline = time.monotonic() + STACK_WAIT_S
+        while time.monotonic() < deadline and (log.stat().st_size if log.exists() else 0) == size:
+            time.sleep(POLL_S)
+        return log.read_text(errors="replace")[-3000:] if log.exists() else "no log"
 
     def close(self) -> None:
         for proc in self.procs.values():  # the group holds the trainer and its daemon

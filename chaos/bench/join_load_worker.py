@@ -24,7 +24,9 @@ until SIGTERM or Ctrl+C, when it leaves (``request_node_exit``).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import signal
 import sys
 import time
 from typing import Any, TextIO
@@ -78,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--join", default=None, help="a member's daemon endpoint; none: found")
     ap.add_argument("--out", required=True, help="the JSON-lines record file")
     args = ap.parse_args(argv)
+    # a trainer still pending at the run's deadline: the launcher asks for every thread's stack
+    # (written to stderr, the trainer's log) before it kills the run
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     with open(args.out, "a", encoding="utf-8") as out:
         try:
             _train(out, started, args)
