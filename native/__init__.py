@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -161,11 +162,15 @@ def _cuda_build_dir(build_dir: Path | None) -> Path:
 
 
 class _BuildLock:
-    """An exclusive ``flock`` on ``<dir>/.chaos-build.lock``, acquired with a timeout."""
+    """A ``flock`` on ``<dir>/.chaos-build.lock``, acquired with a timeout: exclusive to build,
+    shared to import a finished build (importers never wait for each other, so one process
+    slowed down while it imports, on a busy device, holds up no other; a build waits for
+    them)."""
 
-    def __init__(self, directory: Path, timeout_s: float) -> None:
+    def __init__(self, directory: Path, timeout_s: float, *, shared: bool = False) -> None:
         self.path = directory / ".chaos-build.lock"
         self.timeout_s = timeout_s
+        self.shared = shared
         self._fd = -1
 
     def __enter__(self) -> _BuildLock:
@@ -175,9 +180,11 @@ class _BuildLock:
         waited = False
         while True:
             try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                os.ftruncate(self._fd, 0)
-                os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)  # who builds, for messages
+                fcntl.flock(self._fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX)
+                            | fcntl.LOCK_NB)  # fmt: skip
+                if not self.shared:
+                    os.ftruncate(self._fd, 0)
+                    os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)  # who builds
                 return self
             except OSError as exc:
                 if exc.errno not in (errno.EAGAIN, errno.EACCES):
@@ -234,7 +241,9 @@ def build(
     """Build (or reuse the cached build of) the CPU extension and import it.
 
     Concurrent calls, in any processes, with one ``build_dir`` build once: the others wait on
-    the directory's lock and reuse the result.
+    the directory's lock and reuse the result. A finished build is imported as it is, under
+    the lock shared: importers never wait for one another (one slowed down on a busy device
+    holds up no other process's start), only for a build.
 
     Args:
         build_dir: Cache directory; defaults to :func:`default_build_dir`.
@@ -251,13 +260,17 @@ def build(
         BuildLockTimeout: If another process holds the build lock for longer than the timeout
             (a :class:`ChaosTimeout`, so a :class:`TimeoutError`).
     """
+    directory = build_dir if build_dir is not None else default_build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
     if builder is None:
+        with _BuildLock(directory, lock_timeout_s, shared=True):  # a finished build, as it is
+            finished = _import_finished(directory)
+        if finished is not None:
+            return finished
         reason = _missing_toolchain()
         if reason is not None:
             raise RuntimeError(f"cannot build chaos native ops: {reason}")
         builder = _torch_build
-    directory = build_dir if build_dir is not None else default_build_dir()
-    directory.mkdir(parents=True, exist_ok=True)
     with _BuildLock(directory, lock_timeout_s):
         started = time.monotonic()
         log.info("chaos native: loading ops from %s (a first build compiles, ~30-60 s)", directory)
@@ -291,6 +304,30 @@ def _torch_build(directory: Path, verbose: bool) -> ModuleType:
         build_directory=str(directory),
         verbose=verbose,
     )
+    return module
+
+
+def _import_finished(directory: Path) -> ModuleType | None:
+    """The library of a finished build in ``directory``, imported as it is: no compiler, no
+    ninja, and nothing written, so any number of processes may do it at once (under the
+    shared lock, which keeps a rebuild out meanwhile). ``None``: no finished build there, or
+    it does not import (the exclusive path then rebuilds it)."""
+    lib = directory / f"{_EXT_NAME}.so"
+    if not lib.exists() or not _build_is_complete(directory):
+        return None
+    existing = sys.modules.get(_EXT_NAME)
+    if existing is not None and getattr(existing, "__file__", None) == str(lib):
+        return existing
+    spec = importlib.util.spec_from_file_location(_EXT_NAME, lib)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as exc:
+        log.warning("chaos native: the finished build in %s does not import (%s)", directory, exc)
+        return None
+    sys.modules[_EXT_NAME] = module
     return module
 
 

@@ -20,6 +20,7 @@ from chaos._native import (
     BuildLockTimeout,
     _BuildLock,
     _cpu_flags,
+    build,
     build_key,
     default_build_dir,
 )
@@ -123,3 +124,25 @@ def test_a_held_lock_times_out_with_a_timeout_error_naming_the_holder(tmp_path: 
     assert "python -m chaos._native build" in held.stdout
     assert issubclass(BuildLockTimeout, ChaosTimeout)
     assert issubclass(BuildLockTimeout, TimeoutError)
+
+
+def test_a_finished_build_is_imported_while_another_importer_holds_the_lock() -> None:
+    """One process slowed down while it imports the finished build (on a busy device) holds
+    the lock shared: another process's start imports the same build meanwhile instead of
+    waiting behind it. A build (the lock exclusive) still waits for the importers."""
+    directory = default_build_dir()
+    build(directory)  # the real build, finished (CI builds it ahead)
+    script = textwrap.dedent(f"""
+        from pathlib import Path
+        from chaos._native import build
+        ops = build(Path({str(directory)!r}), lock_timeout_s=5.0)
+        print(ops.__name__, callable(ops.checksum))
+    """)
+    with _BuildLock(directory, 1.0, shared=True):  # an importer, stopped halfway
+        got = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             timeout=120)  # fmt: skip
+        assert got.returncode == 0, got.stderr
+        assert got.stdout.split() == ["chaos_native_ops", "True"]
+        with pytest.raises(BuildLockTimeout):  # a builder waits for the importer
+            with _BuildLock(directory, 0.3):
+                pass
