@@ -285,6 +285,10 @@ def _pythons(values: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
     return tuple(pairs) or (("current", sys.executable),)
 
 
+def _exit_on_sigterm(_signum: int, _frame: object) -> None:
+    raise SystemExit(143)
+
+
 @click.command("join-load")
 @click.option("--runs", type=int, default=20, show_default=True, help="runs per interpreter")
 @click.option("--deadline", type=float, default=180.0, show_default=True,
@@ -306,6 +310,9 @@ def join_load_command(runs: int, deadline: float, founder_timeout: float, busy: 
                              pythons=_pythons(pythons))  # fmt: skip
     except ValueError as exc:
         raise click.BadParameter(str(exc)) from exc
+    # SIGTERM unwinds like Ctrl+C, so that the run in progress kills its trainers, their
+    # daemons and the busy loops (its ``finally``) instead of leaving them running
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     doc = measure(cfg, echo=click.echo)
     for label, v in doc["variants"].items():
         click.echo(f"{label}: {v['passes']}/{v['runs']} runs passed "
