@@ -41,13 +41,15 @@ def _steps(result: RunResult, node: str) -> list[dict[str, Any]]:
     return [r for r in result.devices.get(node, []) if r.get("kind") == "step"]
 
 
+def _overlaps(r: dict[str, Any], a: float, b: float) -> bool:
+    """Whether step record ``r`` (ending at ``t``, lasting ``dur_s``) overlaps ``[a, b]``."""
+    return r["t"] - r["dur_s"] < b and r["t"] > a
+
+
 def _baseline(result: RunResult, node: str, busy: list[tuple[float, float]]) -> float | None:
     """Median step duration of ``node`` outside every busy interval."""
-    durs = []
-    for r in _steps(result, node):
-        start = r["t"] - r["dur_s"]
-        if not any(start < b and r["t"] > a for a, b in busy):
-            durs.append(r["dur_s"])
+    durs = [r["dur_s"] for r in _steps(result, node)
+            if not any(_overlaps(r, a, b) for a, b in busy)]  # fmt: skip
     return statistics.median(durs) if durs else None
 
 
@@ -72,8 +74,7 @@ def _steady_before(
         return None
     world = before[-1].get("world")
     same = [r for r in before if r.get("world") == world][-STEADY_STEPS:]
-    quiet = [r for r in same
-             if not any(r["t"] - r["dur_s"] < b and r["t"] > a for a, b in busy)]  # fmt: skip
+    quiet = [r for r in same if not any(_overlaps(r, a, b) for a, b in busy)]
     return statistics.median(r["dur_s"] for r in (quiet if len(quiet) >= MIN_QUIET_STEPS
                                                   else same))  # fmt: skip
 
@@ -91,8 +92,7 @@ def _excess(result: RunResult, node: str, a: float, b: float, base: float) -> li
     """Per step of ``node`` overlapping ``[a, b]``: its duration beyond ``base``."""
     out = []
     for r in _steps(result, node):
-        start = r["t"] - r["dur_s"]
-        if start < b and r["t"] > a:
+        if _overlaps(r, a, b):
             out.append(max(0.0, r["dur_s"] - base))
     return out
 
@@ -172,7 +172,7 @@ def _rate_ratio(result: RunResult, node: str, a: float, b: float, base: float) -
     """``node``'s step rate over the steps that overlap ``[a, b]`` against its steady rate
     (``base``: its steady step duration before the join, :func:`_steady_before`); ``None``
     without such a step."""
-    durs = [r["dur_s"] for r in _steps(result, node) if r["t"] - r["dur_s"] < b and r["t"] > a]
+    durs = [r["dur_s"] for r in _steps(result, node) if _overlaps(r, a, b)]
     if not durs or base <= 0:
         return None
     return base / statistics.mean(durs)
