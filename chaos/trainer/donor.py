@@ -390,6 +390,7 @@ class Donor:
             reused_bytes=state.reused_bytes,  # chunks this joiner held already
             pulled_bytes=sum(stats.bytes_per_donor.values()),
             donors=stats.bytes_per_donor,
+            donor_elapsed_s=dict(stats.elapsed_per_donor),
             replans=stats.replans,
             checksum_failures=stats.checksum_failures,
         )
