@@ -1,0 +1,9 @@
+"""Chaos inside the training frameworks people already use.
+
+Each module here is imported on its own, only by a script that uses its framework (the
+framework is an optional extra, ``pip install chaos-edge[hf]``):
+
+- :mod:`chaos.integrations.hf`: Hugging Face ``transformers.Trainer``, through an
+  :class:`~chaos.trainer.elastic_optimizer.ElasticOptimizer` and
+  :class:`~chaos.integrations.hf.ChaosCallback`.
+"""

@@ -1,0 +1,75 @@
+"""Hugging Face ``transformers.Trainer`` on an elastic cluster, with real processes: three
+devices (a tiny GPT-2 from a config, AdamW, a warmup schedule, gradient accumulation and
+``max_grad_norm``), a late joiner, and a ``kill -9`` of a member. The survivors end bitwise equal
+and every device's ``global_step`` is the cluster's step; all stop at ``max_steps`` together."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.trainer_cluster import Cluster, Member, assert_equal_from, world
+
+HF_WORKER = Path(__file__).with_name("hf_worker.py")
+MAX_STEPS = 700
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    with contextlib.closing(Cluster(tmp_path, HF_WORKER)) as c:  # reaped even on failure
+        yield c
+
+
+def _steps(m: Member) -> list[dict]:
+    return [r for r in m.records() if "digest" in r and not r.get("done")]
+
+
+def _done(m: Member) -> dict:
+    return next((r for r in m.records() if r.get("done")), {})
+
+
+def test_hf_trainer_survives_a_late_join_and_a_kill(cluster: Cluster) -> None:
+    run = ("--max-steps", str(MAX_STEPS))
+    a = cluster.start("a", None, *run)
+    cluster.wait(lambda: a.last().get("step", 0) >= 5, "a to train")
+    b = cluster.start("b", a, *run)
+    cluster.wait(lambda: world(a, 2) and world(b, 2), "b to join a")
+    c = cluster.start("c", a, *run)
+    cluster.wait(lambda: world(a, 3) and world(b, 3) and world(c, 3), "c to join a and b")
+    three = max(r["step"] for r in _steps(c))
+    cluster.wait(lambda: a.last()["step"] >= three + 10, "10 steps of three members")
+    assert a.last()["step"] < MAX_STEPS - 50, "the joins took too long to leave steps for the kill"
+    os.killpg(b.proc.pid, signal.SIGKILL)  # kill -9 of b and its embedded daemon
+    b.proc.wait(timeout=30)
+    cluster.members.pop("b")  # reaped: no longer watched for an unexpected exit
+    killed_at = a.last()["step"]
+    cluster.wait(lambda: _done(a) and _done(c), "the survivors to reach max_steps")
+    for m in (a, c):
+        assert m.proc.wait(timeout=60) == 0, m.log()
+    # every device's global_step is the cluster's step, from the joiner's first step on
+    for m in (a, b, c):
+        recs = _steps(m)
+        assert recs, f"{m.id} recorded no step"
+        assert all(r["global_step"] == r["step"] for r in recs), m.id
+    # the late joiner entered mid-run: its first step moved it to the cluster's step
+    first_c = _steps(c)[0]
+    assert first_c["step"] > 20 and first_c["global_step"] == first_c["step"]
+    assert any(r["world"] == 3 for r in _steps(a)), "c never took part in a step"
+    # all stopped together at max_steps, bitwise equal
+    done_a, done_c = _done(a), _done(c)
+    assert done_a["step"] == done_c["step"] == MAX_STEPS
+    assert done_a["global_step"] == done_c["global_step"] == MAX_STEPS
+    assert done_a["digest"] == done_c["digest"]
+    assert assert_equal_from([a, b, c], first_c["step"]) >= 10
+    assert assert_equal_from([a, c], killed_at) >= 50
+    # the schedule and the averaged gradient's clipping ran on every member alike
+    by_step = {r["step"]: r for r in _steps(a)}
+    for r in _steps(c):
+        ref = by_step[r["step"]]
+        assert (r["lr"], r["grad_norm"]) == (ref["lr"], ref["grad_norm"])
+    assert len({r["lr"] for r in _steps(a)}) > 100
