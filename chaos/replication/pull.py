@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import msgspec
@@ -154,6 +154,9 @@ class PullStats:
 
 Shard = tuple[int, int]
 
+ProgressFn = Callable[[int, int, Mapping[str, int]], None]
+"""Told of a pull's progress: verified bytes so far, bytes to pull, verified bytes per donor."""
+
 
 class _Donor:
     def __init__(self, nid: str, address: str, neighbor: Neighbor) -> None:
@@ -215,8 +218,10 @@ class _Puller:
         config: PullConfig,
         context: zmq.Context,
         security: Security | None = None,
+        on_progress: ProgressFn | None = None,
     ) -> None:
         self.security = security if security is not None else Security()
+        self.on_progress = on_progress
         by_id = {n.id: n for n in neighbors}
         missing = sorted(set(donors) - set(by_id))
         if missing:
@@ -413,6 +418,9 @@ class _Puller:
             self.todo.discard(shard)
             self.stats.bytes_per_donor[d.id] += shard[1]
             self.stats.shards_per_donor[d.id] += 1
+            if self.on_progress is not None:
+                done = sum(self.stats.bytes_per_donor.values())
+                self.on_progress(done, self.plan.state_bytes, self.stats.bytes_per_donor)
             if d.first_at is None:
                 d.first_at = sent_at if sent_at is not None else d.last_progress
             d.last_at = d.last_progress
@@ -516,6 +524,7 @@ def pull_state(
     config: PullConfig | None = None,
     context: zmq.Context | None = None,
     security: Security | None = None,
+    on_progress: ProgressFn | None = None,
 ) -> PullStats:
     """Pulls the state for ``(epoch, step)`` from the donors into ``joiner_state``.
 
@@ -540,6 +549,9 @@ def pull_state(
         context: ZeroMQ context (default: the process's shared instance).
         security: The cluster key (default: none, plain connections); a donor that refuses
             the handshake (another key) is dropped like a dead one.
+        on_progress: Called after every verified shard with the bytes verified so far, the
+            bytes to pull and the bytes per donor (it must return quickly: a progress bar, a
+            log line now and then).
 
     Returns:
         What the pull did (bytes per donor, checksum failures, re-plans, elapsed time).
@@ -563,5 +575,6 @@ def pull_state(
         config or PullConfig(),
         context or zmq.Context.instance(),
         security,
+        on_progress,
     )
     return puller.run(timeout_s)

@@ -113,6 +113,9 @@ class TrainerConfig:
         daemon_dir: The embedded daemon's run directory (IPC socket, event log); default: a
             fresh temporary directory.
         pull_window: Outstanding shard requests per donor while joining.
+        pull_progress_s: Seconds between two log lines of a joiner's state pull (bytes of the
+            total, rate, donors) when stderr is not a terminal; on a terminal the pull shows a
+            progress bar instead.
         policy_notices: Learn of newer policies from the daemon's published notices, asking the
             daemon only when one names a newer epoch (or the notices fall silent). ``False``:
             ask at every step boundary (an IPC round trip each), as a comparison baseline.
@@ -188,6 +191,7 @@ class TrainerConfig:
     daemon_args: tuple[str, ...] = ()
     daemon_dir: str | None = None
     pull_window: int = 8
+    pull_progress_s: float = 5.0
     policy_notices: bool = True
     restored: bool = False
     cluster_key: str | None = None
@@ -211,6 +215,7 @@ class TrainerConfig:
             "poll_interval_s",
             "stall_progress_s",
             "catch_up_timeout_s",
+            "pull_progress_s",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:

@@ -36,6 +36,7 @@ from chaos.replication.steplog import StepLog, encode_hypers
 from chaos.scheduling import Neighbor, Plan
 from chaos.scheduling.bounds import lower_bound
 from chaos.security import Security
+from chaos.trainer.pull_progress import PullProgress
 
 __all__ = ["Donor", "EventSink", "SnapshotServer", "pull_report"]
 
@@ -88,6 +89,7 @@ class Donor:
         poll_interval_s: Pause between two manifest requests.
         replication_timeout_s: Limit on pulling the whole state.
         pull_window: Outstanding shard requests per donor.
+        progress_interval_s: Seconds between two log lines of a pull (a bar on a terminal).
         catch_up_log_bytes: Most gradient bytes a donor logs for a catching-up joiner.
         security: The cluster key the joiner's pulls connect with (default: none, plain).
         extra: Extra state objects by name (``state_dict()``/``load_state_dict()``) that travel
@@ -106,6 +108,7 @@ class Donor:
         poll_interval_s: float,
         replication_timeout_s: float,
         pull_window: int,
+        progress_interval_s: float = 5.0,
         catch_up_log_bytes: int = 1 << 30,
         security: Security | None = None,
         extra: ExtraState | None = None,
@@ -122,6 +125,7 @@ class Donor:
         self._poll_interval_s = poll_interval_s
         self._replication_timeout_s = replication_timeout_s
         self._pull_window = pull_window
+        self._progress_interval_s = progress_interval_s
         self._layout: list[int] | None = None
         self._layout_width = _step_width(0)  # the step's encoded size when it was registered
         self.last_pull: PullReport | None = None
@@ -357,17 +361,22 @@ class Donor:
         neighbors = [Neighbor(d.id, d.prop_s, d.trans_s_per_byte, 0.0) for d in rep.donors
                      if d.id in keys]  # fmt: skip
         plan, reason = choose_plan(state, rep, neighbors)
-        stats = pull_state(
-            plan,
-            {d: a for d, a in rep.donor_addresses.items() if d in keys},
-            state,
-            {d: e for d, (e, _) in keys.items()},
-            step,
-            self._replication_timeout_s,
-            neighbors=neighbors,
-            config=PullConfig(window=self._pull_window),
-            security=self._security,
-        )
+        progress = PullProgress(self.node_id, self._progress_interval_s)
+        try:
+            stats = pull_state(
+                plan,
+                {d: a for d, a in rep.donor_addresses.items() if d in keys},
+                state,
+                {d: e for d, (e, _) in keys.items()},
+                step,
+                self._replication_timeout_s,
+                neighbors=neighbors,
+                config=PullConfig(window=self._pull_window),
+                security=self._security,
+                on_progress=progress,
+            )
+        finally:
+            progress.close()
         t_pulled = time.monotonic()
         runtime = state.apply()
         self.last_pull = pull_report(stats, plan, reason, state.total_bytes)

@@ -122,6 +122,7 @@ def make_donor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, node_id
         poll_interval_s=cfg.poll_interval_s,
         replication_timeout_s=cfg.replication_timeout_s,
         pull_window=cfg.pull_window,
+        progress_interval_s=cfg.pull_progress_s,
         catch_up_log_bytes=cfg.catch_up_log_bytes,
         security=security,
         extra=extra,

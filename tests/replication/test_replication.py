@@ -179,6 +179,7 @@ def _pull(
     plan: Plan,
     timeout_s: float = PULL_TIMEOUT_S,
     window: int = 4,
+    on_progress: Any = None,
     **cfg: Any,
 ) -> Any:
     """Pulls ``state`` from ``donors`` along ``plan``; ``cfg``: more :class:`PullConfig`."""
@@ -191,6 +192,7 @@ def _pull(
         timeout_s,
         neighbors=_neighbors(list(donors)),
         config=PullConfig(window=window, **cfg),
+        on_progress=on_progress,
     )
 
 
