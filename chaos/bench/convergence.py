@@ -51,6 +51,7 @@ from chaos.launch import (
     spawn_worker,
     wait_until,
 )
+from chaos.progress import LiveProgress
 
 SKLEARN_HINT = (
     "chaos-bench convergence trains on scikit-learn's bundled digits: "
@@ -531,7 +532,9 @@ def convergence_command(
         import sklearn  # noqa: F401  (the workers load its bundled digits)
     except ImportError as exc:
         raise click.ClickException(SKLEARN_HINT) from exc
-    result = run(cfg, click.echo)
+    total = cfg.seeds * len(cfg.batch_modes) * len(cfg.kinds)
+    with LiveProgress("convergence", total, "runs") as live:
+        result = run(cfg, live.done)
     for line in report(result):
         click.echo(line)
     json_path.parent.mkdir(parents=True, exist_ok=True)

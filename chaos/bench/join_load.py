@@ -31,6 +31,7 @@ from typing import Any
 import click
 
 from chaos.launch import free_tcp_address
+from chaos.progress import LiveProgress
 
 WORKER = Path(__file__).with_name("join_load_worker.py")
 """The trainer script, run by its path so that it imports the chosen interpreter's ``chaos``."""
@@ -313,7 +314,8 @@ def join_load_command(runs: int, deadline: float, founder_timeout: float, busy: 
     # SIGTERM unwinds like Ctrl+C, so that the run in progress kills its trainers, their
     # daemons and the busy loops (its ``finally``) instead of leaving them running
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    doc = measure(cfg, echo=click.echo)
+    with LiveProgress("join-load", cfg.runs * len(cfg.pythons), "runs") as live:
+        doc = measure(cfg, echo=live.done)
     for label, v in doc["variants"].items():
         click.echo(f"{label}: {v['passes']}/{v['runs']} runs passed "
                    f"({doc['busy_processes']} busy loops on {doc['cores']} cores)")  # fmt: skip

@@ -42,6 +42,7 @@ from chaos.emulate.fleet import EmulationError, log_tail
 from chaos.emulate.runner import Runner
 from chaos.emulate.scenario import Event, Scenario
 from chaos.launch import daemon_cli, signal_group
+from chaos.progress import LiveProgress
 
 __all__ = ["DEFAULT_WEIGHTS", "Campaign", "CampaignConfig", "format_table", "report"]
 
@@ -157,6 +158,7 @@ class Campaign:
         self._joining: dict[str, dict[str, Any]] = {}
         self.ready_t: dict[str, float] = {}
         self.gone_t: dict[str, float] = {}
+        self._t0 = time.monotonic()  # the timeline's start (set again when it starts)
 
     def scenario(self) -> Scenario:
         """The scenario the runner builds its network from: every device that will ever run."""
@@ -185,8 +187,10 @@ class Campaign:
                 self.ready_t[name] = float(rec["t"]) if rec else time.time()
             sampler = _Sampler(runner, c.sample_s)
             sampler.start()
-            t0 = time.monotonic()
+            t0 = self._t0 = time.monotonic()
             started = time.time()
+            if isinstance(self.progress, LiveProgress):
+                self.progress.reset(c.duration_s, "campaign")
             try:
                 for ev in self.plan:
                     self._wait_until(t0 + ev.at_s)
@@ -208,10 +212,20 @@ class Campaign:
     def _wait_until(self, deadline: float) -> None:
         while True:
             self._poll()
+            self._tick()
             left = deadline - time.monotonic()
             if left <= 0:
                 return
             time.sleep(min(0.2, left))
+
+    def _tick(self) -> None:
+        """Moves the live line (a :class:`LiveProgress`) along the campaign's duration."""
+        if not isinstance(self.progress, LiveProgress):
+            return
+        at = min(self.cfg.duration_s, time.monotonic() - self._t0)
+        status = (f"{len(self.runner.running())} running, {len(self.events)} of "
+                  f"{len(self.plan)} events, {len(self.crashes)} crashes")  # fmt: skip
+        self.progress.at(at, status)
 
     def _poll(self) -> None:
         """Reaps leavers, marks joiners ready, and records crashes (a device process that

@@ -12,7 +12,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from chaos.emulate.metrics import consistency, continuity, summarize
 from chaos.emulate.runner import Runner
 from chaos.emulate.scenario import Event, Scenario, demo_scenario, load_scenario
 from chaos.errors import ChaosError, ConfigError
+from chaos.progress import LiveProgress
 
 COMPARE_STRATEGIES = ("stop-resume", "single-source", "multi-source", "chaos")
 """``compare``'s strategies when ``--strategies`` is not given."""
@@ -34,13 +34,10 @@ STRATEGY_CHOICES = tuple(_DAEMON_STRATEGY)
 split over the joiner's neighbours, the daemon's ``--replication-strategy even``)."""
 
 
-def _progress_printer() -> Any:
-    t0 = time.monotonic()
-
-    def progress(msg: str) -> None:
-        click.echo(f"[{time.monotonic() - t0:7.1f}s] {msg}", err=True)
-
-    return progress
+def _progress_printer(desc: str = "run", total: float | None = None,
+                      unit: str = "s") -> LiveProgress:  # fmt: skip
+    """The live line of a run (a bar on a terminal), with its notes above it."""
+    return LiveProgress(desc, total, unit)
 
 
 def _shaped(loopback: bool) -> bool:
@@ -119,7 +116,8 @@ def _write(path: Path, doc: dict[str, Any]) -> None:
 
 def _run_scenario(sc: Scenario, out: Path, shaped: bool) -> tuple[RunResult, list[dict[str, Any]]]:
     try:
-        with Runner(sc, out / "run", shaped=shaped, progress=_progress_printer()) as runner:
+        with _progress_printer() as live, Runner(sc, out / "run", shaped=shaped,
+                                                 progress=live) as runner:  # fmt: skip
             runner.run()
         result = runner.result
     except (EmulationError, ChaosError, OSError) as exc:
@@ -193,10 +191,12 @@ def compare_runs(
     sc = replace(base, nodes=lo, strategy=_DAEMON_STRATEGY[strategy], events=joins,
                  seed=base.seed + repeat)  # fmt: skip
     rows = []
-    with Runner(sc, out, shaped=shaped, progress=_progress_printer()) as runner:
+    with _progress_printer(f"{strategy} {lo}->{hi}", hi - lo, "joins") as live, \
+            Runner(sc, out, shaped=shaped, progress=live) as runner:
         runner.start_cluster()
         for size in range(lo, hi):
             runner.watch(base.settle_s)
+            live.at(size - lo, f"joining n{size}")
             name = f"n{size}"
             if strategy == "stop-resume":
                 rec = runner.stop_resume_join(name)
@@ -209,6 +209,7 @@ def compare_runs(
                     runner.apply(Event(at_s=0.0, kind="link_add"))
         if strategy != "stop-resume":  # the last joiner may still replay (catch-up)
             runner.wait_entered(f"n{hi - 1}")
+        live.at(hi - lo, "settling")
         runner.watch(base.settle_s)
     links: list[dict[str, Any]] = []
     if strategy != "stop-resume":
@@ -394,8 +395,9 @@ def _compare_rejoin(strategies: list[str], nodes: int, base: Scenario, json_path
             click.echo(f"== rejoin, {strategy}, repeat {rep + 1}/{repeats}", err=True)
             out = json_path.parent / f"{json_path.stem}-runs" / f"rejoin-{strategy}-{rep}"
             try:
-                rows += rejoin_runs(_DAEMON_STRATEGY[strategy], nodes, base, out, shaped, rep,
-                                    away_s, _progress_printer())  # fmt: skip
+                with _progress_printer(f"rejoin {strategy}") as live:
+                    rows += rejoin_runs(_DAEMON_STRATEGY[strategy], nodes, base, out, shaped,
+                                        rep, away_s, live)  # fmt: skip
             except (EmulationError, ChaosError, OSError) as exc:
                 raise click.ClickException(f"rejoin run ({strategy}) failed: {exc}") from exc
             _write(json_path, {**doc, "joins": rows})
@@ -561,7 +563,7 @@ def chaos_command(nodes: int, duration: float, rate: float, seed: int, json_path
         raise click.BadParameter(str(exc)) from exc
     shaped = _shaped(loopback)
     camp = Campaign(cfg, json_path.parent / f"{json_path.stem}-run", shaped,
-                    progress=_progress_printer())  # fmt: skip
+                    progress=(live := _progress_printer("campaign", duration)))  # fmt: skip
     n_faults = sum(1 for e in camp.plan if e.kind != "join")
     click.echo(f"plan: {len(camp.plan)} events ({n_faults} faults) over {duration:.0f} s",
                err=True)  # fmt: skip
@@ -569,6 +571,8 @@ def chaos_command(nodes: int, duration: float, rate: float, seed: int, json_path
         doc = camp.run()
     except (EmulationError, ChaosError, OSError) as exc:
         raise click.ClickException(f"the campaign failed: {exc}") from exc
+    finally:
+        live.close()
     click.echo(format_table(doc))
     _write(json_path, doc)
     if plot_dir is not None:

@@ -50,6 +50,7 @@ from chaos.emulate.scenario import Event, Scenario
 from chaos.emulate.schedule import BandwidthSchedule, ScheduleConfig, random_overlay
 from chaos.errors import ChaosTimeout
 from chaos.launch import daemon_cli, signal_group, spawn_worker
+from chaos.progress import LiveProgress
 from chaos.security import ClusterKey
 
 log = logging.getLogger("chaos.emulate.runner")
@@ -103,6 +104,7 @@ class Runner:
         self._net: Any = None
         self._cpu: CpuBudget | None = None
         self._schedule: BandwidthSchedule | None = None
+        self._timeline_s: float | None = None  # a run()'s events and settle, in seconds
         self._t0 = 0.0
         self.cut: set[tuple[str, str]] = set()  # links cut by a link_cut or a partition
         self.partitions: list[tuple[str, ...]] = []  # sides cut off, until the next heal
@@ -190,6 +192,9 @@ class Runner:
         """
         sc = self.sc
         self.start_cluster()
+        self._timeline_s = max((e.at_s for e in sc.events), default=0.0) + sc.settle_s
+        if isinstance(self.progress, LiveProgress):
+            self.progress.reset(self._timeline_s, "scenario")
         for ev in sorted(sc.events, key=lambda e: e.at_s):
             delay = self._t0 + ev.at_s - time.monotonic()
             if delay > 0:
@@ -225,10 +230,19 @@ class Runner:
                 code = d.proc.poll()
                 if code is not None and d.gone is None:
                     raise EmulationError(f"device {d.name} exited with {code}:\n{log_tail(d)}")
+            self._tick()
             left = deadline - time.monotonic()
             if left <= 0:
                 return
             time.sleep(min(0.2, left))
+
+    def _tick(self) -> None:
+        """Moves the live line (a :class:`LiveProgress`) to where the scenario's timeline is."""
+        if self._timeline_s is None or not isinstance(self.progress, LiveProgress):
+            return
+        up = sum(1 for d in self.devices.values() if d.gone is None and d.proc.poll() is None)
+        at = min(self._timeline_s, time.monotonic() - self._t0)
+        self.progress.at(at, f"{up} devices up")
 
     def _mark(self, kind: str, **fields: Any) -> dict[str, Any]:
         rec = {"t": time.time(), "kind": kind, **fields}
