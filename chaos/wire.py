@@ -27,7 +27,7 @@ BYTE_ORDER = "<"
 
 # ----------------------------------------------------------------------------- control plane
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """The control plane's messages (:mod:`chaos.protocol.messages`), daemon to daemon, CLI and
 trainer to daemon. 3: one :class:`~chaos.protocol.messages.Refusal` for every msgpack channel
 (``req_id``, the shard server's reason codes). 4: a join's refusal may list other members'
@@ -37,7 +37,9 @@ addresses for the joiner to try (``Refusal.members``). 5: catch-up joins (a regi
 which the scheduler evicts repeat offenders by. 7: signed votes and the scheduler's certificate
 (``VoteReply.signature``, ``SchedulerHeartbeat.cert``, ``ClusterUpdate.cert``,
 ``NodeInfo.sign_key``, ``JoinRequest.sign_key``); the reasons ``id_in_use`` and
-``unverified_scheduler``. 8: a join's incarnation nonce (``JoinRequest.incarnation``)."""
+``unverified_scheduler``. 8: a join's incarnation nonce (``JoinRequest.incarnation``). 9: what
+a live view of the cluster shows (``StatusReply.activity``, ``joins`` and ``events``; a joiner's
+pull progress, ``TrainerEvent.pulling``)."""
 
 # ----------------------------------------------------------------------------- replication
 

@@ -16,6 +16,7 @@ Commands::
                        [--behind-grace S] [--offender-limit N] [--offender-window STEPS]
                        [--join-timeout S]
     chaos-daemon status [--connect tcp://HOST:PORT] [--cluster-key FILE] [--json]
+    chaos-daemon dashboard [--connect tcp://HOST:PORT] [--cluster-key FILE] [--port P]
     chaos-daemon leave [--connect tcp://HOST:PORT] [--cluster-key FILE]
     chaos-daemon link add|remove PEER_ID [--connect tcp://HOST:PORT] [--cluster-key FILE]
     chaos-daemon fault NAME [PEER_ID ...] [--connect tcp://HOST:PORT] [--cluster-key FILE]
@@ -404,6 +405,9 @@ def _status_dict(st: StatusReply) -> dict[str, Any]:
         "sync": msgspec.to_builtins(st.sync) if st.sync else None,
         "notes": list(st.notes),
         "audit": msgspec.to_builtins(st.audit) if st.audit else None,
+        "activity": msgspec.to_builtins(st.activity),
+        "joins": msgspec.to_builtins(st.joins),
+        "events": msgspec.to_builtins(st.events),
     }
 
 
@@ -451,8 +455,58 @@ def status(connect: str | None, cluster_key: str | None, as_json: bool) -> None:
         verdict = "agreed" if a.agreed else "MEMBERS DIFFERED"
         click.echo(f"state audit: last step {a.step} {verdict}  ({a.audits} audits, "
                    f"{a.mismatches} mismatches, {a.healed} healed here)")  # fmt: skip
+    for a in st.activity:
+        rate = f"{a.steps_per_s:.1f} steps/s" if a.steps_per_s else "rate not measured yet"
+        click.echo(f"training: {a.id} step {a.step} ({rate}, heard {a.heard_s:.1f} s ago)")
+    for j in st.joins:
+        if j.pull is None:
+            click.echo(f"joining: {j.id} (no pull reported yet)")
+            continue
+        p = j.pull
+        click.echo(f"joining: {j.id} pulled {p.pulled_bytes / 1e6:.1f} of "
+                   f"{p.total_bytes / 1e6:.1f} MB from {', '.join(j.donors) or '-'}")  # fmt: skip
     for note in st.notes:
         click.echo(f"note: {note}")
+
+
+@main.command()
+@click.option("--connect", help=_CONNECT_HELP)
+@_key_option
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address the page binds (another than loopback needs --cluster-key).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8470, show_default=True,
+              help="TCP port of the page (0: any free one).")
+@click.option("--interval", type=click.FloatRange(0.05, 3600.0), default=1.0, show_default=True,
+              help="Seconds between two polls of the daemons.")
+def dashboard(connect: str | None, cluster_key: str | None, host: str, port: int,
+              interval: float) -> None:  # fmt: skip
+    """Serve a live, read-only web view of the cluster (until Ctrl+C).
+
+    It polls this daemon (or the one at --connect) and the scheduler for their status. With a
+    cluster key every request needs the token printed here (derived from the key).
+    """
+    from chaos.daemon.dashboard import Dashboard, DashboardConfig
+
+    try:
+        cfg = DashboardConfig(connect=connect or _local_endpoint(), host=host, port=port,
+                              interval_s=interval, key_file=_key_file(cluster_key))  # fmt: skip
+        board = Dashboard(cfg)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc)) from exc
+    except (ChaosError, OSError) as exc:
+        raise click.ClickException(f"cannot start the dashboard: {exc}") from exc
+    click.echo(f"dashboard of {cfg.connect}: {board.url}", err=True)
+    first = board.poller.document()
+    if not first.get("ok"):
+        click.echo(f"note: no answer from the daemon yet ({first.get('error')}); "
+                   "the page says so until it answers", err=True)  # fmt: skip
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        board.close()
 
 
 def _report(result: Any, what: str) -> None:

@@ -150,6 +150,8 @@ class MetricsServer:
             sock.close()
             raise
         self._closed = False
+        self.port: int = sock.getsockname()[1]
+        """The bound port (the one asked for, or the one the system chose for 0)."""
         self._thread = threading.Thread(
             target=self._server.run, name="chaos-metrics", daemon=True
         )

@@ -58,6 +58,7 @@ from chaos.protocol import (
     ClusterUpdate,
     ClusterView,
     ConnectCommand,
+    EventEntry,
     FaultCommand,
     JoinRequest,
     LeaveCommand,
@@ -244,6 +245,10 @@ class Daemon:
     def trainer_audit(self) -> AuditInfo | None:
         """The local trainer's last reported state audit (``status``)."""
         return self.trainer.audit
+
+    def recent_events(self) -> list[EventEntry]:
+        """This daemon's most recent events, oldest first (``status``)."""
+        return self.events.recent()
 
     def status_notes(self) -> list[str]:
         """The lines ``status`` adds: a trainer that exited, restarts that keep failing."""

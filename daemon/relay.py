@@ -275,6 +275,7 @@ class TrainerRelay:
             TrainerEvent(
                 sender=me, epoch=self.host.epoch, kind="progress", node_id=me, step=last.step,
                 in_step=last.in_step, elapsed_s=last.elapsed_s + silent, silent_s=silent,
+                pulling=last.pulling,
             )
         )  # fmt: skip
         self._report_throughput(last, now)

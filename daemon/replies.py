@@ -5,17 +5,20 @@ They read the daemon through :class:`ReplySource`, the few things they show.
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import msgspec
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.election import Election
 from chaos.daemon.facts import MemberFacts
+from chaos.daemon.scheduler.activity import join_activity, member_activity
 from chaos.daemon.scheduler.monitor import ClusterMonitor
 
 from chaos.protocol import (
     ClusterUpdate,
     ClusterView,
+    EventEntry,
     LinkInfo,
     PolicyNotice,
     PolicyReply,
@@ -60,6 +63,9 @@ class ReplySource(MemberFacts, Protocol):
     def status_notes(self) -> list[str]:
         """Lines worth a look in ``status`` (e.g. a trainer that exited)."""
 
+    def recent_events(self) -> list[EventEntry]:
+        """This daemon's most recent events, oldest first."""
+
     @property
     def trainer_audit(self) -> AuditInfo | None:
         """The local trainer's last reported state audit."""
@@ -76,6 +82,7 @@ def status_reply(d: ReplySource) -> StatusReply:
     nodes = list(view.nodes) if view else []
     links = list(view.links) if view else []
     monitor = d.scheduler_monitor
+    now = time.monotonic()
     if monitor is not None:
         nodes = monitor.with_trainer_states(nodes)
         links = list(monitor.to_view(d.epoch, d.term, d.node_id).links)
@@ -95,6 +102,9 @@ def status_reply(d: ReplySource) -> StatusReply:
         sync=d.update.sync if d.update else None,
         notes=[n[:256] for n in d.status_notes()[:32]],
         audit=d.trainer_audit,
+        activity=member_activity(monitor, now) if monitor is not None else [],
+        joins=join_activity(monitor, now) if monitor is not None else [],
+        events=d.recent_events(),
     )
 
 

@@ -85,13 +85,14 @@ def test_wheel_holds_every_package(wheel: Path) -> None:
     missing = _tree_packages() - shipped
     assert not missing, f"the wheel leaves out {sorted(missing)}"
     assert "chaos/_native/ops.cpp" in names  # the native sources travel with it
+    assert {"chaos/daemon/static/index.html", "chaos/daemon/static/app.js"} <= set(names)
     assert not [n for n in names if n.split("/")[0] in ("daemon", "scheduling", "tests")]
 
 
 def test_installed_daemon_runs_outside_the_checkout(installed: Path, tmp_path: Path) -> None:
     where = subprocess.run(
-        [str(installed), "-c", "import chaos, chaos.protocol, chaos.daemon.node; "
-         "print(chaos.__file__)"],
+        [str(installed), "-c", "import chaos, chaos.protocol, chaos.daemon.node, "
+         "chaos.daemon.dashboard; print(chaos.__file__)"],
         check=True, capture_output=True, text=True, timeout=60, cwd=tmp_path,
     ).stdout.strip()  # fmt: skip
     assert Path(where).is_relative_to(installed.parents[1]), where

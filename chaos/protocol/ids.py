@@ -46,6 +46,11 @@ Endpoint = Annotated[
 ``ipc://PATH``."""
 
 
+def is_node_id(value: object) -> bool:
+    """Whether ``value`` is a valid node id (:data:`NODE_ID_RULE`)."""
+    return isinstance(value, str) and _NODE_ID_RE.match(value) is not None
+
+
 def check_node_id(value: str, what: str = "node id") -> str:
     """Checks a node id against :data:`NODE_ID_RULE`.
 

@@ -332,6 +332,58 @@ class PullReport(msgspec.Struct, kw_only=True, frozen=True):
     donors: Annotated[list[DonorPull], msgspec.Meta(max_length=256)] = []
 
 
+MAX_PULL_DONORS = 256
+
+
+class PullStatus(msgspec.Struct, kw_only=True, frozen=True):
+    """A joiner's pull as it goes (``TrainerEvent.pulling``, with ``progress``): the bytes
+    verified so far of the bytes it pulls, and per donor."""
+
+    pulled_bytes: Counter = 0
+    total_bytes: Counter = 0
+    donors: Annotated[dict[NodeId, Counter], msgspec.Meta(max_length=MAX_PULL_DONORS)] = {}
+
+
+MAX_ACTIVITY = 4096
+MAX_STATUS_EVENTS = 200
+EventName = Annotated[str, msgspec.Meta(max_length=64)]
+EventText = Annotated[str, msgspec.Meta(max_length=256)]
+
+
+class MemberActivity(msgspec.Struct, kw_only=True, frozen=True):
+    """A training member as the scheduler hears it (``StatusReply.activity``): its step now
+    (extrapolated from its last step boundary and period), its steps per second (0: not
+    measured yet) and how long ago it was heard."""
+
+    id: NodeId
+    step: Counter = 0
+    steps_per_s: Rate = 0.0
+    heard_s: Elapsed = 0.0
+
+
+class JoinActivity(msgspec.Struct, kw_only=True, frozen=True):
+    """A join in progress as the scheduler hears it (``StatusReply.joins``): the joiner's
+    trainer pulls the state; ``pull`` is its last progress report (``None``: none yet)."""
+
+    id: NodeId
+    donors: Annotated[list[NodeId], msgspec.Meta(max_length=MAX_PULL_DONORS)] = []
+    pull: PullStatus | None = None
+    heard_s: Elapsed = 0.0
+
+
+class EventEntry(msgspec.Struct, kw_only=True, frozen=True):
+    """One event of a daemon's recent history (``StatusReply.events``): its time (Unix
+    seconds), node, name, the peer it is about, a short text of its other fields and, when it
+    says one, the duration it measured (``delay_s``, ``elapsed_s``)."""
+
+    ts: Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
+    node: NodeId
+    event: EventName
+    peer: NodeId | None = None
+    text: EventText = ""
+    seconds: Elapsed | None = None
+
+
 class ClusterView(msgspec.Struct, kw_only=True, frozen=True):
     """The scheduler's cluster view at one epoch."""
 
@@ -615,6 +667,12 @@ class StatusReply(_Base, frozen=True, tag="status_reply"):
     audit: AuditInfo | None = None
     """This node's trainer's state audit, as its last progress report said (``None``: none
     reported)."""
+    activity: Annotated[list[MemberActivity], msgspec.Meta(max_length=MAX_ACTIVITY)] = []
+    """The scheduler only: every training member's step and rate."""
+    joins: Annotated[list[JoinActivity], msgspec.Meta(max_length=MAX_ACTIVITY)] = []
+    """The scheduler only: the joins in progress, with their pulls."""
+    events: Annotated[list[EventEntry], msgspec.Meta(max_length=MAX_STATUS_EVENTS)] = []
+    """This daemon's most recent events, oldest first."""
 
 
 class LeaveCommand(_Base, frozen=True, tag="leave_command"):
@@ -741,6 +799,9 @@ class TrainerEvent(_Base, frozen=True, tag="trainer_event"):
     per-shard cost from it and logs ``replication_executed``)."""
     devices: Annotated[list[NodeId], msgspec.Meta(max_length=MAX_OFFENDERS)] = []
     """With ``nonfinite``: the devices whose gradients of ``step`` were marked bad."""
+    pulling: PullStatus | None = None
+    """With ``progress`` from a joiner pulling the state: how far the pull is (the scheduler
+    shows it in ``status``; such a report says nothing of steps)."""
 
 
 class PolicyReply(_Base, frozen=True, tag="policy_reply"):

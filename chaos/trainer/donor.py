@@ -36,7 +36,7 @@ from chaos.replication.steplog import StepLog, encode_hypers
 from chaos.scheduling import Neighbor, Plan
 from chaos.scheduling.bounds import lower_bound
 from chaos.security import Security
-from chaos.trainer.pull_progress import PullProgress
+from chaos.trainer.pull_progress import Listener, PullProgress
 
 __all__ = ["Donor", "EventSink", "SnapshotServer", "pull_report"]
 
@@ -90,6 +90,7 @@ class Donor:
         replication_timeout_s: Limit on pulling the whole state.
         pull_window: Outstanding shard requests per donor.
         progress_interval_s: Seconds between two log lines of a pull (a bar on a terminal).
+        pull_listener: Also told of a pull's progress (the daemon session).
         catch_up_log_bytes: Most gradient bytes a donor logs for a catching-up joiner.
         security: The cluster key the joiner's pulls connect with (default: none, plain).
         extra: Extra state objects by name (``state_dict()``/``load_state_dict()``) that travel
@@ -109,6 +110,7 @@ class Donor:
         replication_timeout_s: float,
         pull_window: int,
         progress_interval_s: float = 5.0,
+        pull_listener: Listener | None = None,
         catch_up_log_bytes: int = 1 << 30,
         security: Security | None = None,
         extra: ExtraState | None = None,
@@ -126,6 +128,7 @@ class Donor:
         self._replication_timeout_s = replication_timeout_s
         self._pull_window = pull_window
         self._progress_interval_s = progress_interval_s
+        self._pull_listener = pull_listener
         self._layout: list[int] | None = None
         self._layout_width = _step_width(0)  # the step's encoded size when it was registered
         self.last_pull: PullReport | None = None
@@ -361,7 +364,8 @@ class Donor:
         neighbors = [Neighbor(d.id, d.prop_s, d.trans_s_per_byte, 0.0) for d in rep.donors
                      if d.id in keys]  # fmt: skip
         plan, reason = choose_plan(state, rep, neighbors)
-        progress = PullProgress(self.node_id, self._progress_interval_s)
+        progress = PullProgress(self.node_id, self._progress_interval_s,
+                                listener=self._pull_listener)  # fmt: skip
         try:
             stats = pull_state(
                 plan,

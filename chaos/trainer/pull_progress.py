@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TextIO
 
 from tqdm import tqdm
@@ -18,6 +18,9 @@ from tqdm import tqdm
 log = logging.getLogger("chaos.trainer.pull")
 
 MB = 1e6
+
+Listener = Callable[[int, int, Mapping[str, int], bool], None]
+"""Told of a pull: bytes done, bytes in all, bytes per donor, and whether it ended."""
 
 
 class PullProgress:
@@ -27,10 +30,15 @@ class PullProgress:
         node_id: The joiner (the bar's and the lines' label).
         interval_s: Seconds between two log lines (without a terminal).
         stream: Where the bar goes; it is a bar only when this is a terminal.
+        listener: Also told of every step, and of the end (its daemon, which shows the join's
+            progress in ``status``).
     """
 
-    def __init__(self, node_id: str, interval_s: float, stream: TextIO | None = None) -> None:
+    def __init__(self, node_id: str, interval_s: float, stream: TextIO | None = None,
+                 listener: Listener | None = None) -> None:  # fmt: skip
         self._node = node_id
+        self._listener = listener
+        self._per_donor: dict[str, int] = {}
         self._interval_s = interval_s
         self._stream = stream if stream is not None else sys.stderr
         self._bar: tqdm | None = None
@@ -50,6 +58,9 @@ class PullProgress:
     def __call__(self, done: int, total: int, per_donor: Mapping[str, int]) -> None:
         """A verified shard: ``done`` of ``total`` bytes, ``per_donor`` the bytes of each."""
         self._total = total
+        self._per_donor = dict(per_donor)
+        if self._listener is not None:
+            self._listener(done, total, per_donor, False)
         step, self._done = done - self._done, done
         donors = ", ".join(f"{d} {b / MB:.1f} MB" for d, b in sorted(per_donor.items()) if b)
         if self.interactive:
@@ -73,7 +84,9 @@ class PullProgress:
         self.lines += 1
 
     def close(self) -> None:
-        """Ends the bar, or writes the last line (bytes, mean rate)."""
+        """Ends the bar, or writes the last line (bytes, mean rate); tells the listener."""
+        if self._listener is not None and self._done:
+            self._listener(self._done, self._total, self._per_donor, True)
         if self._bar is not None:
             self._bar.refresh()  # the last update may have come within mininterval
             self._bar.close()

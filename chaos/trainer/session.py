@@ -16,7 +16,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -33,7 +33,14 @@ from chaos.protocol import (
     TrainerRegister,
     encode,
 )
-from chaos.protocol.messages import MAX_ELAPSED_S, MAX_OFFENDERS, AuditInfo, PullReport
+from chaos.protocol.messages import (
+    MAX_ELAPSED_S,
+    MAX_OFFENDERS,
+    MAX_PULL_DONORS,
+    AuditInfo,
+    PullReport,
+    PullStatus,
+)
 from chaos.trainer.policy_watch import PolicyWatch
 
 __all__ = [
@@ -190,6 +197,7 @@ class StepBeacon:
         self._rate = 0.0  # samples per second of compute (0: not measured)
         self._global_batch = 0
         self._audit: AuditInfo | None = None
+        self._pulling: PullStatus | None = None  # a joiner's pull, while it runs
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self.sent = 0
@@ -233,6 +241,19 @@ class StepBeacon:
             except zmq.ZMQError as exc:
                 log.debug("non-finite step report not sent: %s", exc)
 
+    def pulling(self, done: int, total: int, per_donor: Mapping[str, int], last: bool) -> None:
+        """A joiner's pull: ``done`` of ``total`` bytes, ``per_donor``; told at most every
+        :data:`BEACON_INTERVAL_S`, and always when ``last`` (the pull ended). The reports
+        after the pull say nothing of it again."""
+        now = time.monotonic()
+        donors = dict(sorted(per_donor.items())[:MAX_PULL_DONORS])
+        with self._lock:
+            self._pulling = PullStatus(pulled_bytes=done, total_bytes=total, donors=donors)
+            if last or now - self._sent_at >= BEACON_INTERVAL_S:
+                self._send(now)
+            if last:
+                self._pulling = None
+
     def alive(self) -> None:
         """The trainer is still in its phase (it waits inside ``update()``)."""
         now = time.monotonic()
@@ -258,6 +279,7 @@ class StepBeacon:
             samples_per_s=self._rate,
             global_batch=self._global_batch,
             audit=self._audit,
+            pulling=self._pulling,
         )
         try:
             while self._sock.poll(0, zmq.POLLIN):  # a refusal from the daemon: nothing to do
@@ -563,6 +585,13 @@ class DaemonSession:
         """Whether the daemon's last word was that it is paused (no majority heard): a
         partition, as far as this trainer can tell."""
         return self._watch is not None and self._watch.paused
+
+    def pull_progress(self, done: int, total: int, per_donor: Mapping[str, int],
+                      last: bool = False) -> None:  # fmt: skip
+        """Tells the daemon (one way) how far this joiner's pull is: the scheduler shows it in
+        ``status`` (see :meth:`StepBeacon.pulling`)."""
+        if self._beacon is not None:
+            self._beacon.pulling(done, total, per_donor, last)
 
     def still_waiting(self) -> None:
         """Tells the daemon (one way, at most every :data:`BEACON_INTERVAL_S`) that the trainer

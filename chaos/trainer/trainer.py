@@ -156,7 +156,8 @@ class Trainer(JoinFlows):
             self._session = connect_session(address, self.node_id, cfg, key, t0)
             self._plane = open_data_plane(self.node_id, cfg, key, self._newer_policy, model)
             self._donor = make_donor(model, optimizer, self.node_id, self._plane, cfg, key,
-                                     self._event, self.extra_state)  # fmt: skip
+                                     self._event, self.extra_state,
+                                     self._session.pull_progress)  # fmt: skip
             self._audit = StateAudit(self.node_id, cfg.audit_every, self._donor.audit_digest)
             if join is not None and not cfg.restored:
                 self._join_until(t0 + cfg.join_timeout_s, t0)

@@ -19,6 +19,7 @@ from chaos.trainer.config import TrainerConfig
 from chaos.trainer.dataplane import DataPlane
 from chaos.trainer.donor import Donor
 from chaos.trainer.embedded import EmbeddedDaemon
+from chaos.trainer.pull_progress import Listener
 from chaos.trainer.session import DaemonSession, StepBeacon
 
 __all__ = ["connect_session", "embedded_args", "make_donor", "open_data_plane", "start_embedded"]
@@ -110,7 +111,8 @@ def gradient_bytes(model: torch.nn.Module) -> int:
 
 def make_donor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, node_id: str,
                plane: DataPlane, cfg: TrainerConfig, security: Security,
-               event: Callable[..., None], extra: dict[str, Any]) -> Donor:  # fmt: skip
+               event: Callable[..., None], extra: dict[str, Any],
+               pull_listener: Listener | None = None) -> Donor:  # fmt: skip
     """The state's capture, serving (through ``plane``'s shard server) and pull."""
     return Donor(
         model,
@@ -123,6 +125,7 @@ def make_donor(model: torch.nn.Module, optimizer: torch.optim.Optimizer, node_id
         replication_timeout_s=cfg.replication_timeout_s,
         pull_window=cfg.pull_window,
         progress_interval_s=cfg.pull_progress_s,
+        pull_listener=pull_listener,
         catch_up_log_bytes=cfg.catch_up_log_bytes,
         security=security,
         extra=extra,

@@ -20,7 +20,7 @@ import networkx as nx
 from chaos.scheduling.sync_policy import LinkEstimate
 
 from chaos.errors import ChaosError
-from chaos.protocol import ClusterView, LinkInfo, NodeInfo, Resources
+from chaos.protocol import ClusterView, LinkInfo, NodeInfo, PullStatus, Resources
 from chaos.protocol.states import NODE_TRANSITIONS, TRAINER_TRANSITIONS, NodeState, TrainerState
 
 PER_SHARD_COST_SMOOTHING = 0.3
@@ -121,6 +121,8 @@ class ClusterMonitor:
         """The smoothed per-shard cost c measured from pulls (``None``: none measured yet)."""
         self.pulls_measured = 0
         """How many pulls the per-shard cost was fitted to."""
+        self.pulls: dict[str, tuple[PullStatus, float]] = {}
+        """Each joiner's last pull report and when it came (monotonic; ``status``'s joins)."""
         self.catching_up: set[str] = set()
         """Joiners pulling a catch-up snapshot and replaying: left out of the sync policy
         until they ask to enter (``caught_up``)."""
@@ -210,9 +212,14 @@ class ClusterMonitor:
             data_key="",
         )
 
+    def observe_pull_progress(self, node: str, pull: PullStatus, now: float) -> None:
+        """A joiner's report of its pull's progress."""
+        self.pulls[node] = (pull, now)
+
     def remove_node(self, node_id: str) -> None:
         """Removes a node and its links (no-op if absent)."""
         self.clocks.pop(node_id, None)
+        self.pulls.pop(node_id, None)
         if node_id in self.g:
             self.g.remove_node(node_id)
             self._nodes_changed()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -76,3 +77,48 @@ def test_a_long_interval_still_logs_the_last_line(caplog: pytest.LogCaptureFixtu
             progress(done * 200_000, 1_000_000, {"n1": done * 200_000})
         progress.close()
     assert [r.getMessage()[:30] for r in caplog.records] == ["n7: pulled 1.0 of 1.0 MB (100%"]
+
+
+def test_the_listener_hears_every_step_and_the_end() -> None:
+    heard: list[tuple[int, int, dict[str, int], bool]] = []
+    progress = PullProgress(
+        "n7", interval_s=3600.0, stream=io.StringIO(),
+        listener=lambda d, t, per, last: heard.append((d, t, dict(per), last)),
+    )  # fmt: skip
+    progress(500, 1000, {"n1": 500})
+    progress(1000, 1000, {"n1": 500, "n4": 500})
+    progress.close()
+    assert heard == [(500, 1000, {"n1": 500}, False), (1000, 1000, {"n1": 500, "n4": 500}, False),
+                     (1000, 1000, {"n1": 500, "n4": 500}, True)]  # fmt: skip
+
+
+def test_the_beacon_tells_the_daemon_of_the_pull(tmp_path: Path) -> None:
+    """The trainer's one-way progress reports carry the pull (a real IPC socket stands in for
+    the daemon's): at most one per interval, and always the last."""
+    import zmq
+
+    from chaos.protocol import TrainerEvent, decode
+    from chaos.trainer.session import StepBeacon
+
+    ctx = zmq.Context()
+    daemon = ctx.socket(zmq.ROUTER)
+    endpoint = f"ipc://{tmp_path / 'd.sock'}"
+    daemon.bind(endpoint)
+    beacon = StepBeacon(endpoint)
+    try:
+        beacon.pulling(100, 1000, {"n1": 100}, last=False)  # sent: the first
+        beacon.pulling(200, 1000, {"n1": 200}, last=False)  # within the interval: not sent
+        beacon.pulling(1000, 1000, {"n1": 600, "n4": 400}, last=True)  # the last: sent
+        got = []
+        while len(got) < 2 and daemon.poll(2000):
+            msg = decode(daemon.recv_multipart()[-1])
+            assert isinstance(msg, TrainerEvent) and msg.kind == "progress"
+            got.append(msg.pulling)
+        assert [(p.pulled_bytes, p.total_bytes) if p else None for p in got] == [
+            (100, 1000), (1000, 1000)]  # fmt: skip
+        assert got[1] is not None and got[1].donors == {"n1": 600, "n4": 400}
+        assert not daemon.poll(300)  # the report within the interval was not sent
+    finally:
+        beacon.close()
+        daemon.close(linger=0)
+        ctx.term()
