@@ -18,15 +18,18 @@ bookkeeping on the cluster's clock:
   moves it to the step it entered at), so ``max_steps``, logging, saving and evaluation follow
   the cluster: every member stops at the same step, and a late joiner does not train
   ``max_steps`` more on its own;
-- ``state.epoch`` is the cluster's step over the framework's optimizer steps per epoch;
+- ``state.epoch`` is the cluster's step over this device's optimizer steps per epoch, and the
+  data loader's epochs end where the cluster's do: a joiner's loader, which starts at its
+  beginning, ends its first epoch when the cluster's epoch ends (not a full pass later), so its
+  epoch count, and a sampler reseeded per epoch, follow the cluster's;
 - ``max_grad_norm`` clips the *averaged* gradient: the callback moves it onto the optimizer at
   the start of training (and sets the framework's own to 0, which would clip each member's local
   gradient before the average);
 - the logs carry the cluster's step, its size and the averaged gradient's norm.
 
-What stays local: each device's data loader. Every member reads its own data (its own shard,
-its own order); on a join, the joiner's loader starts at its beginning and the epoch count
-follows the cluster, not the rows read.
+What stays local: each device's data (its own shard, its own order within an epoch). On a join
+the joiner's loader starts at the beginning of its shard; a shard has no position that another
+device's step could name.
 """
 
 from __future__ import annotations
@@ -63,8 +66,9 @@ class ChaosCallback(TrainerCallback):
             raise ConfigError(f"ChaosCallback takes the ElasticOptimizer the Trainer steps, got "
                               f"{type(optimizer).__name__}")  # fmt: skip
         self.optimizer = optimizer
-        self._steps_per_epoch: float | None = None
+        self._steps_per_epoch: int | None = None
         self._last_step = -1
+        self._loader_epoch: int | None = None  # the cluster's epoch this loader's epoch is in
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
@@ -78,14 +82,15 @@ class ChaosCallback(TrainerCallback):
         """
         self._check_stepped(kw.get("optimizer"))
         self._take_clipping(args)
-        if state.max_steps and state.num_train_epochs:
-            self._steps_per_epoch = state.max_steps / state.num_train_epochs
+        self._steps_per_epoch = _steps_per_epoch(kw.get("train_dataloader"),
+                                                 args.gradient_accumulation_steps)  # fmt: skip
         state.global_step = self._last_step = self.optimizer.cluster_step
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> TrainerControl:
-        """Sets the step and the epoch to the cluster's; stops at ``max_steps`` of the cluster.
+        """Sets the step and the epoch to the cluster's, ends the loader's epoch where the
+        cluster's ends, and stops at ``max_steps`` of the cluster.
 
         Raises:
             ConfigError: the optimizer step did not move the cluster's step (the framework
@@ -96,8 +101,13 @@ class ChaosCallback(TrainerCallback):
             raise ConfigError(NOT_STEPPED)
         self._last_step = step
         state.global_step = step
-        if self._steps_per_epoch:
-            state.epoch = step / self._steps_per_epoch
+        spe = self._steps_per_epoch
+        if spe:
+            state.epoch = step / spe
+            epoch = step // spe
+            if self._loader_epoch is not None and epoch > self._loader_epoch:
+                control.should_epoch_stop = True  # the cluster's epoch ended: so does this one
+            self._loader_epoch = epoch
         if state.max_steps > 0 and step >= state.max_steps:
             control.should_training_stop = True
         return control
@@ -140,3 +150,12 @@ class ChaosCallback(TrainerCallback):
         args.max_grad_norm = 0.0  # the framework would clip the local gradient, before averaging
         log.info("max_grad_norm %s clips the averaged gradient (the ElasticOptimizer's step)",
                  framework)  # fmt: skip
+
+
+def _steps_per_epoch(loader: Any, accumulation: int) -> int | None:
+    """Optimizer steps per epoch of ``loader`` (``None``: it has no length, e.g. a stream)."""
+    try:
+        batches = len(loader)
+    except TypeError:
+        return None
+    return max(1, math.ceil(batches / max(1, accumulation)))

@@ -19,16 +19,21 @@ Lightning's bookkeeping on the cluster's clock:
 - ``trainer.global_step`` is the cluster's step after every optimizer step (a joiner's first
   step moves it to the step it entered at), so ``max_steps``, logging and checkpointing follow
   the cluster: every member stops at the same step;
+- ``trainer.current_epoch`` is the cluster's epoch (its step over this device's optimizer steps
+  per epoch), and the loader's epochs end where the cluster's do: a joiner's loader, which
+  starts at its beginning, ends its first epoch when the cluster's epoch ends (the callback
+  makes the module's ``on_train_batch_start`` answer -1 once, Lightning's way to end an epoch);
 - ``gradient_clip_val`` (by norm) clips the *averaged* gradient: the callback moves it onto the
   optimizer when training starts (Lightning would clip each member's local gradient inside the
   optimizer's closure, before the average).
 
-What stays local: each device's data loader and Lightning's epoch count.
+What stays local: each device's data (its own shard, its own order within an epoch).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import lightning.pytorch as pl
@@ -50,6 +55,8 @@ class ChaosLightningCallback(pl.Callback):
 
     def __init__(self) -> None:
         self.optimizer: ElasticOptimizer | None = None
+        self._loader_epoch: int | None = None  # the cluster's epoch this loader's epoch is in
+        self._end_epoch = False  # the cluster's epoch ended: end the loader's at the next batch
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Finds the :class:`ElasticOptimizer`, moves ``gradient_clip_val`` onto it and starts
@@ -63,6 +70,28 @@ class ChaosLightningCallback(pl.Callback):
         self.optimizer = _elastic(trainer.optimizers)
         self._take_clipping(trainer, self.optimizer)
         _set_global_step(trainer, self.optimizer.cluster_step)
+        self._wrap_batch_start(pl_module)
+        spe = _steps_per_epoch(trainer)
+        if spe is not None:
+            self._loader_epoch = self.optimizer.cluster_step // spe
+            _set_current_epoch(trainer, self._loader_epoch)
+
+    def _wrap_batch_start(self, module: pl.LightningModule) -> None:
+        """Makes the module's ``on_train_batch_start`` answer -1 (end the epoch) once when the
+        cluster's epoch ended; otherwise it is the module's own."""
+        own = module.on_train_batch_start
+
+        def on_train_batch_start(batch: Any, batch_idx: int) -> int | None:
+            if self._end_epoch:
+                self._end_epoch = False
+                return -1
+            return own(batch, batch_idx)
+
+        module.on_train_batch_start = on_train_batch_start  # type: ignore[method-assign]
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A new epoch began (the loader's own end, or one the cluster's made): nothing to end."""
+        self._end_epoch = False
 
     def on_train_batch_end(
         self,
@@ -73,9 +102,19 @@ class ChaosLightningCallback(pl.Callback):
         batch_idx: int,
     ) -> None:
         """Sets ``global_step`` to the cluster's step (after an optimizer step, or a joiner's
-        entry)."""
-        if self.optimizer is not None and trainer.global_step != self.optimizer.cluster_step:
-            _set_global_step(trainer, self.optimizer.cluster_step)
+        entry), and ends the loader's epoch at the next batch when the cluster's ended."""
+        if self.optimizer is None:
+            return
+        step = self.optimizer.cluster_step
+        if trainer.global_step != step:
+            _set_global_step(trainer, step)
+        spe = _steps_per_epoch(trainer)
+        if spe is None:
+            return
+        epoch = step // spe
+        if self._loader_epoch is not None and epoch > self._loader_epoch:
+            self._end_epoch = True
+        self._loader_epoch = epoch
 
     @staticmethod
     def _take_clipping(trainer: pl.Trainer, opt: ElasticOptimizer) -> None:
@@ -120,3 +159,19 @@ def _set_global_step(trainer: pl.Trainer, step: int) -> None:
     else:
         total = loop.manual_optimization.optim_step_progress.total
     total.ready = total.completed = step
+
+
+def _steps_per_epoch(trainer: pl.Trainer) -> int | None:
+    """Optimizer steps per epoch of this device's loader (``None``: not known, e.g. a stream)."""
+    batches = trainer.num_training_batches
+    if not isinstance(batches, int) or batches <= 0:
+        return None
+    return max(1, math.ceil(batches / max(1, trainer.accumulate_grad_batches)))
+
+
+def _set_current_epoch(trainer: pl.Trainer, epoch: int) -> None:
+    """Sets the epoch counter Lightning's ``current_epoch`` reads (a joiner's, at its start)."""
+    progress = trainer.fit_loop.epoch_progress
+    for tracker in (progress.current, progress.total):  # _ProcessedTrackers: all four counts
+        for count in ("ready", "started", "processed", "completed"):
+            setattr(tracker, count, epoch)

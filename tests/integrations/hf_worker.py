@@ -10,11 +10,11 @@ the optimizer state. At the end, a ``done`` line.
 
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Any
 
 import torch
+from framework_worker import done_record, epoch_record, parse_args, step_record
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -26,7 +26,7 @@ from transformers import (
 
 from chaos import ElasticOptimizer
 from chaos.integrations.hf import ChaosCallback
-from chaos.trainer.worker import add_member_arguments, model_digest, write_record
+from chaos.trainer.worker import write_record
 
 VOCAB, SEQ = 96, 16
 
@@ -46,7 +46,7 @@ class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 
 class Record(TrainerCallback):  # type: ignore[misc]
-    """Appends each optimizer step's record; paces the steps (``--step-time``)."""
+    """Appends each optimizer step's and epoch start's record; paces the steps."""
 
     def __init__(self, opt: ElasticOptimizer, model: torch.nn.Module, out: Any, pace: float):
         self.opt, self.model, self.out, self.pace = opt, model, out, pace
@@ -54,23 +54,15 @@ class Record(TrainerCallback):  # type: ignore[misc]
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
         time.sleep(self.pace)
 
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        write_record(self.out, epoch_record(self.opt, state.epoch))
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-        step = self.opt.cluster_step
-        write_record(self.out, {
-            "step": step, "global_step": state.global_step, "epoch": state.epoch,
-            "world": self.opt.trainer.world_size, "live": self.opt.last_step_live,
-            "lr": self.opt.scheduler.get_last_lr()[0] if self.opt.scheduler else None,
-            "grad_norm": self.opt.last_grad_norm,
-            "digest": model_digest(self.model, self.opt.optimizer, step),
-        })  # fmt: skip
+        write_record(self.out, step_record(self.opt, self.model, state.global_step, state.epoch))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    add_member_arguments(ap)
-    ap.add_argument("--max-steps", type=int, default=400)
-    ap.add_argument("--step-time", type=float, default=0.03)
-    args = ap.parse_args()
+    args = parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2,
@@ -93,9 +85,7 @@ def main() -> None:
         trainer = Trainer(model=model, args=hf_args, train_dataset=Tokens(args.id),
                           optimizers=(opt, opt.scheduler), callbacks=callbacks)  # fmt: skip
         trainer.train()
-        step = opt.cluster_step
-        write_record(out, {"done": True, "step": step, "global_step": trainer.state.global_step,
-                           "digest": model_digest(model, opt.optimizer, step)})  # fmt: skip
+        write_record(out, done_record(opt, model, trainer.state.global_step))
     opt.close()
 
 

@@ -16,11 +16,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from framework_worker import done_record, epoch_record, parse_args, step_record
 from torch.optim.lr_scheduler import LambdaLR
 
 from chaos import ElasticOptimizer
 from chaos.integrations.lightning import ChaosLightningCallback
-from chaos.trainer.worker import add_member_arguments, local_data, model_digest, write_record
+from chaos.trainer.worker import local_data, write_record
 
 
 class Classifier(pl.LightningModule):
@@ -49,7 +50,7 @@ class Classifier(pl.LightningModule):
 
 
 class Record(pl.Callback):
-    """Appends each optimizer step's record; paces the batches (``--step-time``)."""
+    """Appends each optimizer step's and epoch start's record; paces the batches."""
 
     def __init__(self, out: Any, pace: float) -> None:
         self.out, self.pace, self.last = out, pace, -1
@@ -57,28 +58,22 @@ class Record(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, module: Any, batch: Any, i: int) -> None:
         time.sleep(self.pace)
 
+    def on_train_epoch_start(self, trainer: pl.Trainer, module: Any) -> None:
+        write_record(self.out, epoch_record(module.elastic, trainer.current_epoch))
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, i: int
     ) -> None:
         opt = module.elastic
-        step = opt.cluster_step
-        if step == self.last:
+        if opt.cluster_step == self.last:
             return  # an accumulation batch: no optimizer step
-        self.last = step
-        write_record(self.out, {
-            "step": step, "global_step": trainer.global_step, "epoch": trainer.current_epoch,
-            "world": opt.trainer.world_size, "live": opt.last_step_live,
-            "lr": opt.scheduler.get_last_lr()[0], "grad_norm": opt.last_grad_norm,
-            "digest": model_digest(module, opt.optimizer, step),
-        })  # fmt: skip
+        self.last = opt.cluster_step
+        write_record(self.out, step_record(opt, module, trainer.global_step,
+                                           trainer.current_epoch))  # fmt: skip
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    add_member_arguments(ap)
-    ap.add_argument("--max-steps", type=int, default=400)
-    ap.add_argument("--step-time", type=float, default=0.03)
-    args = ap.parse_args()
+    args = parse_args()
     torch.set_num_threads(1)
     xs, ys = local_data(args.id, 4096, 16, 4)
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(xs, ys), batch_size=8,
@@ -93,9 +88,7 @@ def main() -> None:
         )  # fmt: skip
         trainer.fit(module, loader)
         opt = module.elastic
-        step = opt.cluster_step
-        write_record(out, {"done": True, "step": step, "global_step": trainer.global_step,
-                           "digest": model_digest(module, opt.optimizer, step)})  # fmt: skip
+        write_record(out, done_record(opt, module, trainer.global_step))
     opt.close()
 
 

@@ -20,6 +20,9 @@ from tests.trainer.trainer_cluster import Cluster, Member, assert_equal_from, wo
 HF_WORKER = Path(__file__).with_name("hf_worker.py")
 LIGHTNING_WORKER = Path(__file__).with_name("lightning_worker.py")
 MAX_STEPS = 700
+STEPS_PER_EPOCH = {HF_WORKER: 512, LIGHTNING_WORKER: 256}
+"""Optimizer steps per epoch of each worker's shard: 4096 rows, 4 or 8 a batch, 2 batches a
+step."""
 
 
 @pytest.fixture(params=[HF_WORKER, LIGHTNING_WORKER], ids=["huggingface", "lightning"])
@@ -34,6 +37,11 @@ def _steps(m: Member) -> list[dict]:
 
 def _done(m: Member) -> dict:
     return next((r for r in m.records() if r.get("done")), {})
+
+
+def _epoch_starts(m: Member) -> list[int]:
+    """The cluster's step at each start of ``m``'s loader epoch."""
+    return [r["step"] for r in m.records() if r.get("epoch_begin")]
 
 
 def test_a_framework_survives_a_late_join_and_a_kill(cluster: Cluster) -> None:
@@ -78,3 +86,11 @@ def test_a_framework_survives_a_late_join_and_a_kill(cluster: Cluster) -> None:
         if r["live"]:  # a joiner's entry step dropped its gradients: it clipped nothing
             assert r["grad_norm"] == ref["grad_norm"], r["step"]
     assert len({r["lr"] for r in _steps(a)}) > 100
+    # the loaders' epochs end where the cluster's do: the late joiner's first one too, which
+    # began mid-epoch (its loader at its shard's beginning), not a full pass later
+    spe = STEPS_PER_EPOCH[cluster.worker]
+    bounds = list(range(spe, MAX_STEPS, spe))
+    assert _epoch_starts(a) == [0, *bounds]
+    joined = _epoch_starts(c)[0]
+    later = [b for b in bounds if b > joined]
+    assert joined > 0 and later and _epoch_starts(c)[1:] == later, _epoch_starts(c)
