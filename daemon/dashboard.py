@@ -17,7 +17,6 @@ document never holds key material (the nodes' public keys are left out too).
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import logging
 import threading
 import time
@@ -34,7 +33,7 @@ from chaos.daemon.metrics import MetricsServer, ServerLimits, _StartResponse, _W
 
 from chaos.errors import ChaosError, ConfigError
 from chaos.protocol import StatusReply
-from chaos.protocol.ids import check_daemon_endpoint
+from chaos.protocol.ids import check_daemon_endpoint, is_loopback_host
 from chaos.security import ClusterKey, Security
 
 log = logging.getLogger("chaos.daemon.dashboard")
@@ -88,20 +87,11 @@ class DashboardConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.05 <= v <= 3600:
                 raise ConfigError(f"{name} must be 0.05..3600 seconds, got {v!r}")
-        if self.key_file is None and not _is_loopback(self.host):
+        if self.key_file is None and not is_loopback_host(self.host):
             raise ConfigError(
                 f"the dashboard binds {self.host}, not loopback: it needs a cluster key "
                 "(--cluster-key), whose token every request must then carry"
             )
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class ClusterPoller:

@@ -58,6 +58,7 @@ from chaos.launch import (
     spawn_daemon,
     wait_until,
 )
+from chaos.progress import LiveProgress
 from chaos.protocol import OpResult, StatusReply
 
 _POLL_S = 0.02
@@ -413,32 +414,35 @@ def control_command(
     idle_s: float,
 ) -> None:
     """Control-plane benchmark with real daemons on loopback (default heartbeat settings)."""
-    result = _measure(nodes, repeats, scale_ins, kills, reelections, idle_s)
+    with LiveProgress("control", 5, "phases") as live:
+        result = _measure(nodes, repeats, scale_ins, kills, reelections, idle_s, live)
     Path(json_path).write_text(json.dumps(result, indent=2))
     _print_result(result)
     click.echo(f"wrote {json_path}")
 
 
 def _measure(
-    nodes: int, repeats: int, scale_ins: int, kills: int, reelections: int, idle_s: float
+    nodes: int, repeats: int, scale_ins: int, kills: int, reelections: int, idle_s: float,
+    live: LiveProgress,
 ) -> dict[str, Any]:
-    """Runs every measurement on a fresh cluster of ``nodes`` daemons; returns the JSON."""
+    """Runs every measurement on a fresh cluster of ``nodes`` daemons, each phase done a step of
+    ``live``; returns the JSON."""
     with tempfile.TemporaryDirectory(prefix="chaos-bench-control-") as tmp:
         b = _Bench(Path(tmp))
         try:
             ids = _start_cluster(b, nodes)
-            click.echo(f"{nodes} daemons up; idle for {idle_s:.0f} s ...")
+            live.done(f"{nodes} daemons up; idle for {idle_s:.0f} s ...")
             time.sleep(2.0)  # let the joins' follow-up measurements settle
             idle_mean, idle_max, idle_cores = _idle_cpu(b, ids, idle_s)
-            click.echo("link primitives ...")
+            live.done("link primitives ...")
             rec = _Samples()
             cpu = _CpuMeter(b, ids, idle_cores)
             _links(b, ids, repeats, rec, cpu)
-            click.echo("scale-in ...")
+            live.done("scale-in ...")
             _scale_in(b, ids, scale_ins, rec)
-            click.echo("kill -9 of members ...")
+            live.done("kill -9 of members ...")
             detect_s = _failures(b, ids, kills)
-            click.echo("kill -9 of the scheduler ...")
+            live.done("kill -9 of the scheduler ...")
             reelect_s = _reelections(b, ids, reelections)
         finally:
             b.close()

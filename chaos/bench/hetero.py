@@ -43,6 +43,7 @@ from chaos.launch import (
     spawn_worker,
     wait_until,
 )
+from chaos.progress import LiveProgress
 
 MODES = ("equal", "proportional")
 DAEMON_ARGS = ("--heartbeat-interval", "0.2", "--failure-timeout", "1.0")
@@ -273,7 +274,8 @@ def hetero_command(
                            work_dir=work_dir)  # fmt: skip
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
-    result = run(cfg, click.echo)
+    with LiveProgress("hetero") as live:
+        result = run(cfg, live)
     click.echo(f"{'split':>13}{'steps/s':>10}{'samples/s':>12}{'step p50 ms':>13}")
     for mode in MODES:
         r = result[mode]

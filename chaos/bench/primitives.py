@@ -92,6 +92,7 @@ from chaos.launch import (
     spawn_worker,
     wait_until,
 )
+from chaos.progress import LiveProgress
 
 PRIMITIVES = ("scale_in", "connect_link", "disconnect_link")
 WORKER_STEP_TIMEOUT_S = 10.0
@@ -694,7 +695,8 @@ def primitives_command(
         )  # fmt: skip
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from exc
-    result = run(cfg, click.echo)
+    with LiveProgress("primitives") as live:
+        result = run(cfg, live)
     Path(json_path).write_text(json.dumps(result, indent=2))
     head = f"{'primitive':<17}{'stall p50 ms':>13}{'stall p99 ms':>13}{'null p50 ms':>12}"
     click.echo(f"{head}{'added p50 ms':>13}{'control p50 ms':>15}{'reruns':>8}{'n':>4}")

@@ -126,9 +126,12 @@ def is_loopback_endpoint(value: str) -> bool:
     ``::1`` or ``localhost``); names other than ``localhost`` are not resolved and count as
     not loopback."""
     m = _TCP_RE.match(value) if isinstance(value, str) else None
-    if m is None:
-        return False
-    host = m.group(1).strip("[]")
+    return m is not None and is_loopback_host(m.group(1).strip("[]"))
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` is a loopback address (``127.0.0.0/8``, ``::1``) or ``localhost``; other
+    names are not resolved and count as not loopback."""
     if host == "localhost":
         return True
     try:

@@ -7,20 +7,16 @@ from __future__ import annotations
 
 import http.client
 import json
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from chaos.daemon.client import DaemonClient
 from chaos.daemon.dashboard import Dashboard, DashboardConfig, dashboard_token
+from daemon_helpers import Cluster, Node, wait_until
 
 from chaos.errors import ConfigError
 from chaos.protocol import StatusReply
 from chaos.security import ClusterKey, Security
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "daemon"))
-from daemon_helpers import Cluster, Node, wait_until  # noqa: E402 - the daemon tests' helpers
 
 
 def _get(port: int, path: str, method: str = "GET") -> tuple[int, bytes, dict[str, str]]:
@@ -31,15 +27,6 @@ def _get(port: int, path: str, method: str = "GET") -> tuple[int, bytes, dict[st
         return r.status, r.read(), dict(r.getheaders())
     finally:
         conn.close()
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path)
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 @pytest.fixture

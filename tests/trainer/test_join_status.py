@@ -1,0 +1,44 @@
+"""A join in progress as the scheduler's ``status`` shows it, with real processes: a keyed
+founder and a joiner pulling a 50 MB state (Adam over a wide model); the joiner's trainer
+reports its pull through its daemon to the scheduler, whose status lists the join with its
+bytes and donors until the joiner trains. The dashboard draws that list."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.trainer.trainer_cluster import KeyedCluster, world
+
+WIDE = ("--width", "200000", "--optimizer", "adam")  # about 50 MB of state
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[KeyedCluster]:
+    with contextlib.closing(KeyedCluster(tmp_path)) as c:  # reaped even on failure
+        yield c
+
+
+def test_the_scheduler_shows_a_joins_pull(cluster: KeyedCluster) -> None:
+    a = cluster.start("a", None, *WIDE)
+    cluster.wait(lambda: a.last().get("step", 0) >= 3, "a to train")
+    b = cluster.start("b", a, *WIDE)
+    pulls = []
+    deadline = time.monotonic() + 120.0
+    while not world(b, 2) and time.monotonic() < deadline:
+        st = cluster.status("a")  # a is the scheduler
+        pulls += [(j.pull, j.donors) for j in st.joins if j.id == "b" and j.pull is not None]
+        time.sleep(0.02)
+    assert world(b, 2), b.log()
+    assert pulls, "the scheduler never showed b's pull"
+    last, donors = pulls[-1]
+    assert last.total_bytes > 40_000_000 and last.pulled_bytes == last.total_bytes
+    assert donors == ["a"] and last.donors == {"a": last.total_bytes}
+    assert all(p.pulled_bytes <= p.total_bytes for p, _ in pulls)
+    st = cluster.status("a")
+    assert not [j for j in st.joins if j.id == "b"]  # b trains: no longer a join
+    assert {x.id for x in st.activity} == {"a", "b"}
