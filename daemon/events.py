@@ -52,7 +52,8 @@ class EventLog:
         self._node = node_id
         self._enc = msgspec.json.Encoder()
         self.path = str(path)
-        self._recent: deque[EventEntry] = deque(maxlen=MAX_STATUS_EVENTS)
+        # the last events as logged; shaped for ``status`` only when it is asked (entry_of)
+        self._recent: deque[tuple[float, str, dict[str, Any]]] = deque(maxlen=MAX_STATUS_EVENTS)
 
     def emit(self, event: str, **fields: Any) -> None:
         """Appends one event stamped with the wall-clock time.
@@ -64,7 +65,7 @@ class EventLog:
         if self._fh is None:
             return
         record = {"ts": time.time(), "node": self._node, "event": event, **fields}
-        self._recent.append(entry_of(record["ts"], self._node, event, fields))
+        self._recent.append((record["ts"], event, fields))
         try:
             self._fh.write(self._enc.encode(record) + b"\n")
             self._fh.flush()
@@ -73,7 +74,7 @@ class EventLog:
 
     def recent(self) -> list[EventEntry]:
         """The most recent events (at most :data:`MAX_STATUS_EVENTS`), oldest first."""
-        return list(self._recent)
+        return [entry_of(ts, self._node, event, fields) for ts, event, fields in self._recent]
 
     def close(self) -> None:
         """Closes the file; later events are ignored."""
