@@ -169,8 +169,10 @@ def main() -> int:
                 dumped += 1
                 args.dump_dir.mkdir(parents=True, exist_ok=True)
                 grads = [p.grad.detach().clone() for p in model.parameters()]  # type: ignore[union-attr]
-                torch.save({"params": before, "grads": grads, "x": x, "y": y},
-                           args.dump_dir / f"{args.id}-{step}.pt")  # fmt: skip
+                final = args.dump_dir / f"{args.id}-{step}.pt"
+                part = final.with_suffix(".part")  # the test reads *.pt: never a half-written one
+                torch.save({"params": before, "grads": grads, "x": x, "y": y}, part)
+                part.replace(final)
             trainer.check_state_replication()
             rec = step_record(trainer, model, opt, batch=size, split=trainer.batch_sizes)
             if args.extras:
