@@ -43,9 +43,7 @@ from chaos.errors import (
 )
 from chaos.security import Security
 from chaos.trainer.audit import StateAudit
-from chaos.trainer.catch_up import (
-    CatchUpState,
-)
+from chaos.trainer.catch_up import CatchUpState, Hooks
 from chaos.trainer.config import (
     TrainerConfig,
     check_endpoints,
@@ -396,27 +394,50 @@ class Trainer(JoinFlows):
                 is a :class:`~chaos.errors.ChaosTimeout`.
         """
         check_num_samples(num_samples)
-        session = self._session
+        hooks = (before_step, step_fn, after_step)
         if self._catching is not None:
             # a catching-up joiner: its gradients were computed on the snapshot, steps ago, and
             # the script set its hyperparameters for the snapshot's step. It replays the logged
             # steps (with the members' hyperparameters), enters, and returns at the cluster's
-            # step without a live step: the loop's next call, with hyperparameters set from the
-            # new trainer.step and gradients of the entered state, is its first live step
+            # step without a live step of its own: the loop's next call, with hyperparameters
+            # set from the new trainer.step and gradients of the entered state, is its first
             try:
-                self._catch_up_and_enter((before_step, step_fn, after_step))
+                self._catch_up_and_enter(hooks)
+                self._entry_step(hooks)
             except _Rejoined:  # its entry failed and it joined again: it enters next time
                 pass
             self._meter.computing()
             return False
         self._measure(num_samples)
-        flat = self._finite.outgoing(self._grads.pack(num_samples))  # marked if not finite
+        return self._step_with(self._finite.outgoing(self._grads.pack(num_samples)), hooks)
+
+    def _entry_step(self, hooks: Hooks) -> None:
+        """A catching-up joiner that just entered takes part in the step it entered at with
+        no gradient and weight 0, as a joiner in local-steps mode does, and applies the
+        members' average with the hyperparameters it pulled with their state (theirs for
+        this step) and this call's hooks, as it applies a logged step. So the members do not
+        wait, at the entry step, for the joiner's gradients of the entered state: the joiner
+        computes its first gradients beside them, for the next step."""
+        if self.world_size > 1:
+            self._step_with(self._grads.zeros(), hooks, entry=True)
+
+    def _step_with(self, flat: torch.Tensor, hooks: Hooks, entry: bool = False) -> bool:
+        """One live step with the packed gradients ``flat``: the allreduce, the verdict on
+        the sum, the optimizer step with ``hooks`` (see :meth:`update`), the boundary's duties.
+
+        Returns:
+            Whether the step ran (``False``: this trainer was evicted and joined again).
+        """
+        before_step, step_fn, after_step = hooks
+        session = self._session
         session.step_started(self._step)  # the step progress the scheduler finds stragglers by
         try:
             reduced = self._allreduce(flat)
         except _Rejoined:  # this trainer was evicted and joined again: its gradients are stale
             session.step_done(self._step)
             self._meter.computing()
+            return False
+        if reduced is None and entry:  # alone now: nothing to apply, the next call steps
             return False
         members = self._policy.members if self._policy else ()
         bad = self._finite.verdict(flat if reduced is None else reduced, members)

@@ -165,12 +165,16 @@ def test_a_loop_that_sets_the_lr_from_the_step_stays_equal_after_a_catch_up(
     entered, replayed = _event(c, "entered"), _event(c, "replayed")
     assert entered is not None and replayed is not None, _events(a, b, c)
     assert entered["replayed"] > 0, _events(a, b, c)  # it caught up over logged steps
-    assert first == entered["step"]  # the entry's update() took no live step of its own
+    # the entry's update() took no live step of its own: it took part in the entry step with
+    # weight 0 and the members' hyperparameters (pulled with their state), so its first record
+    # is one step on
+    assert first == entered["step"] + 1
     assert assert_equal_from([a, b, c], first) >= 10
     # the digests cover parameters and optimizer state; the lr each step ran with must match
     # too. A record of step s holds the lr that step s - 1 ran with (the loop set it before that
-    # call); at the entry step itself it holds the donor's, whatever its loop had set by then
+    # call); the joiner's first holds the lr of its entry step: the donors', whatever its loop
+    # had set by then
     lrs = [{r["step"]: r["lr"] for r in m.records() if "lr" in r} for m in (a, b, c)]
     for step in sorted(set.intersection(*(set(x) for x in lrs))):
-        if step > first:
+        if step >= first:
             assert len({x[step] for x in lrs}) == 1, (step, [x[step] for x in lrs])
