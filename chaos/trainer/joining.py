@@ -135,10 +135,14 @@ class JoinFlows(abc.ABC):
         self._event("snapshot_pulled", epoch=policy.epoch, step=self._step,
                     planned_step=rep.at_step, elapsed_s=time.monotonic() - t0)  # fmt: skip
 
-    def _catch_up_and_enter(self, hooks: Hooks) -> None:
+    def _catch_up_and_enter(self, hooks: Hooks) -> float | None:
         """Replays the steps the members took since the snapshot, asks the scheduler to enter
         (``caught_up``), and once the policy includes this trainer replays up to the step the
-        donors serve and pulls only what still differs; then installs the policy (ready).
+        donors serve and pulls only what still differs; then installs the policy (event
+        ``ready``; the caller reports it after the entry step, :meth:`_report_entry`).
+
+        Returns:
+            The seconds since the join began (``None``: not a catching-up joiner).
 
         Raises:
             ChaosTimeout: no policy with this trainer within ``join_timeout_s``, or the join
@@ -149,7 +153,7 @@ class JoinFlows(abc.ABC):
         """
         cu = self._catching
         if cu is None:
-            return
+            return None
         cfg, session = self.config, self._session
         source = StepSource(cu.donors, self._grads.zeros(), self._security)
 
@@ -198,7 +202,6 @@ class JoinFlows(abc.ABC):
             self._step = self._donor.pull(policy.replication, policy.epoch, prepare=to_snapshot)
         except (ReplicationError, ChaosTimeout) as exc:  # e.g. a new scheduler named no donor
             self._enter_again(policy.epoch, exc)
-        session.report_pull(self._donor.last_pull)
         self._catching = None
         self._install(policy)
         pull = self._donor.last_pull
@@ -210,9 +213,15 @@ class JoinFlows(abc.ABC):
         elapsed = time.monotonic() - cu.started
         self._unreachable.reset()
         self._event("ready", elapsed_s=elapsed, epoch=self._epoch, step=self._step)
-        session.report_ready(
-            elapsed, f"epoch {self._epoch} step {self._step} (caught up)", self._step
-        )
+        return elapsed
+
+    def _report_entry(self, elapsed_s: float, step: int) -> None:
+        """Tells the scheduler, once the entry step is over, what the entry pull did and that
+        this trainer is ready: two round trips through the daemon that the members would
+        otherwise wait for in the entry step's allreduce."""
+        session = self._session
+        session.report_pull(self._donor.last_pull)
+        session.report_ready(elapsed_s, f"epoch {self._epoch} step {step} (caught up)", step)
 
     def _enter_again(self, epoch: int, exc: ChaosError) -> NoReturn:
         """A catching-up joiner's entry failed (event ``entry_failed``): it joins again.

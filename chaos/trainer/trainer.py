@@ -402,8 +402,11 @@ class Trainer(JoinFlows):
             # step without a live step of its own: the loop's next call, with hyperparameters
             # set from the new trainer.step and gradients of the entered state, is its first
             try:
-                self._catch_up_and_enter(hooks)
-                self._entry_step(hooks)
+                elapsed = self._catch_up_and_enter(hooks)
+                if elapsed is not None:
+                    entered_at = self._step
+                    self._entry_step(hooks)
+                    self._report_entry(elapsed, entered_at)
             except _Rejoined:  # its entry failed and it joined again: it enters next time
                 pass
             self._meter.computing()
@@ -462,7 +465,8 @@ class Trainer(JoinFlows):
         self._step += 1
         session.step_done(self._step)
         self._donor.at_boundary(self._step)  # a catch-up snapshot planned for this step
-        self._maybe_reregister()
+        if not entry:  # after the entry's ready report: the scheduler takes a layout only then
+            self._maybe_reregister()
         self._audit_boundary()
         self._meter.computing()
         return True
