@@ -408,6 +408,7 @@ def _status_dict(st: StatusReply) -> dict[str, Any]:
         "activity": msgspec.to_builtins(st.activity),
         "joins": msgspec.to_builtins(st.joins),
         "events": msgspec.to_builtins(st.events),
+        "trainer_phase": st.trainer_phase.value if st.trainer_phase else None,
     }
 
 
@@ -450,6 +451,8 @@ def status(connect: str | None, cluster_key: str | None, as_json: bool) -> None:
     elif st.sync is not None:
         extra = f" root {st.sync.root}" if st.sync.kind == "tree" else " " + "-".join(st.sync.ring)
         click.echo(f"sync policy: {st.sync.kind}{extra}")
+    if st.trainer_phase is not None:
+        click.echo(f"this node's trainer: {st.trainer_phase.value}")
     if st.audit is not None:
         a = st.audit
         verdict = "agreed" if a.agreed else "MEMBERS DIFFERED"
@@ -457,13 +460,15 @@ def status(connect: str | None, cluster_key: str | None, as_json: bool) -> None:
                    f"{a.mismatches} mismatches, {a.healed} healed here)")  # fmt: skip
     for a in st.activity:
         rate = f"{a.steps_per_s:.1f} steps/s" if a.steps_per_s else "rate not measured yet"
-        click.echo(f"training: {a.id} step {a.step} ({rate}, heard {a.heard_s:.1f} s ago)")
+        phase = f"{a.phase.value}, " if a.phase is not None else ""
+        click.echo(f"training: {a.id} step {a.step} ({phase}{rate}, heard {a.heard_s:.1f} s ago)")
     for j in st.joins:
+        phase = f" [{j.phase.value}]" if j.phase is not None else ""
         if j.pull is None:
-            click.echo(f"joining: {j.id} (no pull reported yet)")
+            click.echo(f"joining: {j.id}{phase} (no pull reported yet)")
             continue
         p = j.pull
-        click.echo(f"joining: {j.id} pulled {p.pulled_bytes / 1e6:.1f} of "
+        click.echo(f"joining: {j.id}{phase} pulled {p.pulled_bytes / 1e6:.1f} of "
                    f"{p.total_bytes / 1e6:.1f} MB from {', '.join(j.donors) or '-'}")  # fmt: skip
     for note in st.notes:
         click.echo(f"note: {note}")

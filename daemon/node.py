@@ -87,6 +87,7 @@ from chaos.protocol import (
     refusal,
 )
 from chaos.protocol.messages import AuditInfo
+from chaos.protocol.states import TrainerPhase
 from chaos.security import Security
 
 log = logging.getLogger("chaos.daemon")
@@ -245,6 +246,11 @@ class Daemon:
     def trainer_audit(self) -> AuditInfo | None:
         """The local trainer's last reported state audit (``status``)."""
         return self.trainer.audit
+
+    @property
+    def trainer_phase(self) -> TrainerPhase | None:
+        """The local trainer's last reported lifecycle phase (``status``)."""
+        return self.trainer.phase
 
     def recent_events(self) -> list[EventEntry]:
         """This daemon's most recent events, oldest first (``status``)."""

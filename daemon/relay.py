@@ -44,7 +44,7 @@ from chaos.protocol import (
     TrainerRegister,
 )
 from chaos.protocol.messages import MAX_ELAPSED_S, AuditInfo
-from chaos.protocol.states import TrainerState
+from chaos.protocol.states import TrainerPhase, TrainerState
 
 THROUGHPUT_REFRESH_S = 5.0
 """The trainer's throughput goes to the scheduler at least this often while it changes little."""
@@ -115,6 +115,7 @@ class TrainerRelay:
         self._accepted_epoch = 0  # the scheduler's epoch when it accepted the registration
         self._progress: TrainerEvent | None = None  # the trainer's latest progress report
         self.audit: AuditInfo | None = None  # the trainer's last reported state audit
+        self.phase: TrainerPhase | None = None  # the trainer's last reported lifecycle phase
         self._progress_at = 0.0  # when it came (monotonic)
         self._rate_sent: tuple[float, int] | None = None  # throughput, global batch forwarded
         self._rate_sent_at = 0.0
@@ -153,6 +154,8 @@ class TrainerRelay:
         if msg.kind == "progress":
             if msg.audit is not None:
                 self.audit = msg.audit  # kept for status, whatever the registration
+            if msg.phase is not None:
+                self.phase = msg.phase  # kept for status, whatever the registration
             if self.registration is not None:
                 self._progress = msg
                 self._progress_at = time.monotonic()
@@ -275,7 +278,7 @@ class TrainerRelay:
             TrainerEvent(
                 sender=me, epoch=self.host.epoch, kind="progress", node_id=me, step=last.step,
                 in_step=last.in_step, elapsed_s=last.elapsed_s + silent, silent_s=silent,
-                pulling=last.pulling,
+                pulling=last.pulling, phase=last.phase,
             )
         )  # fmt: skip
         self._report_throughput(last, now)

@@ -26,6 +26,7 @@ from chaos.protocol import (
     encode,
 )
 from chaos.protocol.messages import AuditInfo
+from chaos.protocol.states import TrainerPhase
 
 NOTICE_POLICY_MAX_BYTES = 64 << 10
 """Largest policy a notice carries; a trainer asks for a bigger one."""
@@ -70,6 +71,10 @@ class ReplySource(MemberFacts, Protocol):
     def trainer_audit(self) -> AuditInfo | None:
         """The local trainer's last reported state audit."""
 
+    @property
+    def trainer_phase(self) -> TrainerPhase | None:
+        """The local trainer's last reported lifecycle phase."""
+
 
 def status_reply(d: ReplySource) -> StatusReply:
     """The daemon's state and its copy of the cluster view.
@@ -105,6 +110,7 @@ def status_reply(d: ReplySource) -> StatusReply:
         activity=member_activity(monitor, now) if monitor is not None else [],
         joins=join_activity(monitor, now) if monitor is not None else [],
         events=d.recent_events(),
+        trainer_phase=d.trainer_phase,
     )
 
 

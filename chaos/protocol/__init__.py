@@ -88,7 +88,14 @@ from chaos.protocol.messages import (
     Vote,
     VoteReply,
 )
-from chaos.protocol.states import NODE_TRANSITIONS, TRAINER_TRANSITIONS, NodeState, TrainerState
+from chaos.protocol.states import (
+    NODE_TRANSITIONS,
+    PHASE_TRANSITIONS,
+    TRAINER_TRANSITIONS,
+    NodeState,
+    TrainerPhase,
+    TrainerState,
+)
 from chaos.wire import PROTOCOL_VERSION
 
 __all__ = [
@@ -101,6 +108,8 @@ __all__ = [
     "NodeState",
     "Rejected",
     "TrainerState",
+    "TrainerPhase",
+    "PHASE_TRANSITIONS",
     "ValidationContext",
     "decode",
     "encode",

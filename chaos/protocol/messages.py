@@ -37,7 +37,7 @@ from typing import Annotated, ClassVar, Literal, Union
 import msgspec
 
 from chaos.protocol.ids import Address, Endpoint, NodeId
-from chaos.protocol.states import NodeState, TrainerState
+from chaos.protocol.states import NodeState, TrainerPhase, TrainerState
 from chaos.scheduling.plan import PlanMethod
 from chaos.wire import PROTOCOL_VERSION
 
@@ -359,6 +359,8 @@ class MemberActivity(msgspec.Struct, kw_only=True, frozen=True):
     step: Counter = 0
     steps_per_s: Rate = 0.0
     heard_s: Elapsed = 0.0
+    phase: TrainerPhase | None = None
+    """Its trainer's phase, as its last progress report said (``None``: not said yet)."""
 
 
 class JoinActivity(msgspec.Struct, kw_only=True, frozen=True):
@@ -369,6 +371,8 @@ class JoinActivity(msgspec.Struct, kw_only=True, frozen=True):
     donors: Annotated[list[NodeId], msgspec.Meta(max_length=MAX_PULL_DONORS)] = []
     pull: PullStatus | None = None
     heard_s: Elapsed = 0.0
+    phase: TrainerPhase | None = None
+    """The joiner's trainer's phase (pulling, catching up, entering), as it last said."""
 
 
 class EventEntry(msgspec.Struct, kw_only=True, frozen=True):
@@ -673,6 +677,9 @@ class StatusReply(_Base, frozen=True, tag="status_reply"):
     """The scheduler only: the joins in progress, with their pulls."""
     events: Annotated[list[EventEntry], msgspec.Meta(max_length=MAX_STATUS_EVENTS)] = []
     """This daemon's most recent events, oldest first."""
+    trainer_phase: TrainerPhase | None = None
+    """This node's trainer's phase, as its last progress report said (``None``: no trainer
+    has reported one)."""
 
 
 class LeaveCommand(_Base, frozen=True, tag="leave_command"):
@@ -802,6 +809,9 @@ class TrainerEvent(_Base, frozen=True, tag="trainer_event"):
     pulling: PullStatus | None = None
     """With ``progress`` from a joiner pulling the state: how far the pull is (the scheduler
     shows it in ``status``; such a report says nothing of steps)."""
+    phase: TrainerPhase | None = None
+    """With ``progress``: where the trainer is in its lifecycle (:mod:`chaos.trainer.lifecycle`;
+    its daemon's ``status`` shows it, and the scheduler's for every member)."""
 
 
 class PolicyReply(_Base, frozen=True, tag="policy_reply"):

@@ -65,3 +65,59 @@ TRAINER_TRANSITIONS: dict[TrainerState, frozenset[TrainerState]] = {
         {TrainerState.NONE, TrainerState.SYNCING, TrainerState.TRAINING}
     ),
 }
+
+
+class TrainerPhase(str, enum.Enum):
+    """Where a :class:`~chaos.trainer.Trainer` is in its own lifecycle, as it reports it
+    (:class:`~chaos.protocol.messages.TrainerEvent`'s ``phase``); the trainer moves along
+    :data:`PHASE_TRANSITIONS` only (:mod:`chaos.trainer.lifecycle` enforces it and says why
+    each move is allowed).
+
+    Allowed transitions::
+
+        joining     -> pulling, live
+        pulling     -> live, catching_up, joining
+        catching_up -> entering, rejoining
+        entering    -> live, rejoining
+        live        -> stalled, paused, rejoining
+        stalled     -> live, paused, rejoining
+        paused      -> stalled, live, rejoining
+        rejoining   -> joining
+        any but leaving and closed -> leaving
+        leaving     -> closed
+    """
+
+    JOINING = "joining"
+    PULLING = "pulling"
+    CATCHING_UP = "catching_up"
+    ENTERING = "entering"
+    LIVE = "live"
+    STALLED = "stalled"
+    PAUSED = "paused"
+    REJOINING = "rejoining"
+    LEAVING = "leaving"
+    CLOSED = "closed"
+
+
+def _phases(*names: TrainerPhase) -> frozenset[TrainerPhase]:
+    return frozenset((*names, TrainerPhase.LEAVING))
+
+
+PHASE_TRANSITIONS: dict[TrainerPhase, frozenset[TrainerPhase]] = {
+    TrainerPhase.JOINING: _phases(TrainerPhase.PULLING, TrainerPhase.LIVE),
+    TrainerPhase.PULLING: _phases(
+        TrainerPhase.LIVE, TrainerPhase.CATCHING_UP, TrainerPhase.JOINING
+    ),
+    TrainerPhase.CATCHING_UP: _phases(TrainerPhase.ENTERING, TrainerPhase.REJOINING),
+    TrainerPhase.ENTERING: _phases(TrainerPhase.LIVE, TrainerPhase.REJOINING),
+    TrainerPhase.LIVE: _phases(TrainerPhase.STALLED, TrainerPhase.PAUSED, TrainerPhase.REJOINING),
+    TrainerPhase.STALLED: _phases(
+        TrainerPhase.LIVE, TrainerPhase.PAUSED, TrainerPhase.REJOINING
+    ),
+    TrainerPhase.PAUSED: _phases(
+        TrainerPhase.STALLED, TrainerPhase.LIVE, TrainerPhase.REJOINING
+    ),
+    TrainerPhase.REJOINING: _phases(TrainerPhase.JOINING),
+    TrainerPhase.LEAVING: frozenset({TrainerPhase.CLOSED}),
+    TrainerPhase.CLOSED: frozenset(),
+}

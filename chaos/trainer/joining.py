@@ -36,6 +36,7 @@ from chaos.trainer.donor import Donor
 from chaos.trainer.finite import FiniteGuard
 from chaos.trainer.gradients import GradientPacker
 from chaos.trainer.join_retry import UnreachableWatch, join_until
+from chaos.trainer.lifecycle import Lifecycle, TrainerPhase
 from chaos.trainer.session import DaemonSession, Policy, TrainingStalled, transient
 from chaos.trainer.throughput import ThroughputMeter
 
@@ -66,6 +67,7 @@ class JoinFlows(abc.ABC):
     _grads: GradientPacker
     _security: Security
     _finite: FiniteGuard
+    _life: Lifecycle
 
     @abc.abstractmethod
     def _event(self, kind: str, **fields: Any) -> None:
@@ -81,6 +83,7 @@ class JoinFlows(abc.ABC):
             joining = False
         session, plane = self._session, self._plane
         catch_up = joining and self.config.join_mode == "catch-up"
+        self._life.move(TrainerPhase.JOINING, "registering")
         reg = TrainerRegister(
             data_address=plane.address,
             shard_address=plane.shard_address,
@@ -99,9 +102,12 @@ class JoinFlows(abc.ABC):
             "the scheduler to add this trainer to the sync policy",
         )
         if catch_up and policy.topology is None:
+            self._life.move(TrainerPhase.PULLING, "pulling the donors' snapshot")
             self._pull_snapshot(policy, t0)
+            self._life.move(TrainerPhase.CATCHING_UP, "it replays the logged steps next")
             return
         if joining:
+            self._life.move(TrainerPhase.PULLING, "pulling the state")
             self._step = self._donor.pull(policy.replication, policy.epoch)
             session.report_pull(self._donor.last_pull)  # the scheduler measures c from it
         self._install(policy)
@@ -112,6 +118,7 @@ class JoinFlows(abc.ABC):
         self._meter.stop()
         self._unreachable.reset()
         self._event("ready", elapsed_s=elapsed, epoch=self._epoch, step=self._step)
+        self._life.move(TrainerPhase.LIVE, "in the sync policy, with the state")
         session.report_ready(elapsed, f"epoch {self._epoch} step {self._step}", self._step)
 
     def _pull_snapshot(self, policy: Policy, t0: float) -> None:
@@ -184,6 +191,7 @@ class JoinFlows(abc.ABC):
                                      cfg.join_queue_timeout_s)  # fmt: skip
         except ProtocolError as exc:  # e.g. a new scheduler that never saw this registration
             self._enter_again(cu.epoch, exc)
+        self._life.move(TrainerPhase.ENTERING, "caught up: asked to enter")
         policy = session.wait(
             lambda p: self.node_id in p.members and p.topology is not None,
             cfg.join_timeout_s,
@@ -204,6 +212,7 @@ class JoinFlows(abc.ABC):
             self._enter_again(policy.epoch, exc)
         self._catching = None
         self._install(policy)
+        self._life.move(TrainerPhase.LIVE, "entered: in the sync policy, with the state")
         pull = self._donor.last_pull
         self._event("entered", epoch=self._epoch, step=self._step,
                     replayed=first.steps + (tail[2] if tail else 0),
@@ -269,6 +278,7 @@ class JoinFlows(abc.ABC):
             ReplicationError: the last attempt could not pull the state, and
                 ``stall_timeout_s`` has passed.
         """
+        self._life.move(TrainerPhase.REJOINING, "joining again")
         self._donor.retire()
         limit = self.config.stall_timeout_s
         self._join_until(math.inf if limit is None else time.monotonic() + limit)

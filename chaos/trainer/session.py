@@ -30,6 +30,7 @@ from chaos.protocol import (
     ReplicationWire,
     StatusReply,
     TrainerEvent,
+    TrainerPhase,
     TrainerRegister,
     encode,
 )
@@ -198,6 +199,7 @@ class StepBeacon:
         self._global_batch = 0
         self._audit: AuditInfo | None = None
         self._pulling: PullStatus | None = None  # a joiner's pull, while it runs
+        self._phase: TrainerPhase | None = None
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         self.sent = 0
@@ -227,6 +229,13 @@ class StepBeacon:
         """The trainer's state audit, sent with its next notes."""
         with self._lock:
             self._audit = info
+
+    def phase(self, phase: TrainerPhase) -> None:
+        """The trainer moved to ``phase``: said with its next report and every later one (not
+        at once: its daemon forwards only the latest report at each heartbeat, and a report
+        sent now could hide a pull's last one)."""
+        with self._lock:
+            self._phase = phase
 
     def nonfinite(self, step: int, devices: list[str]) -> None:
         """Tells the daemon at once (one way) that step ``step`` was skipped as non-finite,
@@ -280,6 +289,7 @@ class StepBeacon:
             global_batch=self._global_batch,
             audit=self._audit,
             pulling=self._pulling,
+            phase=self._phase,
         )
         try:
             while self._sock.poll(0, zmq.POLLIN):  # a refusal from the daemon: nothing to do
@@ -573,6 +583,12 @@ class DaemonSession:
         it goes nowhere."""
         if self._beacon is not None and devices:
             self._beacon.nonfinite(step, list(devices))
+
+    def report_phase(self, phase: TrainerPhase) -> None:
+        """Tells the daemon (one way, with the next step progress) the trainer's lifecycle
+        phase, which its ``status`` shows, and the scheduler's for every member."""
+        if self._beacon is not None:
+            self._beacon.phase(phase)
 
     def report_audit(self, info: AuditInfo) -> None:
         """Adds the trainer's state audit to its step progress (one way), which its daemon

@@ -63,6 +63,7 @@ from chaos.trainer.finite import FiniteGuard, Verdict
 from chaos.trainer.gradients import GradientPacker
 from chaos.trainer.join_retry import UnreachableWatch
 from chaos.trainer.joining import JoinFlows, _Rejoined
+from chaos.trainer.lifecycle import Lifecycle, TrainerPhase
 from chaos.trainer.session import DaemonSession, Policy
 from chaos.trainer.session import TrainingStalled as TrainingStalled  # part of this API
 from chaos.trainer.throughput import ThroughputMeter
@@ -142,6 +143,7 @@ class Trainer(JoinFlows):
         self._meter = ThroughputMeter()  # samples per second of this member's compute
         self.events: list[dict[str, Any]] = []
         self._catching: CatchUpState | None = None  # a catching-up joiner, until it enters
+        self._life = Lifecycle(self.node_id, self._on_phase)  # joining, ..., live, ..., closed
         self._unreachable = UnreachableWatch()  # joins failing on the same donor addresses
         self._embedded: EmbeddedDaemon | None = None
         t0 = time.monotonic()
@@ -171,6 +173,20 @@ class Trainer(JoinFlows):
     def step(self) -> int:
         """Optimizer steps taken by the cluster so far (equal on every member)."""
         return self._step
+
+    @property
+    def phase(self) -> TrainerPhase:
+        """Where this trainer is in its lifecycle (:mod:`chaos.trainer.lifecycle`): joining,
+        pulling, catching up, entering, live, stalled, paused, rejoining, leaving, closed."""
+        return self._life.phase
+
+    def _on_phase(self, old: TrainerPhase, new: TrainerPhase, why: str) -> None:
+        """A lifecycle move: event ``phase``, and the daemon is told (its ``status``)."""
+        self._event("phase", phase=new.value, previous=old.value, why=why, epoch=self._epoch,
+                    step=self._step)  # fmt: skip
+        session: DaemonSession | None = getattr(self, "_session", None)
+        if session is not None:
+            session.report_phase(new)
 
     @property
     def epoch(self) -> int:
@@ -272,6 +288,8 @@ class Trainer(JoinFlows):
         now = time.monotonic()
         if now >= self._next_wait_report:  # a round that blocks long says so, as a step does
             self._next_wait_report = now + self.config.stall_progress_s
+            if self._session.daemon_paused:
+                self._life.move(TrainerPhase.PAUSED, "the daemon is paused (no majority)")
             self._event("waiting", what=f"the allreduce of step {self._step}",
                         waited_s=round(now - self._round_started, 1),
                         paused=self._session.daemon_paused, epoch=self._epoch,
@@ -526,9 +544,11 @@ class Trainer(JoinFlows):
                 out, caught_up = plane.allreduce(folded, self._step, tail)
                 if caught_up:
                     self._event("caught_up", epoch=self._epoch, step=self._step)
+                self._life.move(TrainerPhase.LIVE, "a round completed")
                 return self._audit.unfold(out)
             except RoundInterrupted as exc:
                 self._event("restart", epoch=self._epoch, step=self._step, reason=str(exc))
+                self._life.move(TrainerPhase.STALLED, "the round was interrupted")
                 target = plane.newer_round_seen() or plane.topology_epoch + 1
 
                 def reached(p: Policy, target: int = target) -> bool:
@@ -538,6 +558,7 @@ class Trainer(JoinFlows):
                 self._await_rerun(reached, f"the policy of epoch {target}")
             except PeerFailure as exc:
                 self._on_failed_round(exc, time.monotonic() - started)
+                self._life.move(TrainerPhase.STALLED, "the round failed")
                 failed = plane.topology_epoch  # the rerun needs a new structure epoch
 
                 def renewed(p: Policy, failed: int = failed) -> bool:
@@ -584,7 +605,11 @@ class Trainer(JoinFlows):
             return ok(p) or session.excluded(p)
 
         def waiting(waited_s: float, last: Policy | None) -> None:
-            paused = last is not None and last.paused
+            paused = (last is not None and last.paused) or session.daemon_paused
+            if paused:
+                self._life.move(TrainerPhase.PAUSED, "the daemon is paused (no majority)")
+            elif self._life.phase is TrainerPhase.PAUSED:
+                self._life.move(TrainerPhase.STALLED, "the daemon is no longer paused")
             self._event("waiting", what=what, waited_s=round(waited_s, 1), paused=paused,
                         epoch=self._epoch, step=self._step)  # fmt: skip
 
@@ -745,6 +770,9 @@ class Trainer(JoinFlows):
 
     def close(self) -> None:
         """Closes the data plane and the daemon connection; stops an embedded daemon."""
+        life: Lifecycle | None = getattr(self, "_life", None)
+        if life is not None and life.phase is not TrainerPhase.CLOSED:
+            life.move(TrainerPhase.LEAVING, "close()")
         # a constructor that failed part way closes what it had opened, and only that
         for name in ("_plane", "_session"):  # each closes its own parts, best effort
             part: DataPlane | DaemonSession | None = getattr(self, name, None)
@@ -753,6 +781,8 @@ class Trainer(JoinFlows):
         if self._embedded is not None:
             self._embedded.stop()
             self._embedded = None
+        if life is not None and life.phase is TrainerPhase.LEAVING:
+            life.move(TrainerPhase.CLOSED, "closed")
 
     def __enter__(self) -> Trainer:
         return self

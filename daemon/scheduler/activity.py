@@ -32,13 +32,14 @@ def member_activity(monitor: ClusterMonitor, now: float) -> list[MemberActivity]
     out = []
     for node in sorted(monitor.trainer_members((TrainerState.TRAINING,)))[:MAX_ACTIVITY]:
         clock = monitor.clocks.get(node)
+        phase = monitor.phases.get(node)
         if clock is None:
-            out.append(MemberActivity(id=node))
+            out.append(MemberActivity(id=node, phase=phase))
             continue
         period = clock.period_s if clock.period_s and clock.period_s > 0 else None
         step = clock.step + (int(max(0.0, now - clock.boundary_at) / period) if period else 0)
         out.append(MemberActivity(id=node, step=step, steps_per_s=1.0 / period if period else 0.0,
-                                  heard_s=_age(now, clock.heard_at)))  # fmt: skip
+                                  heard_s=_age(now, clock.heard_at), phase=phase))  # fmt: skip
     return out
 
 
@@ -47,11 +48,12 @@ def join_activity(monitor: ClusterMonitor, now: float) -> list[JoinActivity]:
     pull report and the donors that delivered to it so far, sorted by id."""
     out = []
     for node in sorted(monitor.trainer_members((TrainerState.SYNCING,)))[:MAX_ACTIVITY]:
-        heard = monitor.pulls.get(node)
+        heard, phase = monitor.pulls.get(node), monitor.phases.get(node)
         if heard is None:
-            out.append(JoinActivity(id=node))
+            out.append(JoinActivity(id=node, phase=phase))
             continue
         pull, at = heard
         donors = sorted(d for d, b in pull.donors.items() if b)
-        out.append(JoinActivity(id=node, donors=donors, pull=pull, heard_s=_age(now, at)))
+        out.append(JoinActivity(id=node, donors=donors, pull=pull, heard_s=_age(now, at),
+                                phase=phase))  # fmt: skip
     return out

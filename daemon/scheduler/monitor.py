@@ -21,7 +21,13 @@ from chaos.scheduling.sync_policy import LinkEstimate
 
 from chaos.errors import ChaosError
 from chaos.protocol import ClusterView, LinkInfo, NodeInfo, PullStatus, Resources
-from chaos.protocol.states import NODE_TRANSITIONS, TRAINER_TRANSITIONS, NodeState, TrainerState
+from chaos.protocol.states import (
+    NODE_TRANSITIONS,
+    TRAINER_TRANSITIONS,
+    NodeState,
+    TrainerPhase,
+    TrainerState,
+)
 
 PER_SHARD_COST_SMOOTHING = 0.3
 """Weight of a new pull's fit in the smoothed per-shard cost (the first fit replaces the prior)."""
@@ -123,6 +129,8 @@ class ClusterMonitor:
         """How many pulls the per-shard cost was fitted to."""
         self.pulls: dict[str, tuple[PullStatus, float]] = {}
         """Each joiner's last pull report and when it came (monotonic; ``status``'s joins)."""
+        self.phases: dict[str, TrainerPhase] = {}
+        """Each member's trainer's lifecycle phase, as its last progress report said."""
         self.catching_up: set[str] = set()
         """Joiners pulling a catch-up snapshot and replaying: left out of the sync policy
         until they ask to enter (``caught_up``)."""
@@ -216,10 +224,16 @@ class ClusterMonitor:
         """A joiner's report of its pull's progress."""
         self.pulls[node] = (pull, now)
 
+    def observe_phase(self, node: str, phase: TrainerPhase | None) -> None:
+        """A member's report of its trainer's phase (``None``: it said none)."""
+        if phase is not None:
+            self.phases[node] = phase
+
     def remove_node(self, node_id: str) -> None:
         """Removes a node and its links (no-op if absent)."""
         self.clocks.pop(node_id, None)
         self.pulls.pop(node_id, None)
+        self.phases.pop(node_id, None)
         if node_id in self.g:
             self.g.remove_node(node_id)
             self._nodes_changed()

@@ -287,6 +287,8 @@ class SchedulerRole:
         failed step is blamed on the member that stopped, when one is known (the neighbour the
         trainer's round named only stopped forwarding); the others go to the registry."""
         n = msg.sender
+        if msg.kind == "progress":
+            self.monitor.observe_phase(n, msg.phase)
         if msg.kind == "progress" and msg.pulling is not None:
             self.monitor.observe_pull_progress(n, msg.pulling, now)  # says nothing of steps
             return  # one-way: never answered

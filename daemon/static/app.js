@@ -57,16 +57,20 @@ function render(doc) {
   const audited = st.audit && st.audit.step ? `${st.audit.step}${st.audit.agreed ? '' : ' DIFFERED'}` : '';
   fill('members', st.nodes.map(n => {
     const a = act[n.id];
-    return row([n.id + (n.id === st.scheduler ? ' (scheduler)' : ''), n.state, n.trainer,
+    const phase = a && a.phase ? a.phase : '';
+    return row([n.id + (n.id === st.scheduler ? ' (scheduler)' : ''), n.state,
+                n.trainer + (phase ? ` (${phase})` : ''),
                 a ? a.step : '', a && a.steps_per_s ? a.steps_per_s.toFixed(1) : '',
                 n.neighbors.join(', '), n.id === st.node_id ? audited : '', 'direct', '-'],
-               {'data-node': n.id, 'data-state': n.state, class: `state-${n.state}`});
+               {'data-node': n.id, 'data-state': n.state, 'data-phase': phase,
+                class: `state-${n.state}`});
   }));
   fill('joins', st.joins.map(j => {
     const p = j.pull, frac = p && p.total_bytes ? p.pulled_bytes / p.total_bytes : 0;
     const bar = el('span', {class: 'bar'}); bar.append(el('span', {style: `width:${(100 * frac).toFixed(0)}%`}));
     const text = p ? `${(p.pulled_bytes / 1e6).toFixed(1)} of ${(p.total_bytes / 1e6).toFixed(1)} MB` : 'waiting for its donors';
-    return row([j.id, text, bar, j.donors.join(', ')], {'data-join': j.id});
+    return row([j.id + (j.phase ? ` (${j.phase})` : ''), text, bar, j.donors.join(', ')],
+               {'data-join': j.id});
   }));
   const timed = doc.timeline.filter(e => e.seconds != null &&
     (e.event === 'scale_out_complete' || e.event === 'primitive_done'));

@@ -142,6 +142,11 @@ def test_the_page_shows_a_kill_and_a_join_within_seconds(cluster: KeyedCluster,
         # the scheduler's step and rate of every training member
         _wait(lambda: all(_rates(driver)), 20, "steps per second shown",
               lambda: driver.page_source)  # fmt: skip
+        # and every trainer's lifecycle phase, as it reported it
+        phases = ("return [...document.querySelectorAll('#members tbody tr')]"
+                  ".map(r => r.dataset.phase);")
+        _wait(lambda: set(_read(driver, phases)) == {"live"}, 20, "every trainer live",
+              lambda: driver.page_source)  # fmt: skip
 
         os.killpg(d.proc.pid, signal.SIGKILL)  # kill -9 of d and its embedded daemon
         d.proc.wait(timeout=30)

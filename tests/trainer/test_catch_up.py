@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from chaos.replication.server import DIE_EXIT_CODE
-from tests.trainer.trainer_cluster import Cluster, Member, assert_equal_from, world
+from tests.trainer.trainer_cluster import Cluster, Member, assert_equal_from, in_order, world
 
 WIDTH = ("--width", "512")  # parameters and momentum well above the runtime record's size
 
@@ -169,6 +169,9 @@ def test_a_loop_that_sets_the_lr_from_the_step_stays_equal_after_a_catch_up(
     # weight 0 and the members' hyperparameters (pulled with their state), so its first record
     # is one step on
     assert first == entered["step"] + 1
+    phases = c.phases()  # its lifecycle, each move named by the trainer itself
+    assert in_order(phases, ["pulling", "catching_up", "entering", "live"]), phases
+    assert phases[-1] == "live" and "rejoining" not in phases, phases
     assert assert_equal_from([a, b, c], first) >= 10
     # the digests cover parameters and optimizer state; the lr each step ran with must match
     # too. A record of step s holds the lr that step s - 1 ran with (the loop set it before that

@@ -18,6 +18,7 @@ import chaos.trainer.join_retry as retry_module
 from chaos.errors import ReplicationError
 from chaos.protocol import TrainerRegister
 from chaos.trainer.join_retry import UnreachableWatch
+from chaos.trainer.lifecycle import Lifecycle, TrainerPhase
 from chaos.trainer.trainer import Trainer
 
 
@@ -38,6 +39,7 @@ def _joiner(failures: int, stall_timeout_s: float | None,
         _register_and_sync=register_and_sync,
         _event=lambda name, **kw: events.append((name, kw)),
         _unreachable=UnreachableWatch(),
+        _life=Lifecycle("n1", start=TrainerPhase.LIVE),  # a member evicted while training
         node_id="n1", calls=calls, events=events,
     )  # fmt: skip
     joiner._join_until = lambda *a, **kw: Trainer._join_until(joiner, *a, **kw)
@@ -51,6 +53,7 @@ def test_a_join_again_whose_donors_keep_going_is_retried_until_it_succeeds(
     monkeypatch.setattr(retry_module.time, "sleep", pauses.append)
     joiner = _joiner(failures=7, stall_timeout_s=None)  # more than the old limit of 3
     Trainer._join_again(joiner)
+    assert joiner._life.phase is TrainerPhase.REJOINING  # the stand-in registers, not moves
     assert len(joiner.calls) == 8
     assert [kw["attempt"] for name, kw in joiner.events] == list(range(1, 8))
     assert pauses == [1.0, 2.0, 3.0, 4.0, 5.0, 5.0, 5.0]  # paced, capped

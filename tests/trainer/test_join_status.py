@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from chaos.protocol import TrainerPhase
 from tests.trainer.trainer_cluster import KeyedCluster, world
 
 WIDE = ("--width", "200000", "--optimizer", "adam")  # about 50 MB of state
@@ -45,5 +46,10 @@ def test_the_scheduler_shows_a_joins_pull(cluster: KeyedCluster) -> None:
     # b trains: no longer a join, once its ready report (sent after its entry step) is in
     cluster.wait(lambda: not [j for j in cluster.status("a").joins if j.id == "b"],
                  "the scheduler to end b's join")  # fmt: skip
+    # every member's trainer says it is live (its beacon, through its daemon, to the scheduler)
+    live = {"a": TrainerPhase.LIVE, "b": TrainerPhase.LIVE}
+    cluster.wait(lambda: {x.id: x.phase for x in cluster.status("a").activity} == live,
+                 "both to be live")  # fmt: skip
+    assert cluster.status("b").trainer_phase is TrainerPhase.LIVE
     st = cluster.status("a")
     assert {x.id for x in st.activity} == {"a", "b"}

@@ -21,6 +21,7 @@ from tests.trainer.trainer_cluster import (
     DAEMON_ARGS,
     Cluster,
     assert_equal_from,
+    in_order,
     world,
 )
 
@@ -79,6 +80,12 @@ def test_a_partitioned_minority_waits_and_rejoins_after_the_heal(
                  "c to rejoin and all three to train")  # fmt: skip
     waits = [r for r in c.records() if r.get("event") == "waiting"]
     assert waits and max(r["waited_s"] for r in waits) >= 12.0, waits  # it said it waited
+    # its lifecycle: cut off, it waited (paused, when it heard its daemon say so); evicted
+    # meanwhile, it joined again at the heal and pulled the state
+    phases = c.phases()
+    assert in_order(phases, ["live", "rejoining", "joining", "pulling", "live"]), phases
+    if any(w["paused"] for w in waits):
+        assert in_order(phases, ["live", "paused", "rejoining"]), (phases, waits)
     first_c = min(s for s in c.digests() if s > healed_at)
     cluster.wait(lambda: all(world(m, 3, first_c + 5) for m in (a, b, c)),
                  "five more steps as three")  # fmt: skip

@@ -54,6 +54,10 @@ class Member:
         steps = [r for r in self.records() if "digest" in r]
         return steps[-1] if steps else {}
 
+    def phases(self) -> list[str]:
+        """The lifecycle phases its trainer moved to, in order (its ``phase`` events)."""
+        return [r["phase"] for r in self.records() if r.get("event") == "phase"]
+
     def leave(self) -> None:
         self.out.with_suffix(".leave").touch()
 
@@ -123,6 +127,12 @@ class KeyedCluster(Cluster):
     def status(self, node_id: str) -> StatusReply:
         with DaemonClient(ipc_endpoint_for(str(self.tmp / f"{node_id}.daemon"))) as c:
             return c.status()
+
+
+def in_order(seen: list[str], wanted: list[str]) -> bool:
+    """Whether ``wanted`` occurs in ``seen`` in this order (other items between allowed)."""
+    it = iter(seen)
+    return all(w in it for w in wanted)
 
 
 def world(member: Member, size: int, after_step: int = 0) -> bool:

@@ -36,6 +36,7 @@ _RECORDED = {
     "snapshot_failed": ("epoch", "t"),
     "entry_failed": ("epoch", "t"),
     "join_again_failed": ("attempt", "t"),
+    "phase": ("phase", "previous", "step", "t"),
 }
 """The trainer events a worker records, with the fields it keeps."""
 
