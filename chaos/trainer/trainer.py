@@ -379,8 +379,10 @@ class Trainer(JoinFlows):
         catching-up joiner's entry, a join again after an eviction or a partition's heal)
         runs none: it returns with :attr:`step` at the cluster's step and the state, the
         hyperparameters included, as the members hold them; the loop's next call is the live
-        step there. So a loop may set the learning rate (or anything else) from
-        :attr:`step` before each call (``docs/trainer.md``, *The step contract*).
+        step there. (A catching-up joiner takes part in its entry step with weight 0 and the
+        members' hyperparameters, so that they need not wait for its gradients: its first
+        live step is the next one.) So a loop may set the learning rate (or anything else)
+        from :attr:`step` before each call (``docs/trainer.md``, *The step contract*).
 
         Args:
             num_samples: The samples this device's gradients come from in this step (over
