@@ -421,6 +421,7 @@ class Trainer(JoinFlows):
             # steps (with the members' hyperparameters), enters, and returns at the cluster's
             # step without a live step of its own: the loop's next call, with hyperparameters
             # set from the new trainer.step and gradients of the entered state, is its first
+            # live step
             try:
                 elapsed = self._catch_up_and_enter(hooks)
                 if elapsed is not None:
@@ -449,7 +450,11 @@ class Trainer(JoinFlows):
         the sum, the optimizer step with ``hooks`` (see :meth:`update`), the boundary's duties.
 
         Returns:
-            Whether the step ran (``False``: this trainer was evicted and joined again).
+            Whether the step ran (``False``: this trainer was evicted and joined again, or it
+            entered and found itself alone).
+
+        Raises:
+            _Rejoined: an entry step's trainer was evicted and joined again.
         """
         before_step, step_fn, after_step = hooks
         session = self._session
@@ -459,6 +464,8 @@ class Trainer(JoinFlows):
         except _Rejoined:  # this trainer was evicted and joined again: its gradients are stale
             session.step_done(self._step)
             self._meter.computing()
+            if entry:  # that join reports its own ready: the entry's must not follow it
+                raise
             return False
         if reduced is None and entry:  # alone now: nothing to apply, the next call steps
             return False
