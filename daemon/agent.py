@@ -27,11 +27,13 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import msgspec
 import psutil
 from chaos.daemon.config import DaemonConfig
+from chaos.daemon.context import Context
+from chaos.daemon.dispatch import Handler, scheduler_side
+from chaos.daemon.transport import ReplyPath
 
 from chaos.allocator import keep_frame_memory
 from chaos.protocol import (
@@ -42,7 +44,6 @@ from chaos.protocol import (
     ConnectCommand,
     LinkReport,
     LinkRequest,
-    Message,
     Ping,
     Pong,
     Resources,
@@ -56,29 +57,6 @@ _LATENCY_REUSE_S = 10.0
 """A bandwidth measurement of a warm link reuses a latency measured this recently instead of
 pinging again. Every message wakes threads on both ends, which costs CPU on a small host, and
 the pings repeated what the connect-link's first measurement had just found."""
-
-
-class AgentHost(Protocol):
-    """What the agent needs from its daemon."""
-
-    node_id: str
-
-    @property
-    def epoch(self) -> int: ...  # noqa: D102
-
-    @property
-    def term(self) -> int: ...  # noqa: D102
-
-    def send(self, peer: str, msg: Message, attachment: bytes | None = None) -> bool: ...  # noqa: D102
-
-    def to_scheduler(self, msg: Message) -> bool: ...  # noqa: D102
-
-    def connect_peer(self, peer: str, address: str) -> bool: ...  # noqa: D102
-
-    def peer_address(self, peer: str) -> str | None:
-        """The address this node's connection to ``peer`` points at (``None``: none open)."""
-
-    def event(self, name: str, **fields: object) -> None: ...  # noqa: D102
 
 
 @dataclass
@@ -129,11 +107,11 @@ class Agent:
     """One node's agent.
 
     Args:
-        host: The daemon (sending, events).
+        ctx: The daemon's context (facts, sending, events).
         cfg: Probe and heartbeat settings.
     """
 
-    host: AgentHost
+    ctx: Context
     cfg: DaemonConfig
     links: dict[str, LinkProbe] = field(default_factory=dict)
     measurements: dict[int, Measurement] = field(default_factory=dict)
@@ -160,7 +138,7 @@ class Agent:
 
     def set_view(self, view: ClusterView, now: float) -> None:
         """Tracks the overlay links this node has in ``view`` (up or down)."""
-        me = self.host.node_id
+        me = self.ctx.node_id
         wanted: dict[str, bool] = {}
         for link in view.links:
             if me in (link.a, link.b):
@@ -177,6 +155,33 @@ class Agent:
             else:
                 cur.reported_up = up
 
+    def handlers(self) -> dict[type, Handler]:
+        """The links flow: probes and measurements on this node (pings, a measurement's
+        order and its bulk transfer), and the link requests, reports and agent reports the
+        scheduler's side takes."""
+        side = self.ctx.facts
+        return {
+            ConnectCommand: lambda m, r, t: self.on_connect(m, t),  # never re-points a peer
+            Ping: self.on_ping,
+            Pong: lambda m, r, t: self.on_pong(m, t),
+            BulkData: self.rpc_bulk_data,
+            BulkAck: lambda m, r, t: self.on_bulk_ack(m, t),
+            LinkRequest: scheduler_side(side, lambda n, m, r, t: n.on_link_request(m, r, t)),
+            LinkReport: scheduler_side(side, lambda n, m, r, t: n.on_link_report(m, t)),
+            AgentReport: scheduler_side(side, lambda n, m, r, t: n.on_agent_report(m, t)),
+        }
+
+    def on_ping(self, msg: Ping, reply: ReplyPath | None, now: float) -> None:
+        """Answers a ping with a pong carrying its sequence number and time."""
+        pong = Pong(sender=self.ctx.node_id, epoch=self.ctx.facts.epoch, seq=msg.seq, t=msg.t)
+        self.ctx.out.respond(reply, pong)
+
+    def rpc_bulk_data(self, msg: BulkData, reply: ReplyPath | None, now: float) -> None:
+        """Takes a chunk of a bandwidth probe; the last one is acknowledged."""
+        ack = self.on_bulk_data(msg, now)
+        if ack is not None:
+            self.ctx.out.respond(reply, ack)
+
     def report(
         self, view: ClusterView | None, address: str, trainer: dict[str, object]
     ) -> AgentReport | None:
@@ -190,7 +195,7 @@ class Agent:
         Returns:
             The report, or ``None`` when this node is not in ``view``.
         """
-        me = self.host.node_id
+        me = self.ctx.node_id
         mine = next((n for n in view.nodes if n.id == me), None) if view else None
         if view is None or mine is None:
             return None
@@ -203,8 +208,8 @@ class Agent:
                 links.append(msgspec.structs.replace(link, up=up, latency_s=lat))
         return AgentReport(
             sender=me,
-            epoch=self.host.epoch,
-            term=self.host.term,
+            epoch=self.ctx.facts.epoch,
+            term=self.ctx.facts.term,
             address=address,
             joined_at=mine.joined_at,
             links=links,
@@ -242,12 +247,12 @@ class Agent:
     def probe_links(self, now: float) -> None:
         """Sends the light latency pings and reports links whose state changed."""
         for probe in self.links.values():
-            self.host.send(
-                probe.peer, Ping(sender=self.host.node_id, epoch=self.host.epoch, seq=0, t=now)
+            self.ctx.out.send(
+                probe.peer, Ping(sender=self.ctx.node_id, epoch=self.ctx.facts.epoch, seq=0, t=now)
             )
             if probe.up and now - probe.last_pong > self.cfg.link_failure_timeout_s:
                 probe.up = False
-                self.host.event("link_probe_failed", peer=probe.peer)
+                self.ctx.event("link_probe_failed", peer=probe.peer)
             self._maybe_report(probe, now)
 
     def _maybe_report(self, probe: LinkProbe, now: float) -> None:
@@ -257,9 +262,9 @@ class Agent:
             return  # a request is in flight; re-send only if it was lost
         probe.last_report = now
         req = LinkRequest(
-            sender=self.host.node_id,
-            epoch=self.host.epoch,
-            a=self.host.node_id,
+            sender=self.ctx.node_id,
+            epoch=self.ctx.facts.epoch,
+            a=self.ctx.node_id,
             b=probe.peer,
             op="disconnect",
             reason="probe_failed",
@@ -267,7 +272,7 @@ class Agent:
         )
         if probe.up:
             req = msgspec.structs.replace(req, op="connect", reason="probe_recovered")
-        self.host.to_scheduler(req)
+        self.ctx.out.to_scheduler(req)
 
     # -- pings -----------------------------------------------------------------------------
 
@@ -284,7 +289,7 @@ class Agent:
             )
             if not probe.up:
                 probe.up = True
-                self.host.event("link_probe_recovered", peer=msg.sender)
+                self.ctx.event("link_probe_recovered", peer=msg.sender)
                 self._maybe_report(probe, now)
             return
         m = self.measurements.get(msg.seq)
@@ -314,13 +319,13 @@ class Agent:
         Refused (reported down at once) when it would re-point an open connection to another
         address, or when ``max_measurements`` are in progress already.
         """
-        current = self.host.peer_address(cmd.peer)
+        current = self.ctx.out.peer_address(cmd.peer)
         if current is not None and current != cmd.address:
             log.warning(
                 "refused a connect_command from %r: it would re-point %s from %s to %s",
                 cmd.sender, cmd.peer, current, cmd.address,
             )  # fmt: skip
-            self.host.event("connect_refused", peer=cmd.peer, sender=cmd.sender,
+            self.ctx.event("connect_refused", peer=cmd.peer, sender=cmd.sender,
                             address=cmd.address, current=current, op_id=cmd.op_id)  # fmt: skip
             self._report_down(cmd)
             return
@@ -329,10 +334,10 @@ class Agent:
             if self.overloaded == 1 or self.overloaded % 100 == 0:
                 log.warning("%d link measurements in progress: %d connect_commands refused so "
                             "far", len(self.measurements), self.overloaded)  # fmt: skip
-                self.host.event("overloaded", budget="measurements", refused=self.overloaded)
+                self.ctx.event("overloaded", budget="measurements", refused=self.overloaded)
             self._report_down(cmd)
             return
-        warm = self.host.connect_peer(cmd.peer, cmd.address)
+        warm = self.ctx.out.connect_peer(cmd.peer, cmd.address)
         seq = next(self._seq)
         m = Measurement(cmd=cmd, started=now, deadline=now + self.cfg.probe_timeout_s, seq=seq)
         self.measurements[seq] = m
@@ -351,11 +356,11 @@ class Agent:
 
     def _report_down(self, cmd: ConnectCommand) -> None:
         """Reports a link it will not measure as down, so that its scale-out is not held up."""
-        self.host.to_scheduler(
+        self.ctx.out.to_scheduler(
             LinkReport(
-                sender=self.host.node_id,
-                epoch=self.host.epoch,
-                term=self.host.term,
+                sender=self.ctx.node_id,
+                epoch=self.ctx.facts.epoch,
+                term=self.ctx.facts.term,
                 peer=cmd.peer,
                 up=False,
                 op_id=cmd.op_id,
@@ -375,8 +380,8 @@ class Agent:
 
     def _ping(self, m: Measurement, now: float) -> None:
         m.last_ping = now
-        self.host.send(
-            m.cmd.peer, Ping(sender=self.host.node_id, epoch=self.host.epoch, seq=m.seq, t=now)
+        self.ctx.out.send(
+            m.cmd.peer, Ping(sender=self.ctx.node_id, epoch=self.ctx.facts.epoch, seq=m.seq, t=now)
         )
 
     def tick_measurements(self, now: float) -> None:
@@ -398,15 +403,15 @@ class Agent:
     def _start_bulk(self, m: Measurement, now: float) -> None:
         chunk = self.cfg.bandwidth_probe_chunk_bytes
         count = max(1, math.ceil(self.cfg.bandwidth_probe_bytes / chunk))
-        m.probe_id = f"{self.host.node_id}-{m.seq}"
+        m.probe_id = f"{self.ctx.node_id}-{m.seq}"
         m.bulk_started = time.monotonic()
         m.bulk_bytes = count * chunk
         for i in range(count):
-            ok = self.host.send(
+            ok = self.ctx.out.send(
                 m.cmd.peer,
                 BulkData(
-                    sender=self.host.node_id,
-                    epoch=self.host.epoch,
+                    sender=self.ctx.node_id,
+                    epoch=self.ctx.facts.epoch,
                     probe_id=m.probe_id,
                     index=i,
                     count=count,
@@ -430,8 +435,8 @@ class Agent:
             return None
         del self.incoming[msg.probe_id]
         return BulkAck(
-            sender=self.host.node_id,
-            epoch=self.host.epoch,
+            sender=self.ctx.node_id,
+            epoch=self.ctx.facts.epoch,
             probe_id=msg.probe_id,
             received_bytes=inc.received,
         )
@@ -458,7 +463,7 @@ class Agent:
             self.latencies[m.cmd.peer] = (latency, now)
         if up and bandwidth_bps is not None:
             self.measured[m.cmd.peer] = (latency, bandwidth_bps)
-        self.host.event(
+        self.ctx.event(
             "link_measured",
             peer=m.cmd.peer,
             up=up,
@@ -467,11 +472,11 @@ class Agent:
             op_id=m.cmd.op_id,
             pinged=m.pinged,
         )
-        self.host.to_scheduler(
+        self.ctx.out.to_scheduler(
             LinkReport(
-                sender=self.host.node_id,
-                epoch=self.host.epoch,
-                term=self.host.term,
+                sender=self.ctx.node_id,
+                epoch=self.ctx.facts.epoch,
+                term=self.ctx.facts.term,
                 peer=m.cmd.peer,
                 up=up,
                 latency_s=latency,

@@ -12,26 +12,28 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from chaos.daemon.config import DaemonConfig
-from chaos.daemon.events import EventLog
-from chaos.daemon.facts import MemberFacts
-from chaos.daemon.metrics import Metrics
+from chaos.daemon.context import Context, NodeFacts
 from chaos.daemon.peer_auth import sender_refusal
-from chaos.daemon.states import DaemonState, Role
+from chaos.daemon.states import DaemonState
 from chaos.daemon.transport import FaultInjector, Inbound, ReplyPath, Transport
 
+from chaos.errors import ChaosError
 from chaos.protocol import (
-    ClusterView,
     FaultCommand,
+    FaultReply,
     JoinRequest,
     LeaveCommand,
     LinkCommand,
     Message,
+    PolicyNotice,
+    PolicyReply,
     Reason,
     Refusal,
     Rejected,
+    StatusReply,
     ValidationContext,
     encode,
     kind_of,
@@ -39,6 +41,9 @@ from chaos.protocol import (
     tag_of,
     validate,
 )
+
+if TYPE_CHECKING:
+    from chaos.daemon.scheduler.role import SchedulerRole
 
 log = logging.getLogger("chaos.daemon")
 
@@ -49,6 +54,9 @@ REFUSAL_RECORDS_EVERY = 1000
 
 Handler = Callable[[Any, ReplyPath | None, float], None]
 """A message handler: ``(message, reply path or None for a local message, monotonic now)``."""
+
+CLIENT_ONLY: tuple[type, ...] = (StatusReply, FaultReply, PolicyReply, PolicyNotice)
+"""The answers only a client takes: a daemon has no handler for them (and drops them)."""
 
 OPERATOR_COMMANDS: tuple[type, ...] = (LeaveCommand, LinkCommand, FaultCommand)
 """Client commands that change the cluster: accepted on the local IPC socket, and over TCP only
@@ -128,60 +136,28 @@ class TokenBucket:
         return True
 
 
-class ValidationSource(MemberFacts, Protocol):
-    """What the validation context is built from."""
-
-    cfg: DaemonConfig
-
-    @property
-    def view(self) -> ClusterView | None: ...  # noqa: D102
-
-    @property
-    def role(self) -> Role: ...  # noqa: D102
-
-    @property
-    def is_scheduler(self) -> bool: ...  # noqa: D102
-
-    @property
-    def membership_version(self) -> object:
-        """Changes whenever the scheduler's membership may have (``None`` on a member)."""
-
-    def members(self) -> list[str]: ...  # noqa: D102
-
-    def scheduler_problem(self, msg: Message) -> str | None:
-        """Why a scheduler's message is not taken from its sender (``None``: it is)."""
-
-
 class Dispatcher:
     """Validates inbound frames and hands each message to its handler.
 
     Args:
-        source: The daemon's state the validation context is built from.
+        ctx: The daemon's context: the validation context is built from its facts; its metrics
+            count messages and refusals; its event log takes ``handler_error``.
         transport: Where refusals go back.
         faults: The injected faults (a blocked sender's frames are dropped).
-        metrics: Counts messages and refusals.
-        events: The event log (``handler_error``).
     """
 
-    def __init__(
-        self,
-        source: ValidationSource,
-        transport: Transport,
-        faults: FaultInjector,
-        metrics: Metrics,
-        events: EventLog,
-    ) -> None:
-        self.source = source
+    def __init__(self, ctx: Context, transport: Transport, faults: FaultInjector) -> None:
+        self.source = ctx.facts
         self.transport = transport
         self.faults = faults
-        self.metrics = metrics
-        self.events = events
+        self.metrics = ctx.metrics
+        self.events = ctx.events
         self.handlers: dict[type, Handler] = {}
         self.refused = 0
         self.errors = 0
         """Handler (and dispatch) exceptions survived so far."""
         self._ctx: tuple[tuple[object, ...], ValidationContext] | None = None
-        cfg = source.cfg
+        cfg = ctx.cfg
         self._joins = TokenBucket(cfg.join_rate_per_s, cfg.join_burst)
         self._overloaded = 0
         self._refusal_counts: dict[str, int] = {}
@@ -196,7 +172,7 @@ class Dispatcher:
         key = (
             s.epoch,
             s.term,
-            s.role,
+            s.election.role,
             s.state,
             s.paused,
             s.membership_version,
@@ -302,9 +278,11 @@ class Dispatcher:
         self.events.emit(name, count=n, **fields)
 
     def dispatch(self, msg: Message, reply: ReplyPath | None, now: float) -> None:
-        """Calls the handler of ``msg``'s type (none: ignored)."""
+        """Calls the handler of ``msg``'s type (none: a message only a client takes, such as a
+        ``status_reply``, which a daemon drops)."""
         handler = self.handlers.get(type(msg))
         if handler is None:
+            log.debug("dropped %s from %s: a daemon does not take it", tag_of(msg), msg.sender)
             return
         try:
             handler(msg, reply, now)
@@ -320,3 +298,36 @@ class Dispatcher:
             self.events.emit(f"{where}_error", type=what, error=repr(exc)[:300])
         except Exception:  # noqa: BLE001 - reporting must not raise either
             log.exception("reporting a %s error failed", where)
+
+
+class DuplicateHandler(ChaosError):
+    """Two flows registered a handler for the same message type (a bug in the daemon)."""
+
+
+def merge_handlers(*tables: dict[type, Handler]) -> dict[type, Handler]:
+    """The flows' handler tables as one; each message type has exactly one handler.
+
+    Raises:
+        DuplicateHandler: a message type is in more than one table.
+    """
+    merged: dict[type, Handler] = {}
+    for table in tables:
+        for kind, handler in table.items():
+            if kind in merged:
+                raise DuplicateHandler(f"two handlers for {kind.__name__}")
+            merged[kind] = handler
+    return merged
+
+
+def scheduler_side(
+    facts: NodeFacts, fn: Callable[[SchedulerRole, Any, ReplyPath | None, float], None]
+) -> Handler:
+    """A handler run only while this node holds the scheduler role (a member drops the
+    message): ``fn(role, message, reply, now)``."""
+
+    def handler(msg: Any, reply: ReplyPath | None, now: float) -> None:
+        role = facts.role
+        if role is not None:
+            fn(role, msg, reply, now)
+
+    return handler

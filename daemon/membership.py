@@ -17,10 +17,10 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Sequence
-from typing import Protocol
 
-from chaos.daemon.config import DaemonConfig
-from chaos.daemon.election import Election
+import msgspec
+from chaos.daemon.context import Context
+from chaos.daemon.dispatch import Handler, scheduler_side
 from chaos.daemon.states import DaemonState
 from chaos.daemon.transport import ReplyPath, Transport
 
@@ -28,8 +28,8 @@ from chaos.protocol import (
     ClusterUpdate,
     ClusterView,
     JoinRequest,
+    LeaveCommand,
     LeaveRequest,
-    Message,
     NodeState,
     OpResult,
     PolicyAck,
@@ -51,54 +51,17 @@ _WRONG_CONTACT = ("not_scheduler", "paused")
 _NEIGHBOR_GONE = ("unknown_peer", "unreachable")
 
 
-class MembershipHost(Protocol):
-    """What :class:`Membership` needs from the daemon."""
-
-    node_id: str
-    address: str
-    public_key: str
-    sign_key: str
-    incarnation: str
-    cfg: DaemonConfig
-    state: DaemonState
-    election: Election
-    transport: Transport
-
-    @property
-    def view(self) -> ClusterView | None: ...
-
-    @property
-    def epoch(self) -> int: ...
-
-    @property
-    def term(self) -> int: ...
-
-    def set_state(self, state: DaemonState) -> None: ...
-
-    def event(self, name: str, **fields: object) -> None: ...
-
-    def respond(self, reply: ReplyPath | None, msg: Message) -> None: ...
-
-    def result(
-        self, reply: ReplyPath | None, op_id: str, reason: Reason | None = None, detail: str = ""
-    ) -> None: ...
-
-    def to_scheduler(self, msg: Message) -> bool: ...
-
-    def finish(self, code: int) -> None: ...
-
-    def drop_scheduler_role(self) -> None: ...
-
-
 class Membership:
     """This node's join and leave requests.
 
     Args:
-        host: The daemon.
+        ctx: The daemon's context.
+        transport: The contacts a join goes through.
     """
 
-    def __init__(self, host: MembershipHost) -> None:
-        self.host = host
+    def __init__(self, ctx: Context, transport: Transport) -> None:
+        self.ctx = ctx
+        self.transport = transport
         self._contacts: list[str] = []
         self._contact_i = 0
         self._sent_to_contact = 0
@@ -119,10 +82,10 @@ class Membership:
         """Becomes ``joining`` and sends a join request to the first of ``contacts``, resent
         until answered (moving on to the next contact when one cannot help) and given up after
         ``join_timeout_s``."""
-        h = self.host
-        h.set_state(DaemonState.JOINING)
-        h.election.disarm()
-        h.drop_scheduler_role()
+        h = self.ctx
+        h.facts.set_state(DaemonState.JOINING)
+        h.facts.election.disarm()
+        h.facts.drop_role()
         self._contacts = []
         self._contact_i = 0
         self._sent_to_contact = 0
@@ -138,7 +101,7 @@ class Membership:
         for a in addresses:
             if len(self._contacts) >= MAX_CONTACTS:
                 break
-            if a != self.host.address and a not in self._contacts:
+            if a != self.ctx.facts.address and a not in self._contacts:
                 self._contacts.append(a)
                 new.append(a)
         return new
@@ -151,10 +114,10 @@ class Membership:
         self._sent_to_contact = 0
         contact = self._contacts[self._contact_i]
         log.info("join: trying contact %s (%s)", contact, why)
-        self.host.event("join_contact", contact=contact, why=why)
+        self.ctx.event("join_contact", contact=contact, why=why)
 
     def _send_join(self, now: float) -> None:
-        h = self.host
+        h = self.ctx
         self._next_join = now + max(0.5, 2 * h.cfg.heartbeat_interval_s)
         if not self._contacts:
             return
@@ -162,25 +125,56 @@ class Membership:
             self._next_contact("silent")
         req = JoinRequest(
             sender=h.node_id,
-            epoch=h.epoch,
+            epoch=h.facts.epoch,
             node_id=h.node_id,
-            address=h.address,
+            address=h.facts.address,
             neighbors=self._join_neighbors,
             op_id=uuid.uuid4().hex[:12],
-            public_key=h.public_key,
-            sign_key=h.sign_key,
-            incarnation=h.incarnation,
+            public_key=h.facts.public_key,
+            sign_key=h.facts.sign_key,
+            incarnation=h.facts.incarnation,
         )
         self._sent_to_contact += 1
-        h.transport.send_contact(self._contacts[self._contact_i], encode(req))
+        self.transport.send_contact(self._contacts[self._contact_i], encode(req))
 
     def on_admitted(self, msg: ClusterUpdate, now: float) -> None:
         """The first update that lists this joining node: it is a member."""
-        h = self.host
-        h.set_state(DaemonState.ACTIVE)
-        h.election.adopt(msg.term, msg.sender, now)
-        h.transport.close_contacts()
+        h = self.ctx
+        h.facts.set_state(DaemonState.ACTIVE)
+        h.facts.election.adopt(msg.term, msg.sender, now)
+        self.transport.close_contacts()
         h.event("joined", epoch=msg.epoch, term=msg.term, scheduler=msg.sender)
+
+    def handlers(self) -> dict[type, Handler]:
+        """The join and leave flow: a join request (taken by the scheduler, forwarded to it by
+        a member), a member's leave request (the scheduler's side) and the operator's leave."""
+        return {
+            JoinRequest: self.on_join_request,
+            LeaveRequest: scheduler_side(
+                self.ctx.facts, lambda role, m, r, t: role.on_leave(m, r, t)
+            ),
+            LeaveCommand: lambda m, r, t: self.start_leave(r, t),
+        }
+
+    def on_join_request(self, msg: JoinRequest, reply: ReplyPath | None, now: float) -> None:
+        """A join request: the scheduler starts a scale-out; a member forwards it to the
+        scheduler it follows, or, with none, refuses it with the members it knows (the
+        joiner's next contacts)."""
+        f = self.ctx.facts
+        if f.role is not None and f.is_scheduler:
+            f.role.on_join(msg, reply, now)
+            return
+        scheduler = f.election.scheduler
+        if scheduler is not None and scheduler != f.node_id and msg.forwarded_by is None:
+            fwd = msgspec.structs.replace(msg, forwarded_by=f.node_id, sender=f.node_id)
+            self.ctx.out.send(scheduler, fwd)
+            return
+        if msg.forwarded_by is None:
+            reason = Reason.PAUSED if f.paused else Reason.NOT_SCHEDULER
+            no = Refusal(sender=f.node_id, epoch=f.epoch, reason=reason, detail="no scheduler",
+                         ref_type="join_request", term=f.term,
+                         members=self.contacts_for(msg.address))  # fmt: skip
+            self.ctx.out.respond(reply, no)
 
     def on_refusal(self, msg: Refusal) -> bool:
         """Takes the refusal of this node's join; ``False`` when it refuses something else.
@@ -197,8 +191,8 @@ class Membership:
         until ``join_timeout_s``, whose error then names them (a campaign joiner exited at once
         when the harness's chosen neighbours were cut off a moment after it chose them).
         """
-        h = self.host
-        if h.state != DaemonState.JOINING or msg.ref_type != "join_request":
+        h = self.ctx
+        if h.facts.state != DaemonState.JOINING or msg.ref_type != "join_request":
             return False
         if self._rejoining and self._join_neighbors and msg.reason in _NEIGHBOR_GONE:
             # a rejoin's neighbours are this node's wish, not the user's: one may have gone
@@ -216,7 +210,7 @@ class Membership:
         if msg.reason not in _RETRY_REASONS:
             log.error("join refused by %s: %s %s", msg.sender or "?", msg.reason, msg.detail)
             h.event("join_failed", reason=msg.reason, detail=msg.detail)
-            h.finish(3)
+            h.facts.finish(3)
             return True
         learned = self._learn(msg.members)
         if learned:
@@ -229,11 +223,11 @@ class Membership:
         """Other members' addresses this node can suggest to a joiner it cannot admit: every
         member of its view but itself and the joiner, active ones first (at most
         :data:`~chaos.protocol.messages.MAX_JOIN_CONTACTS`)."""
-        h = self.host
-        if h.view is None:
+        f = self.ctx.facts
+        if f.view is None:
             return []
-        nodes = [n for n in h.view.nodes
-                 if n.id != h.node_id and n.address not in (h.address, joiner_address)]  # fmt: skip
+        nodes = [n for n in f.view.nodes
+                 if n.id != f.node_id and n.address not in (f.address, joiner_address)]  # fmt: skip
         nodes.sort(key=lambda n: n.state != NodeState.ACTIVE)
         out: list[str] = []
         for n in nodes:
@@ -245,18 +239,18 @@ class Membership:
         """Joins again through ``via`` after the cluster committed a view without this node,
         asking for the neighbours it had that are still members; the other members of the
         views it knows are the next contacts."""
-        h = self.host
+        h = self.ctx
         nodes = {n.id: n for n in (view.nodes if view else [])}
         contact = nodes[via].address if via in nodes else None
-        if contact is None and h.view is not None:
-            contact = next((n.address for n in h.view.nodes if n.id == via), None)
+        if contact is None and h.facts.view is not None:
+            contact = next((n.address for n in h.facts.view.nodes if n.id == via), None)
         if contact is None:
             return
-        old = {n.id: n for n in h.view.nodes} if h.view else {}
+        old = {n.id: n for n in h.facts.view.nodes} if h.facts.view else {}
         mine = old[h.node_id].neighbors if h.node_id in old else []
         nbrs = [n for n in mine if n in nodes] if nodes else []
         h.event("rejoining", via=via, neighbors=nbrs)
-        others = [n.address for v in (view, h.view) if v is not None for n in v.nodes
+        others = [n.address for v in (view, h.facts.view) if v is not None for n in v.nodes
                   if n.id not in (via, h.node_id)]  # fmt: skip
         self.begin_join(now, [contact, *others], nbrs)
         self._rejoining = True
@@ -265,94 +259,94 @@ class Membership:
 
     def start_leave(self, reply: ReplyPath | None, now: float) -> None:
         """Asks the scheduler to take this node out (scale-in); ``reply`` gets the result."""
-        h = self.host
-        if h.state == DaemonState.LEAVING:
+        h = self.ctx
+        if h.facts.state == DaemonState.LEAVING:
             return
-        if h.state != DaemonState.ACTIVE:
-            h.event("left", ok=True, reason=f"was {h.state.value}")
+        if h.facts.state != DaemonState.ACTIVE:
+            h.event("left", ok=True, reason=f"was {h.facts.state.value}")
             h.result(reply, "", detail="was not a member")
-            h.finish(0)
+            h.facts.finish(0)
             return
-        h.set_state(DaemonState.LEAVING)
+        h.facts.set_state(DaemonState.LEAVING)
         self._leave_op = uuid.uuid4().hex[:12]
         self._leave_reply = reply
         self._leave_deadline = now + h.cfg.leave_timeout_s
         self._leave_started = now
         h.event("leave_requested", op_id=self._leave_op)
-        if not h.to_scheduler(self.leave_request()):
+        if not h.out.to_scheduler(self.leave_request()):
             h.event("left", ok=False, reason="no scheduler")
             self._finish_leave(ok=False, reason=Reason.PAUSED)
 
     def leave_request(self) -> LeaveRequest:
         """The leave request in flight (sent again to a new scheduler)."""
-        h = self.host
+        h = self.ctx
         return LeaveRequest(
-            sender=h.node_id, epoch=h.epoch, node_id=h.node_id, op_id=self._leave_op
+            sender=h.node_id, epoch=h.facts.epoch, node_id=h.node_id, op_id=self._leave_op
         )
 
     def on_leave_result(self, msg: OpResult) -> bool:
         """Finishes the leave when ``msg`` answers it; ``False`` when it answers something else."""
         if not msg.op_id or msg.op_id != self._leave_op:
             return False
-        self.host.event("left", ok=msg.ok, reason=msg.reason, elapsed_s=msg.elapsed_s)
+        self.ctx.event("left", ok=msg.ok, reason=msg.reason, elapsed_s=msg.elapsed_s)
         self._finish_leave(msg.ok, msg.reason, msg.elapsed_s, msg.epoch)
         return True
 
     def on_dropped_from_view(self, msg: ClusterUpdate, reply: ReplyPath | None, now: float) -> None:
         """Handles a committed view without this node: the leave is done, or this member was
         dropped (a missed heartbeat) and joins again."""
-        h = self.host
-        if h.state == DaemonState.LEAVING:
-            h.respond(reply, PolicyAck(sender=h.node_id, epoch=msg.epoch, term=h.term))
+        h = self.ctx
+        if h.facts.state == DaemonState.LEAVING:
+            h.out.respond(reply, PolicyAck(sender=h.node_id, epoch=msg.epoch, term=h.facts.term))
             if msg.sender != h.node_id:
                 # the scheduler committed a view without this node: the leave is done, whether
                 # or not its answer still comes (a leaving scheduler may exit before sending it)
                 elapsed = now - self._leave_started
                 h.event("left", ok=True, reason=None, elapsed_s=elapsed, epoch=msg.epoch)
                 self._finish_leave(True, None, elapsed, msg.epoch)
-        elif h.state == DaemonState.ACTIVE and msg.sender != h.node_id:
+        elif h.facts.state == DaemonState.ACTIVE and msg.sender != h.node_id:
             self.rejoin(msg.view, msg.sender, now)
 
     def _finish_leave(
         self, ok: bool, reason: Reason | None, elapsed_s: float = 0.0, epoch: int | None = None
     ) -> None:
-        h = self.host
+        h = self.ctx
         if self._leave_reply is not None:
-            h.respond(
+            h.out.respond(
                 self._leave_reply,
                 OpResult(
                     sender=h.node_id,
-                    epoch=h.epoch if epoch is None else epoch,
+                    epoch=h.facts.epoch if epoch is None else epoch,
                     op_id=self._leave_op,
                     ok=ok,
                     reason=reason,
                     elapsed_s=elapsed_s,
                 ),
             )
-        h.finish(0)
+        h.facts.finish(0)
 
     # -- timers ----------------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
         """Resends a pending join, and gives a join or a leave up at its deadline."""
-        h = self.host
-        if h.state == DaemonState.JOINING:
-            refused = h.transport.refused_contact()
+        h = self.ctx
+        if h.facts.state == DaemonState.JOINING:
+            refused = self.transport.refused_contact()
             if refused is not None:
                 why = "the cluster refused our key (another cluster key?)"
                 h.event("join_failed", reason=Reason.NOT_AUTHENTICATED, detail=why)
                 log.error("join refused by %s: %s: pass the cluster's --cluster-key FILE",
                           refused, why)  # fmt: skip
-                h.finish(3)
+                h.facts.finish(3)
             elif now > self._join_deadline:
                 more = {"detail": self._unknown_neighbors} if self._unknown_neighbors else {}
                 h.event("join_failed", reason=Reason.TIMEOUT, **more)
                 log.error("join timed out after %.1f s%s", h.cfg.join_timeout_s,
                           f" (the neighbours asked for: {self._unknown_neighbors})"
                           if self._unknown_neighbors else "")  # fmt: skip
-                h.finish(4)
+                h.facts.finish(4)
             elif now >= self._next_join:
                 self._send_join(now)
-        if h.state == DaemonState.LEAVING and now > self._leave_deadline:
+        if h.facts.state == DaemonState.LEAVING and now > self._leave_deadline:
             h.event("left", ok=False, reason=Reason.TIMEOUT)
             self._finish_leave(ok=False, reason=Reason.TIMEOUT)

@@ -7,8 +7,8 @@ of a change without asking (docs/trainer-daemon-interface.md).
 
 from __future__ import annotations
 
-from chaos.daemon.replies import ReplySource, policy_notice
-from chaos.daemon.timers import Timers
+from chaos.daemon.context import Context
+from chaos.daemon.replies import policy_notice
 from chaos.daemon.transport import Transport
 
 from chaos.protocol import encode
@@ -18,21 +18,21 @@ class PolicyNotices:
     """Publishes the installed epoch and pause state to the local trainers.
 
     Args:
-        source: What the notice shows of the daemon.
+        ctx: The daemon's context (its facts; timer ``notice``: the next periodic notice).
         transport: Publishes on the notify endpoint.
-        timers: The loop's timers (timer ``notice``: the next periodic notice).
     """
 
-    def __init__(self, source: ReplySource, transport: Transport, timers: Timers) -> None:
-        self.source = source
+    def __init__(self, ctx: Context, transport: Transport) -> None:
+        self.ctx = ctx
         self.transport = transport
-        self.timers = timers
         self._last: tuple[int, bool] | None = None  # the last (epoch, paused) published
 
     def publish(self, now: float) -> None:
         """Publishes a notice if the epoch or the pause state changed, or one is due."""
-        notice = (self.source.epoch, self.source.paused)
-        if notice != self._last or self.timers.is_due("notice", now):
+        facts, timers = self.ctx.facts, self.ctx.timers
+        notice = (facts.epoch, facts.paused)
+        if notice != self._last or timers.is_due("notice", now):
             changed, self._last = notice != self._last, notice
-            self.timers.set("notice", now + self.source.cfg.heartbeat_interval_s)
-            self.transport.publish(encode(policy_notice(self.source, with_policy=changed)))
+            timers.set("notice", now + facts.cfg.heartbeat_interval_s)
+            notice_msg = policy_notice(facts, self.transport.notify_endpoint, changed)
+            self.transport.publish(encode(notice_msg))

@@ -69,3 +69,8 @@ class Outbox:
     def connect_peer(self, peer: str, address: str) -> bool:
         """Opens the DEALER to ``peer``; ``True`` when it was already open."""
         return peer != self.node_id and self.transport.ensure_peer(peer, address)
+
+    def peer_address(self, peer: str) -> str | None:
+        """The address this node's DEALER to ``peer`` points at (``None``: none open)."""
+        cur = self.transport.dealers.get(peer)
+        return cur[0] if cur is not None else None

@@ -27,15 +27,16 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 import psutil
+from chaos.daemon.context import Context
+from chaos.daemon.dispatch import Handler, scheduler_side
+from chaos.daemon.relayed import RelayedOps
 from chaos.daemon.transport import ReplyPath
 
 from chaos.protocol import (
-    ClusterView,
-    Message,
     OpResult,
     Reason,
     Refusal,
@@ -48,31 +49,6 @@ from chaos.protocol.states import TrainerPhase, TrainerState
 
 THROUGHPUT_REFRESH_S = 5.0
 """The trainer's throughput goes to the scheduler at least this often while it changes little."""
-
-
-class RelayHost(Protocol):
-    """What the relay needs from its daemon."""
-
-    node_id: str
-
-    @property
-    def epoch(self) -> int: ...  # noqa: D102
-
-    @property
-    def active(self) -> bool: ...  # noqa: D102
-
-    @property
-    def view(self) -> ClusterView | None: ...  # noqa: D102
-
-    def to_scheduler(self, msg: Message) -> bool: ...  # noqa: D102
-
-    def result(  # noqa: D102
-        self, reply: ReplyPath | None, op_id: str, reason: Reason | None = None, detail: str = ""
-    ) -> None: ...
-
-    def relay(self, reply: ReplyPath | None, msg: Message, op_id: str) -> None: ...  # noqa: D102
-
-    def event(self, name: str, **fields: object) -> None: ...  # noqa: D102
 
 
 def process_start(pid: int) -> float | None:
@@ -101,11 +77,14 @@ class TrainerRelay:
     """The local daemon's side: forwards the trainer's messages and remembers what was accepted.
 
     Args:
-        host: The daemon.
+        ctx: The daemon's context.
+        relayed: The requests relayed to the scheduler (the trainer's go there).
     """
 
-    def __init__(self, host: RelayHost) -> None:
-        self.host = host
+    def __init__(self, ctx: Context, relayed: RelayedOps) -> None:
+        self.ctx = ctx
+        self.relayed = relayed
+        relayed.on_dropped.append(self.forget)
         self.registration: TrainerRegister | None = None
         self.sizes: list[int] | None = None
         self.state: TrainerState = TrainerState.NONE
@@ -120,18 +99,38 @@ class TrainerRelay:
         self._rate_sent: tuple[float, int] | None = None  # throughput, global batch forwarded
         self._rate_sent_at = 0.0
 
+    def handlers(self) -> dict[type, Handler]:
+        """The trainers flow: the local trainer's registration and events (relayed to the
+        scheduler), and on the scheduler's side the registrations and events the members
+        forward."""
+        side = self.ctx.facts
+        return {
+            TrainerRegister: lambda m, r, t: self.on_register(m, r),
+            TrainerInfo: scheduler_side(side, lambda n, m, r, t: n.trainers.on_info(m, r, t)),
+            TrainerEvent: self.rpc_trainer_event,
+        }
+
+    def rpc_trainer_event(self, msg: TrainerEvent, reply: ReplyPath | None, now: float) -> None:
+        """A trainer event: from the local trainer (no ``node_id``), relayed here; forwarded by
+        a member, taken by the scheduler's side."""
+        role = self.ctx.facts.role
+        if msg.node_id is None:
+            self.on_event(msg, reply)
+        elif role is not None:
+            role.on_trainer_event(msg, reply, now)
+
     def on_register(self, msg: TrainerRegister, reply: ReplyPath | None) -> None:
         """Forwards a registration to the scheduler as :class:`TrainerInfo`."""
-        if not self.host.active:
-            self.host.result(reply, msg.op_id, Reason.UNKNOWN_PEER,
+        if not self.ctx.facts.active:
+            self.ctx.result(reply, msg.op_id, Reason.UNKNOWN_PEER,
                              "this daemon is not a member (yet)")  # fmt: skip
             return
         op_id = _op_id(msg.op_id)
         self._sent[op_id] = msg
         info = TrainerInfo(
-            sender=self.host.node_id,
-            epoch=self.host.epoch,
-            node_id=self.host.node_id,
+            sender=self.ctx.node_id,
+            epoch=self.ctx.facts.epoch,
+            node_id=self.ctx.node_id,
             data_address=msg.data_address,
             shard_address=msg.shard_address,
             has_state=msg.has_state,
@@ -141,7 +140,7 @@ class TrainerRelay:
             data_key=msg.public_key,
             catch_up=msg.catch_up,
         )
-        self.host.relay(reply, info, op_id)
+        self.relayed.relay(reply, info, op_id)
 
     def on_event(self, msg: TrainerEvent, reply: ReplyPath | None) -> None:
         """Forwards a trainer event to the scheduler, stamped with this node's id (a progress
@@ -160,29 +159,29 @@ class TrainerRelay:
                 self._progress = msg
                 self._progress_at = time.monotonic()
             return
-        if not self.host.active:
-            self.host.result(reply, msg.op_id, Reason.UNKNOWN_PEER,
+        if not self.ctx.facts.active:
+            self.ctx.result(reply, msg.op_id, Reason.UNKNOWN_PEER,
                              "this daemon is not a member (yet)")  # fmt: skip
             return
         if msg.kind == "ready" and self.registration is not None:
             self._start_silence_clock(msg.step)
         op_id = _op_id(msg.op_id)
         self._sent[op_id] = msg
-        me = self.host.node_id
+        me = self.ctx.node_id
         # a failed step names the epoch it ran under; other events carry this daemon's epoch
-        epoch = msg.epoch if msg.kind == "step_failed" else self.host.epoch
+        epoch = msg.epoch if msg.kind == "step_failed" else self.ctx.facts.epoch
         fwd = msgspec.structs.replace(msg, sender=me, node_id=me, epoch=epoch, op_id=op_id)
-        self.host.relay(reply, fwd, op_id)
+        self.relayed.relay(reply, fwd, op_id)
 
     def _forward_nonfinite(self, msg: TrainerEvent) -> None:
         """Forwards the trainer's report of a step it skipped as non-finite (the devices named)
         to the scheduler at once, one way, which evicts a repeat offender
         (:mod:`chaos.daemon.scheduler.offenders`); dropped without a registration."""
-        if self.registration is None or not self.host.active:
+        if self.registration is None or not self.ctx.facts.active:
             return
-        me = self.host.node_id
-        self.host.to_scheduler(
-            TrainerEvent(sender=me, epoch=self.host.epoch, kind="nonfinite", node_id=me,
+        me = self.ctx.node_id
+        self.ctx.out.to_scheduler(
+            TrainerEvent(sender=me, epoch=self.ctx.facts.epoch, kind="nonfinite", node_id=me,
                          step=msg.step, devices=msg.devices)
         )  # fmt: skip
 
@@ -226,7 +225,7 @@ class TrainerRelay:
         daemon dies with its trainer; not one this host cannot see)."""
         start = process_start(pid) if pid is not None and pid != os.getpid() else None
         self._watched = (pid, start) if pid is not None and start is not None else None
-        self.host.event("trainer_watched", pid=pid, watched=self._watched is not None)
+        self.ctx.event("trainer_watched", pid=pid, watched=self._watched is not None)
 
     def check_trainer(self) -> bool:
         """Runs every heartbeat: ends the registration of a trainer whose process exited, and
@@ -250,10 +249,10 @@ class TrainerRelay:
         Returns:
             Whether it ended now.
         """
-        view = self.host.view
+        view = self.ctx.facts.view
         if self.registration is None or view is None or view.epoch < self._accepted_epoch:
             return False
-        me = next((n for n in view.nodes if n.id == self.host.node_id), None)
+        me = next((n for n in view.nodes if n.id == self.ctx.node_id), None)
         if me is None or me.trainer != TrainerState.NONE:
             return False
         was = self.state
@@ -263,20 +262,20 @@ class TrainerRelay:
             f"trainer evicted (a straggler, or a repeat non-finite offender) at {stamp} "
             f"(epoch {view.epoch}); it joins again when it resumes"
         )
-        self.host.event("trainer_evicted", was=was.value, epoch=view.epoch)
+        self.ctx.event("trainer_evicted", was=was.value, epoch=view.epoch)
         return True
 
     def _report_progress(self, now: float) -> None:
         """Forwards the trainer's latest progress report to the scheduler (one-way), aged to
         ``now``: ``silent_s`` since it came, and its phase that much longer."""
         last = self._progress
-        if self.registration is None or last is None or not self.host.active:
+        if self.registration is None or last is None or not self.ctx.facts.active:
             return
-        me = self.host.node_id
+        me = self.ctx.node_id
         silent = min(max(0.0, now - self._progress_at), MAX_ELAPSED_S)
-        self.host.to_scheduler(
+        self.ctx.out.to_scheduler(
             TrainerEvent(
-                sender=me, epoch=self.host.epoch, kind="progress", node_id=me, step=last.step,
+                sender=me, epoch=self.ctx.facts.epoch, kind="progress", node_id=me, step=last.step,
                 in_step=last.in_step, elapsed_s=last.elapsed_s + silent, silent_s=silent,
                 pulling=last.pulling, phase=last.phase,
             )
@@ -295,11 +294,11 @@ class TrainerRelay:
         steady = sent is not None and sent[1] == batch and abs(rate - sent[0]) <= 0.02 * sent[0]
         if fresh and steady:
             return
-        me = self.host.node_id
-        self.host.to_scheduler(
+        me = self.ctx.node_id
+        self.ctx.out.to_scheduler(
             TrainerEvent(
-                sender=me, epoch=self.host.epoch, kind="throughput", node_id=me, step=last.step,
-                samples_per_s=rate, global_batch=batch,
+                sender=me, epoch=self.ctx.facts.epoch, kind="throughput", node_id=me,
+                step=last.step, samples_per_s=rate, global_batch=batch,
             )
         )  # fmt: skip
         self._rate_sent, self._rate_sent_at = (rate, batch), now
@@ -327,16 +326,16 @@ class TrainerRelay:
         self._end_registration()
         stamp = time.strftime("%H:%M:%S")
         self._gone = f"trainer process {pid} exited at {stamp}; this node no longer trains"
-        self.host.event("trainer_gone", pid=pid, was=was.value)
-        if self.host.active:
+        self.ctx.event("trainer_gone", pid=pid, was=was.value)
+        if self.ctx.facts.active:
             op_id = uuid.uuid4().hex[:12]
-            me = self.host.node_id
+            me = self.ctx.node_id
             msg = TrainerEvent(
-                sender=me, epoch=self.host.epoch, kind="gone", node_id=me, op_id=op_id,
+                sender=me, epoch=self.ctx.facts.epoch, kind="gone", node_id=me, op_id=op_id,
                 detail=f"pid {pid} exited",
             )  # fmt: skip
             self._sent[op_id] = msg
-            self.host.relay(None, msg, op_id)
+            self.relayed.relay(None, msg, op_id)
         return True
 
     def notes(self) -> list[str]:

@@ -1,88 +1,45 @@
 """The answers to the local clients' read-only requests: ``status`` and the trainer's policy.
 
-They read the daemon through :class:`ReplySource`, the few things they show.
+They read the daemon's :class:`~chaos.daemon.context.NodeFacts`, this node's own link
+measurements and its trainer's relay.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 import msgspec
-from chaos.daemon.config import DaemonConfig
-from chaos.daemon.election import Election
-from chaos.daemon.facts import MemberFacts
+from chaos.daemon.context import Context, NodeFacts
 from chaos.daemon.scheduler.activity import join_activity, member_activity
-from chaos.daemon.scheduler.monitor import ClusterMonitor
 
 from chaos.protocol import (
-    ClusterUpdate,
-    ClusterView,
-    EventEntry,
     LinkInfo,
     PolicyNotice,
     PolicyReply,
     StatusReply,
     encode,
 )
-from chaos.protocol.messages import AuditInfo
-from chaos.protocol.states import TrainerPhase
+
+if TYPE_CHECKING:
+    from chaos.daemon.relay import TrainerRelay
+
+Measured = dict[str, tuple[float | None, float | None]]
+"""This node's latest measurement of each of its links: peer -> (latency_s, bandwidth_bps)."""
 
 NOTICE_POLICY_MAX_BYTES = 64 << 10
 """Largest policy a notice carries; a trainer asks for a bigger one."""
 
 
-class ReplySource(MemberFacts, Protocol):
-    """What the answers show of the daemon."""
-
-    cfg: DaemonConfig
-    election: Election
-
-    @property
-    def view(self) -> ClusterView | None: ...  # noqa: D102
-
-    @property
-    def update(self) -> ClusterUpdate | None: ...  # noqa: D102
-
-    @property
-    def is_scheduler(self) -> bool: ...  # noqa: D102
-
-    @property
-    def scheduler_monitor(self) -> ClusterMonitor | None:
-        """The scheduler role's monitor (``None``: this node is not the scheduler)."""
-
-    @property
-    def measured(self) -> dict[str, tuple[float | None, float | None]]:
-        """This node's latest measurement of each of its links, by peer."""
-
-    @property
-    def notify_endpoint(self) -> str | None:
-        """Where the daemon publishes its policy notices."""
-
-    def members(self) -> list[str]: ...  # noqa: D102
-
-    def status_notes(self) -> list[str]:
-        """Lines worth a look in ``status`` (e.g. a trainer that exited)."""
-
-    def recent_events(self) -> list[EventEntry]:
-        """This daemon's most recent events, oldest first."""
-
-    @property
-    def trainer_audit(self) -> AuditInfo | None:
-        """The local trainer's last reported state audit."""
-
-    @property
-    def trainer_phase(self) -> TrainerPhase | None:
-        """The local trainer's last reported lifecycle phase."""
-
-
-def status_reply(d: ReplySource) -> StatusReply:
+def status_reply(ctx: Context, measured: Measured, trainer: TrainerRelay) -> StatusReply:
     """The daemon's state and its copy of the cluster view.
 
     The scheduler shows the trainer states and links its monitor holds now: ``ready`` and a link
     measurement that leaves the sync policy as it was change them without a new epoch. A member
-    shows its view, with its own links' latest measurements laid over it.
+    shows its view, with its own links' latest measurements (``measured``) laid over it.
+    ``trainer`` is the local trainer's relay: its audit, phase and notes.
     """
+    d = ctx.facts
     view = d.view
     nodes = list(view.nodes) if view else []
     links = list(view.links) if view else []
@@ -92,7 +49,8 @@ def status_reply(d: ReplySource) -> StatusReply:
         nodes = monitor.with_trainer_states(nodes)
         links = list(monitor.to_view(d.epoch, d.term, d.node_id).links)
     else:
-        links = _with_own_measurements(d.node_id, links, d.measured)
+        links = _with_own_measurements(d.node_id, links, measured)
+    notes = trainer.notes() + (d.role.trainers.notes() if d.role is not None else [])
     return StatusReply(
         sender=d.node_id,
         epoch=d.epoch,
@@ -100,22 +58,22 @@ def status_reply(d: ReplySource) -> StatusReply:
         role=d.election.role.value,
         state=d.state.value,
         paused=d.paused,
-        scheduler=d.node_id if d.is_scheduler else d.election.scheduler,
+        scheduler=d.scheduler,
         term=d.term,
         nodes=nodes,
         links=links,
         sync=d.update.sync if d.update else None,
-        notes=[n[:256] for n in d.status_notes()[:32]],
-        audit=d.trainer_audit,
+        notes=[n[:256] for n in notes[:32]],
+        audit=trainer.audit,
         activity=member_activity(monitor, now) if monitor is not None else [],
         joins=join_activity(monitor, now) if monitor is not None else [],
-        events=d.recent_events(),
-        trainer_phase=d.trainer_phase,
+        events=ctx.events.recent(),
+        trainer_phase=trainer.phase,
     )
 
 
 def _with_own_measurements(
-    me: str, links: list[LinkInfo], measured: dict[str, tuple[float | None, float | None]]
+    me: str, links: list[LinkInfo], measured: Measured
 ) -> list[LinkInfo]:
     """``links`` with this node's own latest measurement of each of its links."""
     out = []
@@ -131,8 +89,9 @@ def _with_own_measurements(
     return out
 
 
-def policy_reply(d: ReplySource) -> PolicyReply:
-    """The policies of the installed epoch, for the trainer (``epoch``: that epoch)."""
+def policy_reply(d: NodeFacts, notify_endpoint: str | None) -> PolicyReply:
+    """The policies of the installed epoch, for the trainer (``epoch``: that epoch), with where
+    the daemon publishes its notices."""
     u = d.update
     return PolicyReply(
         sender=d.node_id,
@@ -144,18 +103,18 @@ def policy_reply(d: ReplySource) -> PolicyReply:
         apply_at=u.apply_at if u else "after_allreduce",
         restart_allreduce=u.restart_allreduce if u else False,
         paused=d.paused,
-        notify_address=d.notify_endpoint,
+        notify_address=notify_endpoint,
         notify_interval_s=d.cfg.heartbeat_interval_s,
     )
 
 
-def policy_notice(d: ReplySource, with_policy: bool) -> PolicyNotice:
+def policy_notice(d: NodeFacts, notify_endpoint: str | None, with_policy: bool) -> PolicyNotice:
     """What the daemon publishes to its trainers: the installed epoch and the pause state, and,
     with ``with_policy``, the policy itself when it encodes to at most
     ``NOTICE_POLICY_MAX_BYTES`` (a large replication plan is fetched instead)."""
     policy = None
     if with_policy:
-        reply = policy_reply(d)
+        reply = policy_reply(d, notify_endpoint)
         if len(encode(reply)) <= NOTICE_POLICY_MAX_BYTES:
             policy = reply
     return PolicyNotice(

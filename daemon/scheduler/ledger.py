@@ -16,10 +16,9 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import msgspec
-from chaos.daemon.config import DaemonConfig
+from chaos.daemon.context import Context
 from chaos.daemon.scheduler.batch_split import BatchSplitter
 from chaos.daemon.scheduler.monitor import ClusterMonitor
 from chaos.daemon.scheduler.planner import (
@@ -37,38 +36,13 @@ from chaos.protocol import (
     MAX_COUNTER,
     ApplyAt,
     ClusterUpdate,
-    Message,
     OpResult,
     PolicyAck,
     Reason,
     ReplicationWire,
     SyncPolicyWire,
     TimeoutNow,
-    Vote,
 )
-
-
-class CommitHost(Protocol):
-    """What the ledger needs from its daemon: its identity and the ways out."""
-
-    node_id: str
-
-    @property
-    def term(self) -> int: ...  # noqa: D102
-
-    @property
-    def vote_cert(self) -> list[Vote]:
-        """The signed votes this scheduler won its term with (empty without a cluster key)."""
-
-    def send(self, peer: str, msg: Message) -> bool: ...  # noqa: D102
-
-    def respond(self, reply: ReplyPath | None, msg: Message) -> None: ...  # noqa: D102
-
-    def broadcast(self, peers: dict[str, str], msg: Message) -> None: ...  # noqa: D102
-
-    def event(self, name: str, **fields: object) -> None: ...  # noqa: D102
-
-    def observe_primitive(self, name: str, seconds: float) -> None: ...  # noqa: D102
 
 
 @dataclass
@@ -93,8 +67,8 @@ class EpochLedger:
     """Commits epochs and tracks their acknowledgements.
 
     Args:
-        host: The daemon (identity, term, sends).
-        cfg: ``op_timeout_s`` and the planner's settings.
+        ctx: The daemon's context (identity, term, sends; ``op_timeout_s`` and the planner's
+            settings in its config).
         monitor: The cluster monitor the views and policies are built from.
         epoch: The epoch committed last (0: none).
         carried: The replication plan a commit carries when its primitive brings none (that of
@@ -103,14 +77,13 @@ class EpochLedger:
 
     def __init__(
         self,
-        host: CommitHost,
-        cfg: DaemonConfig,
+        ctx: Context,
         monitor: ClusterMonitor,
         epoch: int,
         carried: Callable[[], ReplicationWire | None],
     ) -> None:
-        self.host = host
-        self.cfg = cfg
+        self.ctx = ctx
+        self.cfg = ctx.cfg
         self.monitor = monitor
         self.epoch = epoch
         self._carried = carried
@@ -176,7 +149,7 @@ class EpochLedger:
         if self.epoch >= MAX_COUNTER:
             raise CounterLimit(f"epoch {self.epoch} is at the wire limit: no new commit")
         self.epoch += 1
-        view = self.monitor.to_view(self.epoch, self.host.term, self.host.node_id)
+        view = self.monitor.to_view(self.epoch, self.ctx.facts.term, self.ctx.node_id)
         sync = self.current_sync()
         sync = msgspec.structs.replace(sync, batch_sizes=self.batches.sizes(sync.nodes, now))
         if replication is None:
@@ -185,9 +158,9 @@ class EpochLedger:
         restart = self._carry_restart(sync, restart)
         op_id = uuid.uuid4().hex[:12]
         upd = ClusterUpdate(
-            sender=self.host.node_id,
+            sender=self.ctx.node_id,
             epoch=self.epoch,
-            term=self.host.term,
+            term=self.ctx.facts.term,
             view=view,
             sync=sync,
             replication=replication,
@@ -195,7 +168,7 @@ class EpochLedger:
             restart_allreduce=restart,
             cause=cause,
             op_id=op_id,
-            cert=self.host.vote_cert,
+            cert=self.ctx.facts.vote_cert,
         )
         self.last_update = upd
         members = set(self.monitor.members())
@@ -293,14 +266,14 @@ class EpochLedger:
             upd: The update.
             members: Its recipients.
         """
-        self.host.broadcast(
+        self.ctx.out.broadcast(
             {m: self.monitor.address(m) for m in sorted(members)}, upd
         )  # encoded once, sent to every member (to itself through the local queue)
-        self.host.event(
+        self.ctx.event(
             "committed",
             cause=upd.cause,
             epoch=self.epoch,
-            term=self.host.term,
+            term=self.ctx.facts.term,
             members=sorted(members),
             sync_kind=upd.sync.kind,
             topology_epoch=upd.sync.topology_epoch,
@@ -334,10 +307,10 @@ class EpochLedger:
             return
         elapsed = now - op.started
         if op.reply is not None or op.req_op_id:  # the answer first, the bookkeeping after
-            self.host.respond(
+            self.ctx.out.respond(
                 op.reply,
                 OpResult(
-                    sender=self.host.node_id,
+                    sender=self.ctx.node_id,
                     epoch=self.epoch,
                     op_id=op.req_op_id,
                     ok=ok,
@@ -345,7 +318,7 @@ class EpochLedger:
                     elapsed_s=elapsed,
                 ),
             )
-        self.host.event(
+        self.ctx.event(
             "primitive_done",
             primitive=op.name,
             epoch=op.epoch,
@@ -354,7 +327,7 @@ class EpochLedger:
             reason=reason,
         )
         if ok:
-            self.host.observe_primitive(op.name, elapsed)
+            self.ctx.metrics.primitive(op.name, elapsed)
         if op.then is not None:
             op.then()
         if op.after is not None:  # the scheduler itself has left
@@ -368,15 +341,15 @@ class EpochLedger:
             self.complete(other, now, ok=True)
         target = min(self.monitor.members(), default=None)
         if target is not None:  # stamped now: a later commit made its epoch stale
-            self.host.send(target, msgspec.structs.replace(after, epoch=self.epoch))
+            self.ctx.out.send(target, msgspec.structs.replace(after, epoch=self.epoch))
 
     def refuse(self, reply: ReplyPath | None, req_op_id: str, reason: Reason, detail: str) -> None:
         """Answers a primitive's requester that it was refused (nothing committed)."""
-        self.host.event("primitive_refused", reason=reason, detail=detail)
-        self.host.respond(
+        self.ctx.event("primitive_refused", reason=reason, detail=detail)
+        self.ctx.out.respond(
             reply,
             OpResult(
-                sender=self.host.node_id,
+                sender=self.ctx.node_id,
                 epoch=self.epoch,
                 op_id=req_op_id,
                 ok=False,

@@ -12,17 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from chaos.daemon.context import Context
 from chaos.daemon.scheduler.ledger import EpochLedger
 from chaos.daemon.scheduler.monitor import ClusterMonitor
 from chaos.daemon.scheduler.planner import policy_edges, same_data_plane
 
 from chaos.protocol import LinkReport
-
-
-class EventSink(Protocol):
-    """Where the checks log their events."""
-
-    def event(self, name: str, **fields: object) -> None: ...  # noqa: D102
 
 
 class ProbeOrders(Protocol):
@@ -56,16 +51,16 @@ class LinkChecks:
     """The scheduler's link refinements and the checks of changes they would make.
 
     Args:
-        host: The daemon's event log.
+        ctx: The daemon's context (its event log).
         monitor: The cluster monitor (the links' figures).
         ledger: The policy in force, and the commits.
         probes: Orders the confirming probes.
     """
 
     def __init__(
-        self, host: EventSink, monitor: ClusterMonitor, ledger: EpochLedger, probes: ProbeOrders
+        self, ctx: Context, monitor: ClusterMonitor, ledger: EpochLedger, probes: ProbeOrders
     ) -> None:
-        self.host = host
+        self.ctx = ctx
         self.monitor = monitor
         self.ledger = ledger
         self.probes = probes
@@ -119,7 +114,7 @@ class LinkChecks:
                     if len(self.pending) >= _MAX_PENDING:  # forget the oldest
                         self.pending.pop(next(iter(self.pending)))
                     self.pending[op_id] = check
-                self.host.event("link_confirming", a=a, b=b, bandwidth_bps=bw,
+                self.ctx.event("link_confirming", a=a, b=b, bandwidth_bps=bw,
                                rechecked=[list(p) for p in pairs[1:]])  # fmt: skip
                 return
         ledger.commit("link_measured", now)
@@ -145,5 +140,5 @@ class LinkChecks:
     def _refined(self, a: str, b: str, bw: float | None, latency_s: float | None) -> None:
         """Logs a measurement of a-b that left the trees and rings as they were: no epoch, so
         no trainer installs (or reruns) anything."""
-        self.host.event("link_refined", a=a, b=b, bandwidth_bps=bw, latency_s=latency_s,
+        self.ctx.event("link_refined", a=a, b=b, bandwidth_bps=bw, latency_s=latency_s,
                             epoch=self.ledger.epoch)  # fmt: skip

@@ -28,29 +28,14 @@ from __future__ import annotations
 import functools
 import uuid
 from dataclasses import dataclass
-from typing import Protocol
 
-from chaos.daemon.config import DaemonConfig
+from chaos.daemon.context import Context
 from chaos.daemon.scheduler.healing import candidate_pairs, components
 from chaos.daemon.scheduler.ledger import EpochLedger
 from chaos.daemon.scheduler.monitor import ClusterMonitor
 from chaos.daemon.transport import ReplyPath
 
-from chaos.protocol import ConnectCommand, LinkReport, LinkRequest, Message, Reason
-
-
-class LinkHost(Protocol):
-    """What the link primitives need from the daemon."""
-
-    node_id: str
-
-    @property
-    def term(self) -> int: ...  # noqa: D102
-
-    def send(self, peer: str, msg: Message) -> bool: ...  # noqa: D102
-
-    def event(self, name: str, **fields: object) -> None: ...  # noqa: D102
-
+from chaos.protocol import ConnectCommand, LinkReport, LinkRequest, Reason
 
 FLAP_WINDOW = 10.0
 """A link that goes down again within this many link failure timeouts of coming back up
@@ -80,17 +65,16 @@ class LinkOps:
     """The link primitives in progress, and the probe orders.
 
     Args:
-        host: The daemon (identity, term, sends, events).
-        cfg: ``probe_timeout_s``.
+        ctx: The daemon's context (identity, term, sends, events; ``probe_timeout_s``).
         monitor: The cluster monitor.
         ledger: Commits the link changes and answers their requesters.
     """
 
     def __init__(
-        self, host: LinkHost, cfg: DaemonConfig, monitor: ClusterMonitor, ledger: EpochLedger
+        self, ctx: Context, monitor: ClusterMonitor, ledger: EpochLedger
     ) -> None:
-        self.host = host
-        self.cfg = cfg
+        self.ctx = ctx
+        self.cfg = ctx.cfg
         self.monitor = monitor
         self.ledger = ledger
         self.pending: dict[str, LinkOp] = {}
@@ -121,7 +105,7 @@ class LinkOps:
         if msg.reason == "probe_recovered" and link is not None:
             flaps = self._flaps.get(frozenset((msg.a, msg.b)))
             if flaps is not None and now < flaps.hold_until:
-                self.host.event("link_damped", a=msg.a, b=msg.b, flaps=flaps.count,
+                self.ctx.event("link_damped", a=msg.a, b=msg.b, flaps=flaps.count,
                                 hold_s=flaps.hold_until - now)  # fmt: skip
                 self.ledger.refuse(reply, msg.op_id, Reason.BAD_REQUEST,
                                    "link_damped: the link flaps; its recovery is held")  # fmt: skip
@@ -150,7 +134,7 @@ class LinkOps:
         if msg.reason == "probe_failed":
             self._count_flap(frozenset((msg.a, msg.b)), now)
             self.monitor.set_link(msg.a, msg.b, up=False)
-            self.host.event("link_down", a=msg.a, b=msg.b)
+            self.ctx.event("link_down", a=msg.a, b=msg.b)
             ledger.commit(
                 "disconnect_link",
                 now,
@@ -180,9 +164,9 @@ class LinkOps:
             self._healing = None
             if not msg.up:
                 self._tried.add(frozenset((a, b)))
-                self.host.event("heal_unreachable", a=a, b=b)
+                self.ctx.event("heal_unreachable", a=a, b=b)
                 return True
-            self.host.event("overlay_healed", a=a, b=b, latency_s=msg.latency_s)
+            self.ctx.event("overlay_healed", a=a, b=b, latency_s=msg.latency_s)
         if not msg.up or not self.monitor.has(a) or not self.monitor.has(b):
             self.ledger.refuse(
                 lop.reply, lop.req.op_id, Reason.UNREACHABLE, f"{a} cannot reach {b}"
@@ -206,12 +190,12 @@ class LinkOps:
         return op_id
 
     def _order_probe(self, a: str, b: str, op_id: str, measure_bandwidth: bool) -> None:
-        self.host.send(
+        self.ctx.out.send(
             a,
             ConnectCommand(
-                sender=self.host.node_id,
+                sender=self.ctx.node_id,
                 epoch=self.ledger.epoch,
-                term=self.host.term,
+                term=self.ctx.facts.term,
                 peer=b,
                 address=self.monitor.address(b),
                 measure_bandwidth=measure_bandwidth,
@@ -227,22 +211,22 @@ class LinkOps:
         if link is None or not link["up"] or key in self._verifying.values():
             return
         op_id = "verify-" + uuid.uuid4().hex[:8]
-        req = LinkRequest(sender=self.host.node_id, epoch=self.ledger.epoch, a=a, b=b,
+        req = LinkRequest(sender=self.ctx.node_id, epoch=self.ledger.epoch, a=a, b=b,
                           op="disconnect", op_id=op_id)  # fmt: skip
         self.pending[op_id] = LinkOp(req, None, now, now + self.cfg.link_failure_timeout_s)
         self._verifying[op_id] = key
-        self.host.event("link_verify", a=a, b=b)
+        self.ctx.event("link_verify", a=a, b=b)
         self._order_probe(a, b, op_id, measure_bandwidth=False)
 
     def _verified(self, a: str, b: str, up: bool, now: float) -> None:
         """The check of a link the allreduce failed on: down means a disconnect-link."""
         link = self.monitor.link(a, b) if self.monitor.has(a) and self.monitor.has(b) else None
         if up or link is None or not link["up"]:
-            self.host.event("link_verified", a=a, b=b, up=up)
+            self.ctx.event("link_verified", a=a, b=b, up=up)
             return
         self._count_flap(frozenset((a, b)), now)
         self.monitor.set_link(a, b, up=False)
-        self.host.event("link_down", a=a, b=b, by="allreduce")
+        self.ctx.event("link_down", a=a, b=b, by="allreduce")
         self.ledger.commit("disconnect_link", now, apply_at="before_next_allreduce", restart=True)
 
     def _count_flap(self, key: frozenset[str], now: float) -> None:
@@ -272,12 +256,12 @@ class LinkOps:
             return
         a, b = pairs[0]
         op_id = "heal-" + uuid.uuid4().hex[:8]
-        req = LinkRequest(sender=self.host.node_id, epoch=self.ledger.epoch, a=a, b=b,
+        req = LinkRequest(sender=self.ctx.node_id, epoch=self.ledger.epoch, a=a, b=b,
                           op="connect", op_id=op_id)  # fmt: skip
         self.pending[op_id] = LinkOp(req, None, now, now + self.cfg.probe_timeout_s)
         self._healing = op_id
         parts = components(self.monitor.g, members)
-        self.host.event("heal_started", a=a, b=b, parts=parts)
+        self.ctx.event("heal_started", a=a, b=b, parts=parts)
         self._order_probe(a, b, op_id, measure_bandwidth=False)
 
     def tick(self, now: float) -> None:
@@ -288,7 +272,7 @@ class LinkOps:
                 if op_id == self._healing:
                     self._healing = None
                     self._tried.add(frozenset((lop.req.a, lop.req.b)))
-                    self.host.event("heal_unreachable", a=lop.req.a, b=lop.req.b)
+                    self.ctx.event("heal_unreachable", a=lop.req.a, b=lop.req.b)
                     continue
                 if self._verifying.pop(op_id, None) is not None:
                     self._verified(lop.req.a, lop.req.b, False, now)  # no answer at all

@@ -15,7 +15,7 @@ import time
 from typing import Any, Protocol
 
 import msgspec
-from chaos.daemon.config import DaemonConfig
+from chaos.daemon.context import Context
 from chaos.daemon.scheduler.batch_split import BatchSplitter
 from chaos.daemon.scheduler.monitor import ClusterMonitor, PullSample
 from chaos.daemon.scheduler.planner import replication_policy
@@ -24,7 +24,6 @@ from chaos.daemon.transport import ReplyPath
 
 from chaos.protocol import (
     ApplyAt,
-    Message,
     OpResult,
     Reason,
     ReplicationWire,
@@ -58,16 +57,6 @@ that reaches the planned step before the plan serves the next boundary's state i
 def _merged(assignment: dict[str, list[tuple[int, int]]]) -> dict[str, list[tuple[int, int]]]:
     """Per donor with work, its ranges merged (the form a joiner reports its pull in)."""
     return {nid: m for nid, ranges in assignment.items() if (m := merge_ranges(list(ranges)))}
-
-
-class RegistryHost(Protocol):
-    """What the registry needs from its daemon."""
-
-    node_id: str
-
-    def respond(self, reply: ReplyPath | None, msg: Message) -> None: ...  # noqa: D102
-
-    def event(self, name: str, **fields: object) -> None: ...  # noqa: D102
 
 
 class Commits(Protocol):
@@ -141,8 +130,8 @@ class TrainerRegistry:
     """The scheduler's record of the trainers (rules 1-5 of the interface).
 
     Args:
-        host: The daemon (its id, its answers and its event log).
-        cfg: The heartbeat and failure timeouts, the replication settings.
+        ctx: The daemon's context (its id, its answers and its event log; the heartbeat and
+            failure timeouts, the replication settings).
         monitor: The cluster monitor, where the trainers' states and endpoints are kept.
         commits: Commits the epochs a registration or a restart needs.
         liveness: When each member was last heard.
@@ -150,14 +139,13 @@ class TrainerRegistry:
 
     def __init__(
         self,
-        host: RegistryHost,
-        cfg: DaemonConfig,
+        ctx: Context,
         monitor: ClusterMonitor,
         commits: Commits,
         liveness: Liveness,
     ) -> None:
-        self.host = host
-        self.cfg = cfg
+        self.ctx = ctx
+        self.cfg = ctx.cfg
         self.monitor = monitor
         self.commits = commits
         self.liveness = liveness
@@ -186,7 +174,7 @@ class TrainerRegistry:
             return
         members = {m: mon.address(m) for m in mon.members()}
         if (why := loopback_advertised(n, (msg.data_address, msg.shard_address), members)):
-            self.host.event("trainer_refused", peer=n, reason="loopback_advertised", detail=why)
+            self.ctx.event("trainer_refused", peer=n, reason="loopback_advertised", detail=why)
             self._answer(reply, msg.op_id, Reason.BAD_REQUEST, why)
             return
         cur = mon.trainer(n)
@@ -226,7 +214,7 @@ class TrainerRegistry:
         mon.set_data_key(n, msg.data_key)
         self.registered_at[n] = now
         self.pending[n] = repl
-        self.host.event(
+        self.ctx.event(
             "replication_planned",
             peer=n,
             donors=sorted(repl.donor_addresses),
@@ -274,8 +262,8 @@ class TrainerRegistry:
                 continue
             left = self.monitor.tau_sync_s(d, now, age) or 0.0
             reach = 0.0  # the scheduler's own trainer: the commit is local
-            if d != self.host.node_id:
-                reach = self.monitor.path_link(self.host.node_id, d)[0] or 0.0
+            if d != self.ctx.node_id:
+                reach = self.monitor.path_link(self.ctx.node_id, d)[0] or 0.0
             steps.append(snapshot_step(known[0], known[1], left, reach, repl.makespan_s))
         return max(steps) if steps else None
 
@@ -289,7 +277,7 @@ class TrainerRegistry:
         repl = self._plan(n, now)
         self.pending[n] = repl
         self.entering[n] = now
-        self.host.event("catch_up_entering", peer=n, donors=sorted(repl.donor_addresses))
+        self.ctx.event("catch_up_entering", peer=n, donors=sorted(repl.donor_addresses))
         self.commits.commit("trainer_scale_out", now, replication=repl)
 
     def _register_state(
@@ -324,7 +312,7 @@ class TrainerRegistry:
         self._answer(reply, msg.op_id)
 
     def _registered(self, n: str, state: str, msg: TrainerInfo, reply: ReplyPath | None) -> None:
-        self.host.event(
+        self.ctx.event(
             "trainer_registered",
             peer=n,
             trainer=state,
@@ -382,7 +370,7 @@ class TrainerRegistry:
         fit = self.monitor.observe_pull(samples)
         executed = {d.id: [(int(o), int(k)) for o, k in d.ranges] for d in pull.donors if d.ranges}
         same = planned is not None and executed == _merged(planned.assignment)
-        self.host.event(
+        self.ctx.event(
             "replication_executed",
             peer=n,
             as_planned=same and not pull.reason and not pull.replans,
@@ -405,7 +393,7 @@ class TrainerRegistry:
             if cur == TrainerState.TRAINING:
                 self.commits.batches.observe(n, msg.samples_per_s, msg.global_batch)
             return
-        self.host.event(
+        self.ctx.event(
             "trainer_event", peer=n, kind=msg.kind, elapsed_s=msg.elapsed_s, detail=msg.detail
         )
         if cur == TrainerState.NONE:
@@ -438,7 +426,7 @@ class TrainerRegistry:
             arrived = self.registered_at.pop(n, None)
             repl = self.pending.pop(n, None)
             donors = sorted(repl.donor_addresses) if repl is not None else []
-            self.host.event(
+            self.ctx.event(
                 "scale_out_complete",
                 peer=n,
                 delay_s=now - arrived if arrived is not None else None,
@@ -454,7 +442,7 @@ class TrainerRegistry:
         mon = self.monitor
         mon.set_trainer(n, TrainerState.NONE, None, None)
         self.forget(n)
-        self.host.event("trainer_gone", peer=n, was=cur.value)
+        self.ctx.event("trainer_gone", peer=n, was=cur.value)
         self.commits.commit("trainer_gone", now, apply_at="before_next_allreduce", restart=True)
 
     def _on_step_failed(self, msg: TrainerEvent, reply: ReplyPath | None, now: float) -> None:
@@ -492,7 +480,7 @@ class TrainerRegistry:
             self._restart(suspect, now, failed_epoch)
             return
         self.held[suspect] = (due, failed_epoch)
-        self.host.event("restart_held", peer=suspect, epoch=failed_epoch, due_in_s=due - now)
+        self.ctx.event("restart_held", peer=suspect, epoch=failed_epoch, due_in_s=due - now)
 
     def _newer_structure(self, failed_epoch: int) -> bool:
         """Whether a data-plane structure newer than ``failed_epoch`` was issued (a commit that
@@ -504,7 +492,7 @@ class TrainerRegistry:
     def _silent(self, peer: str, now: float) -> bool:
         """Whether ``peer`` is a member not heard for over 1.5 heartbeat intervals. The
         scheduler itself is always heard: it is the one answering."""
-        if peer == self.host.node_id or not self.monitor.has(peer):
+        if peer == self.ctx.node_id or not self.monitor.has(peer):
             return False
         heard = self.liveness.last_heard.get(peer, now)
         return now - heard > self.cfg.heartbeat_interval_s * 1.5
@@ -543,7 +531,7 @@ class TrainerRegistry:
         self.restarted[suspect] = (self.commits.epoch, now)
         count = self.repeats.get(suspect, 0)
         if count:
-            self.host.event(
+            self.ctx.event(
                 "restart_repeated",
                 peer=suspect,
                 restarts=count + 1,
@@ -646,11 +634,11 @@ class TrainerRegistry:
         self, reply: ReplyPath | None, op_id: str, reason: Reason | None = None, detail: str = ""
     ) -> None:
         if reason is not None:
-            self.host.event("trainer_refused", reason=reason, detail=detail)
-        self.host.respond(
+            self.ctx.event("trainer_refused", reason=reason, detail=detail)
+        self.ctx.out.respond(
             reply,
             OpResult(
-                sender=self.host.node_id,
+                sender=self.ctx.node_id,
                 epoch=self.commits.epoch,
                 op_id=op_id,
                 ok=reason is None,

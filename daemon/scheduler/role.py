@@ -34,10 +34,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Protocol
+from collections.abc import Callable
 
 import msgspec
-from chaos.daemon.config import DaemonConfig
+from chaos.daemon.context import Context
 from chaos.daemon.scheduler.failures import FailureDetector
 from chaos.daemon.scheduler.ledger import EpochLedger
 from chaos.daemon.scheduler.link_checks import LinkChecks
@@ -57,7 +57,6 @@ from chaos.protocol import (
     LeaveRequest,
     LinkReport,
     LinkRequest,
-    Message,
     PolicyAck,
     Reason,
     ReplicationWire,
@@ -70,79 +69,57 @@ from chaos.protocol.states import NodeState, TrainerState
 log = logging.getLogger("chaos.daemon.scheduler")
 
 
-class SchedulerHost(Protocol):
-    """What the scheduler role needs from its daemon."""
-
-    node_id: str
-    address: str
-    public_key: str
-    sign_key: str
-
-    @property
-    def term(self) -> int: ...  # noqa: D102
-
-    def send(self, peer: str, msg: Message) -> bool: ...  # noqa: D102
-
-    def respond(self, reply: ReplyPath | None, msg: Message) -> None: ...  # noqa: D102
-
-    def send_to_address(self, peer: str, address: str, msg: Message) -> None: ...  # noqa: D102
-
-    def broadcast(self, peers: dict[str, str], msg: Message) -> None: ...  # noqa: D102
-
-    def event(self, name: str, **fields: object) -> None: ...  # noqa: D102
-
-    def observe_primitive(self, name: str, seconds: float) -> None: ...  # noqa: D102
-
-    def lost_quorum(self) -> None: ...  # noqa: D102
-
-
 class SchedulerRole:
     """The scheduler's state and primitives.
 
     Args:
-        host: The daemon.
-        cfg: Timeouts and planner settings.
+        ctx: The daemon's context (identity, term, sends, events; timeouts and planner
+            settings in its config).
         view: The last view this node installed (``None``: a new cluster of this node alone).
         now: Monotonic time.
         old_scheduler: The scheduler this one replaces, with the last time it was heard.
+        on_lost_quorum: Told when the members still heard are no majority (the succession
+            steps down and pauses).
     """
 
     def __init__(
         self,
-        host: SchedulerHost,
-        cfg: DaemonConfig,
+        ctx: Context,
         view: ClusterView | None,
         now: float,
         old_scheduler: tuple[str, float] | None = None,
+        on_lost_quorum: Callable[[], None] | None = None,
     ) -> None:
-        self.host = host
-        self.cfg = cfg
+        self.ctx = ctx
+        self.cfg = cfg = ctx.cfg
+        self._on_lost_quorum = on_lost_quorum
+        me = ctx.facts
         if view is None:
             self.monitor = ClusterMonitor()
             self.monitor.add_node(
-                host.node_id, host.address, NodeState.ACTIVE, time.time(), host.public_key,
-                host.sign_key,
+                me.node_id, me.address, NodeState.ACTIVE, time.time(), me.public_key,
+                me.sign_key,
             )
         else:
             self.monitor = ClusterMonitor.from_view(view)
         members = self.monitor.members()
-        self.failures = FailureDetector(host.node_id, cfg, members, now)
+        self.failures = FailureDetector(me.node_id, cfg, members, now)
         if old_scheduler is not None and old_scheduler[0] in self.failures.last_heard:
             self.failures.heard(old_scheduler[0], old_scheduler[1])
         self.ledger = EpochLedger(
-            host, cfg, self.monitor, view.epoch if view is not None else 0, self._carried
+            ctx, self.monitor, view.epoch if view is not None else 0, self._carried
         )
-        self.trainers = TrainerRegistry(host, cfg, self.monitor, self.ledger, self.failures)
-        waiting = set(members) - {host.node_id} if view is not None else set()
+        self.trainers = TrainerRegistry(ctx, self.monitor, self.ledger, self.failures)
+        waiting = set(members) - {me.node_id} if view is not None else set()
         self.rebuild = ViewRebuild(
             self.monitor, self.ledger, self.trainers, waiting, now + cfg.failure_timeout_s
         )
         self.scale_outs = ScaleOuts(
-            host, cfg, self.monitor, self.ledger, self.failures, self.trainers
+            ctx, self.monitor, self.ledger, self.failures, self.trainers
         )
-        self.links = LinkOps(host, cfg, self.monitor, self.ledger)
+        self.links = LinkOps(ctx, self.monitor, self.ledger)
         # bandwidth refinements, and the probes that confirm one that would re-wire the data plane
-        self.checks = LinkChecks(host, self.monitor, self.ledger, self.links)
+        self.checks = LinkChecks(ctx, self.monitor, self.ledger, self.links)
         # the trainers' step progress: who holds the others up (a report counts for a few
         # heartbeat intervals, the time it takes the next one to come)
         self.stragglers = StragglerWatch(
@@ -224,8 +201,8 @@ class SchedulerRole:
         self.monitor.set_state(node, NodeState.LEAVING)
         self._remove(node, now)  # a leaver acknowledges nothing more
         op = self.ledger.commit("scale_in_leave", now, reply=reply, req_op_id=msg.op_id)
-        if node == self.host.node_id:
-            op.after = TimeoutNow(sender=node, epoch=self.epoch, term=self.host.term)
+        if node == self.ctx.node_id:
+            op.after = TimeoutNow(sender=node, epoch=self.epoch, term=self.ctx.facts.term)
         if not op.waiting:
             self.ledger.complete(op, now, ok=True)
 
@@ -243,17 +220,18 @@ class SchedulerRole:
             self.rebuild.maybe_finish(now)
             return
         if verdict.quorum_lost:
-            self.host.event(
+            self.ctx.event(
                 "quorum_lost", members=members, base=sorted(base), silent=verdict.overdue
             )
-            self.host.lost_quorum()
+            if self._on_lost_quorum is not None:
+                self._on_lost_quorum()
             return
         if ledger.quorum.settling and ledger.last_update is not None:
             return  # one unacknowledged membership change at a time (Raft's single change)
         for m in verdict.failed:
             self.monitor.set_state(m, NodeState.FAILED)
             self.rebuild.forget(m)
-            self.host.event("node_failed", peer=m, silent_s=verdict.silent_s[m])
+            self.ctx.event("node_failed", peer=m, silent_s=verdict.silent_s[m])
             self._remove(m, now)
         if ledger.last_update is None:  # still rebuilding after an election: one commit for all
             self.rebuild.maybe_finish(now)
@@ -305,7 +283,7 @@ class SchedulerRole:
             neighbour = msg.detail
             training = self.monitor.trainer_members((TrainerState.TRAINING,))
             peer = self.stragglers.blame(n, neighbour, msg.elapsed_s, training, now)
-            self.host.event(
+            self.ctx.event(
                 "allreduce_failed", peer=peer, reporter=n, neighbour=neighbour, epoch=msg.epoch,
                 waited_s=msg.elapsed_s,
             )  # fmt: skip
@@ -347,7 +325,7 @@ class SchedulerRole:
 
     def _evict(self, s: Straggler) -> None:
         self._take_trainer_out(s.node)
-        self.host.event(
+        self.ctx.event(
             "straggler_evicted", peer=s.node, step=s.step, silent_s=round(s.silent_s, 3),
             at_step=s.at_step, waiting=list(s.waiting), waited_s=round(s.waited_s, 3),
             behind=s.behind,
@@ -375,7 +353,7 @@ class SchedulerRole:
     def _evict_offender(self, o: Offender) -> None:
         self._take_trainer_out(o.node)
         self.offenders.forget(o.node)
-        self.host.event(
+        self.ctx.event(
             "offender_evicted", peer=o.node, offences=o.count, steps=list(o.steps),
             limit=o.limit, window_steps=o.window,
         )  # fmt: skip

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from chaos.daemon.config import DaemonConfig
+from chaos.daemon.context import Context
 from chaos.daemon.scheduler.failures import FailureDetector
 from chaos.daemon.scheduler.ledger import EpochLedger
 from chaos.daemon.scheduler.monitor import ClusterMonitor
@@ -26,27 +26,11 @@ from chaos.protocol import (
     ConnectCommand,
     JoinRequest,
     LinkReport,
-    Message,
     Reason,
     Refusal,
     ReplicationWire,
 )
 from chaos.protocol.states import NodeState
-
-
-class ScaleOutHost(Protocol):
-    """What a scale-out needs from the daemon."""
-
-    node_id: str
-
-    @property
-    def term(self) -> int: ...  # noqa: D102
-
-    def send(self, peer: str, msg: Message) -> bool: ...  # noqa: D102
-
-    def send_to_address(self, peer: str, address: str, msg: Message) -> None: ...  # noqa: D102
-
-    def event(self, name: str, **fields: object) -> None: ...  # noqa: D102
 
 
 class JoinerRecords(Protocol):
@@ -73,8 +57,8 @@ class ScaleOuts:
     """The joins in progress.
 
     Args:
-        host: The daemon (identity, term, sends, events).
-        cfg: ``probe_timeout_s`` and the replication settings.
+        ctx: The daemon's context (identity, term, sends, events; ``probe_timeout_s`` and
+            the replication settings).
         monitor: The cluster monitor.
         ledger: Commits the joiner's admission.
         liveness: When each member was last heard.
@@ -83,15 +67,14 @@ class ScaleOuts:
 
     def __init__(
         self,
-        host: ScaleOutHost,
-        cfg: DaemonConfig,
+        ctx: Context,
         monitor: ClusterMonitor,
         ledger: EpochLedger,
         liveness: FailureDetector,
         trainers: JoinerRecords,
     ) -> None:
-        self.host = host
-        self.cfg = cfg
+        self.ctx = ctx
+        self.cfg = ctx.cfg
         self.monitor = monitor
         self.ledger = ledger
         self.liveness = liveness
@@ -114,22 +97,22 @@ class ScaleOuts:
             return
         # a named neighbour that is no member (removed since the joiner chose it) is left out
         # while another one is: the joiner comes in through the others (event field dropped)
-        nbrs = known or [msg.forwarded_by or self.host.node_id]
+        nbrs = known or [msg.forwarded_by or self.ctx.node_id]
         self.monitor.add_node(j, msg.address, NodeState.JOINING, time.time(), msg.public_key,
                               msg.sign_key)  # fmt: skip
         so = ScaleOut(
             msg, uuid.uuid4().hex[:12], now, now + self.cfg.probe_timeout_s + 1.0, set(nbrs)
         )
         self.joins[j] = so
-        self.host.event("scale_out_started", peer=j, neighbors=nbrs, op_id=so.op_id,
+        self.ctx.event("scale_out_started", peer=j, neighbors=nbrs, op_id=so.op_id,
                         dropped=unknown)  # fmt: skip
         for n in nbrs:
-            self.host.send(
+            self.ctx.out.send(
                 n,
                 ConnectCommand(
-                    sender=self.host.node_id,
+                    sender=self.ctx.node_id,
                     epoch=self.ledger.epoch,
-                    term=self.host.term,
+                    term=self.ctx.facts.term,
                     peer=j,
                     address=msg.address,
                     measure_bandwidth=True,
@@ -162,26 +145,26 @@ class ScaleOuts:
         at, incarnation = self._admitted.get(j, (float("-inf"), ""))
         retry = incarnation == msg.incarnation and now - at <= self.cfg.failure_timeout_s
         if fresh and retry and self.ledger.last_update is not None:
-            self.host.send(j, self.ledger.last_update)  # the joiner missed its admission
+            self.ctx.out.send(j, self.ledger.last_update)  # the joiner missed its admission
             return False
-        self.host.event("incarnation_replaced", peer=j, was_fresh=fresh)
+        self.ctx.event("incarnation_replaced", peer=j, was_fresh=fresh)
         self.monitor.remove_node(j)  # a restarted incarnation: scale it in and out again
         self.trainers.forget(j)
         self._admitted.pop(j, None)
         return True
 
     def _refuse(self, msg: JoinRequest, reason: Reason, detail: str) -> None:
-        self.host.event("join_refused", peer=msg.node_id, reason=reason, detail=detail)
-        self.host.send_to_address(
+        self.ctx.event("join_refused", peer=msg.node_id, reason=reason, detail=detail)
+        self.ctx.out.send_to_address(
             msg.node_id,
             msg.address,
             Refusal(
-                sender=self.host.node_id,
+                sender=self.ctx.node_id,
                 epoch=self.ledger.epoch,
                 reason=reason,
                 detail=detail,
                 ref_type="join_request",
-                term=self.host.term,
+                term=self.ctx.facts.term,
             ),
         )
 
@@ -219,7 +202,7 @@ class ScaleOuts:
         self._admitted[j] = (now, so.req.incarnation)
         links = {n: (r.latency_s, r.bandwidth_bps) for n, r in up.items()}
         repl = replication_policy(j, links, so.req.state_bytes, so.req.tensor_sizes, self.cfg)
-        self.host.event(
+        self.ctx.event(
             "replication_planned",
             peer=j,
             skipped=repl.skipped,

@@ -14,39 +14,32 @@ from chaos.daemon.config import DaemonConfig
 
 from chaos.errors import ConfigError
 from chaos.protocol import BulkAck, BulkData, ConnectCommand, LinkReport, Ping, Pong
+from tests.daemon.recorder import Recorder, recording_context
 
 CHUNK = 64 << 10
 
 
-class _Host:
-    node_id = "a"
-    epoch = 3
-    term = 1
+class _Host(Recorder):
+    """The agent's outbox and event log, recording each message with its attachment."""
 
     def __init__(self) -> None:
-        self.sent: list[tuple[str, Any, bytes | None]] = []
-        self.reports: list[Any] = []
-        self.events: list[tuple[str, dict[str, object]]] = []
+        super().__init__()
+        self.sent: list[tuple[str, Any, bytes | None]] = []  # type: ignore[assignment]
 
     def send(self, peer: str, msg: Any, attachment: bytes | None = None) -> bool:
         self.sent.append((peer, msg, attachment))
         return True
 
-    def to_scheduler(self, msg: Any) -> bool:
-        self.reports.append(msg)
-        return True
-
-    def connect_peer(self, peer: str, address: str) -> bool:
-        return True  # a connection that is already up: every ping goes out at once
-
-    def peer_address(self, peer: str) -> str | None:
-        return None  # never re-pointed here
-
-    def event(self, name: str, **fields: object) -> None:
-        self.events.append((name, fields))
+    @property
+    def reports(self) -> list[Any]:
+        return self.to_sched
 
     def chunks(self) -> list[BulkData]:
         return [m for _, m, _ in self.sent if isinstance(m, BulkData)]
+
+
+def _with(host: _Host, cfg: DaemonConfig) -> Agent:
+    return Agent(recording_context(cfg, host)[0], cfg)
 
 
 def _agent() -> tuple[Agent, _Host]:
@@ -57,7 +50,7 @@ def _agent() -> tuple[Agent, _Host]:
         bandwidth_probe_chunk_bytes=CHUNK,
     )
     host = _Host()
-    return Agent(host, cfg), host
+    return _with(host, cfg), host
 
 
 def _measure(agent: Agent, host: _Host) -> None:
@@ -180,7 +173,7 @@ def test_the_agent_keeps_probe_memory_only_when_configured(
         bandwidth_probe_chunk_bytes=CHUNK,
         keep_probe_memory=keep,
     )
-    Agent(_Host(), cfg)
+    _with(_Host(), cfg)
     assert calls == ([CHUNK] if keep else [])
 
 

@@ -7,6 +7,7 @@ test ends (the ``cluster`` fixture). Tests wait for conditions, never for time.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import socket
@@ -21,7 +22,6 @@ import zmq
 from chaos.daemon.config import DaemonConfig, ensure_private_run_dir
 from chaos.daemon.dispatch import Dispatcher, TokenBucket
 from chaos.daemon.events import EventLog, read_events
-from chaos.daemon.metrics import Metrics
 from chaos.daemon.timers import Timers
 from daemon_helpers import Cluster, Node, wait_until
 
@@ -29,6 +29,7 @@ from chaos.errors import ConfigError
 from chaos.launch import free_tcp_address
 from chaos.protocol import PROTOCOL_VERSION, Ping, Refusal, decode
 from chaos.security import ClusterKey
+from tests.daemon.recorder import recording_context
 
 _REPLY_S = 10.0
 
@@ -211,29 +212,13 @@ def test_a_timer_job_that_raises_is_logged_counted_and_the_others_run() -> None:
     assert ran == ["ok"] and seen == [("timer", "bad")] and timers.errors == 1
 
 
-class _Source:
-    node_id = "a"
-    epoch = 0
-    term = 1
-    state = None
-    paused = False
-    view = None
-    role = None
-    is_scheduler = True
-    membership_version = None
-
-    def __init__(self, cfg: DaemonConfig) -> None:
-        self.cfg = cfg
-
-    def members(self) -> list[str]:
-        return ["a"]
-
-
 def test_a_handler_that_raises_is_logged_counted_and_recorded(tmp_path: Path) -> None:
     cfg = DaemonConfig(node_id="a", listen="tcp://127.0.0.1:5000")
     events = EventLog(tmp_path / "events.jsonl", "a")
-    metrics = Metrics("a", None)
-    d = Dispatcher(_Source(cfg), None, None, metrics, events)
+    ctx, _ = recording_context(cfg)
+    ctx = dataclasses.replace(ctx, events=events)
+    metrics = ctx.metrics
+    d = Dispatcher(ctx, None, None)  # type: ignore[arg-type]
 
     def boom(msg: Any, reply: Any, now: float) -> None:
         raise ValueError("a bug")

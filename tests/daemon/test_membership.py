@@ -1,20 +1,18 @@
 """This node's own join and leave (:class:`chaos.daemon.membership.Membership`).
 
-The unit tests drive ``Membership`` with a recording host in place of the daemon: they are about
-the join and leave bookkeeping (resends, deadlines, answers), not about sockets. The last test
+The unit tests drive ``Membership`` with a recording context in place of the daemon's: they are
+about the join and leave bookkeeping (resends, deadlines, answers), not about sockets. The last test
 runs a real ``chaos-daemon`` whose join can never be answered.
 """
 
 from __future__ import annotations
 
-import random
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 from chaos.daemon.config import DaemonConfig
-from chaos.daemon.election import Election
 from chaos.daemon.events import read_events
 from chaos.daemon.membership import Membership
 from chaos.daemon.states import DaemonState
@@ -33,6 +31,7 @@ from chaos.protocol import (
     SyncPolicyWire,
     decode,
 )
+from tests.daemon.recorder import Recorder, recording_context
 
 _CLIENT: Any = object()  # stands in for the client's reply path (a ReplyPath)
 
@@ -44,65 +43,57 @@ class _Transport:
     def send_contact(self, address: str, frame: bytes) -> None:
         self.contacts.append((address, decode(frame)))
 
+    def close_contacts(self) -> None:
+        pass
+
     def refused_contact(self) -> str | None:
         return None  # no handshake refused (tests/daemon/test_wrong_key.py covers a refusal)
 
 
 class _Host:
-    """Stands in for the daemon: records what Membership asks of it."""
+    """The membership's context, recording (the daemon is not under test here), and its
+    contacts."""
 
     def __init__(self, state: DaemonState = DaemonState.STARTING, scheduler: bool = True) -> None:
-        self.node_id = "me"
         self.address = "tcp://127.0.0.1:7000"
-        self.public_key = ""
-        self.sign_key = ""
-        self.incarnation = "incarnation1"
         self.cfg = DaemonConfig(node_id="me", listen=self.address, join_timeout_s=10.0)
-        self.view: ClusterView | None = None
-        self.state = state
-        self.election = Election("me", self.cfg, random.Random(1))
+        self.ctx, self.rec = recording_context(self.cfg, Recorder(scheduler), state=state)
         self.transport: Any = _Transport()
-        self.dropped_scheduler_role = False
-        self.has_scheduler = scheduler
-        self.events: list[tuple[str, dict[str, object]]] = []
-        self.answers: list[Message] = []
-        self.answered_to: list[Any] = []
-        self.to_sched: list[Message] = []
-        self.exit_code: int | None = None
+
+    def membership(self) -> Membership:
+        return Membership(self.ctx, self.transport)
 
     @property
-    def epoch(self) -> int:
-        return self.view.epoch if self.view else 0
+    def state(self) -> DaemonState:
+        return self.ctx.facts.state
 
     @property
-    def term(self) -> int:
-        return 1
+    def view(self) -> ClusterView | None:
+        return self.ctx.facts.view
 
-    def set_state(self, state: DaemonState) -> None:
-        self.state = state
+    @view.setter
+    def view(self, view: ClusterView | None) -> None:
+        self.ctx.facts.view = view
 
-    def event(self, name: str, **fields: object) -> None:
-        self.events.append((name, fields))
+    @property
+    def exit_code(self) -> int | None:
+        return self.ctx.facts.exit_code if self.ctx.facts.stopping else None
 
-    def respond(self, reply: Any, msg: Message) -> None:
-        self.answers.append(msg)
-        self.answered_to.append(reply)
+    @property
+    def events(self) -> list[tuple[str, dict[str, object]]]:
+        return self.rec.events
 
-    def result(self, reply: Any, op_id: str, reason: Any = None, detail: str = "") -> None:
-        self.respond(
-            reply, OpResult(sender="me", epoch=0, op_id=op_id, ok=reason is None, reason=reason)
-        )
+    @property
+    def answers(self) -> list[Message]:
+        return self.rec.answers
 
-    def to_scheduler(self, msg: Message) -> bool:
-        self.to_sched.append(msg)
-        return self.has_scheduler
+    @property
+    def answered_to(self) -> list[Any]:
+        return self.rec.answered_to
 
-    def finish(self, code: int) -> None:
-        self.exit_code = code
-        self.state = DaemonState.STOPPED
-
-    def drop_scheduler_role(self) -> None:
-        self.dropped_scheduler_role = True
+    @property
+    def to_sched(self) -> list[Message]:
+        return self.rec.to_sched
 
 
 def _joins(host: _Host) -> list[JoinRequest]:
@@ -111,7 +102,7 @@ def _joins(host: _Host) -> list[JoinRequest]:
 
 def test_a_join_is_resent_until_answered_then_times_out() -> None:
     host = _Host()
-    ms = Membership(host)
+    ms = host.membership()
     ms.begin_join(100.0, "tcp://127.0.0.1:7001", ["a"])
     assert host.state == DaemonState.JOINING
     first = _joins(host)
@@ -129,7 +120,7 @@ def test_a_join_is_resent_until_answered_then_times_out() -> None:
 
 def test_a_leave_without_a_scheduler_fails_at_once_and_stops() -> None:
     host = _Host(DaemonState.ACTIVE, scheduler=False)
-    Membership(host).start_leave(_CLIENT, 5.0)
+    host.membership().start_leave(_CLIENT, 5.0)
     assert host.state == DaemonState.STOPPED and host.answered_to == [_CLIENT]
     answer = host.answers[-1]
     assert isinstance(answer, OpResult) and not answer.ok and answer.reason == "paused"
@@ -138,7 +129,7 @@ def test_a_leave_without_a_scheduler_fails_at_once_and_stops() -> None:
 
 def test_an_unanswered_leave_times_out_and_another_answer_is_not_taken_for_it() -> None:
     host = _Host(DaemonState.ACTIVE)
-    ms = Membership(host)
+    ms = host.membership()
     ms.start_leave(_CLIENT, 5.0)
     assert host.state == DaemonState.LEAVING
     (req,) = host.to_sched
@@ -156,7 +147,7 @@ def test_an_unanswered_leave_times_out_and_another_answer_is_not_taken_for_it() 
 
 def test_the_schedulers_answer_finishes_the_leave() -> None:
     host = _Host(DaemonState.ACTIVE)
-    ms = Membership(host)
+    ms = host.membership()
     ms.start_leave(_CLIENT, 5.0)
     op_id = ms.leave_request().op_id
     assert ms.on_leave_result(OpResult(sender="s", epoch=7, op_id=op_id, ok=True, elapsed_s=0.2))
@@ -180,7 +171,7 @@ def test_a_dropped_member_rejoins_through_the_sender_with_its_remaining_neighbou
     newer = ClusterView(epoch=4, term=1, scheduler="s", links=[], nodes=[
         _node("s", 7001, []), _node("b", 7003, []),
     ])  # fmt: skip
-    Membership(host).rejoin(newer, "s", 10.0)
+    host.membership().rejoin(newer, "s", 10.0)
     assert host.state == DaemonState.JOINING
     (address, req), = host.transport.contacts  # fmt: skip
     assert address == "tcp://127.0.0.1:7001" and isinstance(req, JoinRequest)
@@ -199,7 +190,7 @@ def test_a_view_without_this_node_ends_a_leave_or_starts_a_rejoin() -> None:
     without = ClusterView(epoch=4, term=1, scheduler="s", links=[], nodes=[_node("s", 7001, [])])
     # leaving: the scheduler's view without this node completes the leave, answer or not
     host = _Host(DaemonState.ACTIVE)
-    ms = Membership(host)
+    ms = host.membership()
     ms.start_leave(_CLIENT, 5.0)
     ms.on_dropped_from_view(_update(without, "s"), None, 5.5)
     acks = [m for m in host.answers if isinstance(m, PolicyAck)]
@@ -208,18 +199,18 @@ def test_a_view_without_this_node_ends_a_leave_or_starts_a_rejoin() -> None:
     # active: dropped (a missed heartbeat), so it joins again through the sender
     host = _Host(DaemonState.ACTIVE)
     host.view = old
-    Membership(host).on_dropped_from_view(_update(without, "s"), None, 6.0)
+    host.membership().on_dropped_from_view(_update(without, "s"), None, 6.0)
     assert host.state == DaemonState.JOINING and len(_joins(host)) == 1
     # its own view (a scheduler that removed itself) starts nothing
     host = _Host(DaemonState.ACTIVE)
     host.view = old
-    Membership(host).on_dropped_from_view(_update(without, "me"), None, 6.0)
+    host.membership().on_dropped_from_view(_update(without, "me"), None, 6.0)
     assert host.state == DaemonState.ACTIVE and not _joins(host)
 
 
 def test_a_rejoin_through_an_unknown_sender_does_nothing() -> None:
     host = _Host(DaemonState.ACTIVE)
-    Membership(host).rejoin(None, "stranger", 10.0)
+    host.membership().rejoin(None, "stranger", 10.0)
     assert host.state == DaemonState.ACTIVE and not host.transport.contacts
 
 

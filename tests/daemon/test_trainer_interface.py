@@ -15,7 +15,7 @@ from chaos.daemon.client import DaemonClient, RequestRefused
 from daemon_helpers import Cluster, Node, free_port, wait_until
 
 from chaos.protocol import MAX_STATE_TENSORS, PolicyReply, TrainerEvent, TrainerRegister
-from tests.daemon.scheduler.role_host import RoleHost
+from tests.daemon.recorder import Recorder, recording_context
 
 SIZES = [4096, 1000, 123_457, 8]
 
@@ -262,16 +262,16 @@ def test_registration_survives_kill9_of_the_scheduler(cluster: Cluster) -> None:
 # ----------------------------------------------------------------- scheduler rules, in process
 
 
-def _scheduler_role() -> tuple[Any, RoleHost]:
+def _scheduler_role() -> tuple[Any, Recorder]:
     """A scheduler ``a`` over the path a - b - c - d (b and c: no trainer yet)."""
     from chaos.daemon.config import DaemonConfig
     from chaos.daemon.scheduler.role import SchedulerRole
 
     from chaos.protocol.states import NodeState
 
-    host = RoleHost()
-    cfg = DaemonConfig(node_id="a", listen=host.address)
-    role = SchedulerRole(host, cfg, None, 0.0)
+    cfg = DaemonConfig(node_id="a", listen="tcp://127.0.0.1:1")
+    ctx, host = recording_context(cfg)
+    role = SchedulerRole(ctx, None, 0.0)
     for i, n in enumerate("bcd"):
         role.monitor.add_node(n, f"tcp://127.0.0.1:{10 + i}", NodeState.ACTIVE, 0.0)
     role.monitor.set_link("a", "b", latency_s=0.001, bandwidth_bps=1e9)
@@ -355,7 +355,7 @@ def _join_one_by_one(role: Any, nodes: str, t0: float) -> None:
         role.trainers.on_event(ready, None, t0 + t + 0.5)
 
 
-def _step_failed(role: Any, host: RoleHost, node: str, peer: str, epoch: int, now: float) -> None:
+def _step_failed(role: Any, host: Recorder, node: str, peer: str, epoch: int, now: float) -> None:
     """``node``'s trainer reports a failed step of ``epoch`` blaming ``peer``; it is answered."""
     msg = TrainerEvent(sender=node, epoch=epoch, kind="step_failed", detail=peer,
                        op_id=f"op-{node}-{peer}-{now}")  # fmt: skip
@@ -364,7 +364,7 @@ def _step_failed(role: Any, host: RoleHost, node: str, peer: str, epoch: int, no
         raise AssertionError(f"step_failed refused: {host.answers[-1]}")
 
 
-def _restarts(host: RoleHost) -> int:
+def _restarts(host: Recorder) -> int:
     return sum(1 for u in host.updates if u.cause == "allreduce_restart")
 
 
@@ -485,8 +485,8 @@ def test_a_report_after_the_rebuild_that_changes_a_trainer_commits_an_epoch() ->
     old.trainers.on_info(_info("a", True, SIZES), None, 1.0)
     old.trainers.on_info(_info("b", False), None, 2.0)
     view = old.monitor.to_view(old.epoch, 1, "a")
-    host = RoleHost()
-    role = SchedulerRole(host, old.cfg, view, 10.0)
+    ctx, host = recording_context(old.cfg)
+    role = SchedulerRole(ctx, view, 10.0)
     assert role.monitor.trainer("b").value == "syncing"
     deadline = 10.0 + role.cfg.failure_timeout_s
     for m in "bcd":  # every member is heard; none has reported yet
@@ -518,8 +518,8 @@ def test_a_rebuild_that_drops_a_failed_member_restarts_the_allreduce() -> None:
         old, _ = _scheduler_role()
         old.trainers.on_info(_info("a", True, SIZES), None, 1.0)  # an epoch to take over
         view = old.monitor.to_view(old.epoch, 1, "a")
-        host = RoleHost()
-        role = SchedulerRole(host, old.cfg, view, 10.0)
+        ctx, host = recording_context(old.cfg)
+        role = SchedulerRole(ctx, view, 10.0)
         deadline = 10.0 + role.cfg.failure_timeout_s
         for m in "bcd":
             if m != silent:

@@ -9,20 +9,20 @@ from __future__ import annotations
 from typing import Any
 
 from chaos.protocol import JoinRequest, Refusal
-from tests.daemon.scheduler.role_host import RoleHost
+from tests.daemon.recorder import Recorder, recording_context
 
 
-def _role() -> tuple[Any, RoleHost]:
+def _role() -> tuple[Any, Recorder]:
     """A scheduler ``a`` with members b and c."""
     from chaos.daemon.config import DaemonConfig
     from chaos.daemon.scheduler.role import SchedulerRole
 
     from chaos.protocol.states import NodeState
 
-    host = RoleHost()
-    cfg = DaemonConfig(node_id="a", listen=host.address, heartbeat_interval_s=0.2,
+    cfg = DaemonConfig(node_id="a", listen="tcp://127.0.0.1:1", heartbeat_interval_s=0.2,
                        failure_timeout_s=1.0)  # fmt: skip
-    role = SchedulerRole(host, cfg, None, 0.0)
+    ctx, host = recording_context(cfg)
+    role = SchedulerRole(ctx, None, 0.0)
     for i, n in enumerate("bc"):
         role.monitor.add_node(n, f"tcp://127.0.0.1:{10 + i}", NodeState.ACTIVE, 0.0)
     return role, host

@@ -16,7 +16,7 @@ from chaos.daemon.scheduler.offenders import OffenderWatch
 
 from chaos.errors import ConfigError, ProtocolError
 from chaos.protocol import TrainerEvent, decode, encode
-from tests.daemon.scheduler.role_host import RoleHost
+from tests.daemon.recorder import Recorder, recording_context
 
 ABC = ("a", "b", "c")
 
@@ -133,17 +133,17 @@ def test_the_report_is_a_typed_message_with_bounded_devices() -> None:
 # -- the scheduler role --------------------------------------------------------------------
 
 
-def _role(**cfg_fields: Any) -> tuple[Any, RoleHost]:
+def _role(**cfg_fields: Any) -> tuple[Any, Recorder]:
     """A scheduler ``a`` with three training members a, b, c (a triangle)."""
     from chaos.daemon.scheduler.role import SchedulerRole
 
     from chaos.protocol import TrainerInfo
     from chaos.protocol.states import NodeState
 
-    host = RoleHost()
-    cfg = DaemonConfig(node_id="a", listen=host.address, heartbeat_interval_s=0.2,
+    cfg = DaemonConfig(node_id="a", listen="tcp://127.0.0.1:1", heartbeat_interval_s=0.2,
                        failure_timeout_s=1.0, **cfg_fields)  # fmt: skip
-    role = SchedulerRole(host, cfg, None, 0.0)
+    ctx, host = recording_context(cfg)
+    role = SchedulerRole(ctx, None, 0.0)
     for i, n in enumerate("bc"):
         role.monitor.add_node(n, f"tcp://127.0.0.1:{10 + i}", NodeState.ACTIVE, 0.0)
     for x, y in (("a", "b"), ("b", "c"), ("a", "c")):

@@ -10,22 +10,22 @@ from __future__ import annotations
 from typing import Any
 
 from chaos.protocol import ClusterUpdate, JoinRequest, LinkReport
-from tests.daemon.scheduler.role_host import RoleHost
+from tests.daemon.recorder import Recorder, recording_context
 
 ADDRESS = "tcp://127.0.0.1:99"
 
 
-def _admitted(incarnation: str) -> tuple[Any, RoleHost]:
+def _admitted(incarnation: str) -> tuple[Any, Recorder]:
     """A scheduler ``a`` with member b, which has just admitted ``d`` under ``incarnation``."""
     from chaos.daemon.config import DaemonConfig
     from chaos.daemon.scheduler.role import SchedulerRole
 
     from chaos.protocol.states import NodeState
 
-    host = RoleHost()
-    cfg = DaemonConfig(node_id="a", listen=host.address, heartbeat_interval_s=0.2,
+    cfg = DaemonConfig(node_id="a", listen="tcp://127.0.0.1:1", heartbeat_interval_s=0.2,
                        failure_timeout_s=1.0)  # fmt: skip
-    role = SchedulerRole(host, cfg, None, 0.0)
+    ctx, host = recording_context(cfg)
+    role = SchedulerRole(ctx, None, 0.0)
     role.monitor.add_node("b", "tcp://127.0.0.1:10", NodeState.ACTIVE, 0.0)
     role.failures.heard("b", 1.0)
     role.scale_outs.on_join(_join(incarnation), None, 1.0)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from chaos.daemon.scheduler.stragglers import StragglerWatch
 
-from tests.daemon.scheduler.role_host import RoleHost
+from tests.daemon.recorder import Recorder, recording_context
 
 GRACE = 2.0
 ADDR = "tcp://127.0.0.1:7700"
@@ -176,7 +176,7 @@ def test_a_step_behind_grace_at_or_below_two_heartbeats_is_refused() -> None:
 # ----------------------------------------------------------------- the scheduler role
 
 
-def _role() -> tuple[Any, RoleHost]:
+def _role() -> tuple[Any, Recorder]:
     """A scheduler ``a`` with three training members a, b, c (a triangle)."""
     from chaos.daemon.config import DaemonConfig
     from chaos.daemon.scheduler.role import SchedulerRole
@@ -184,12 +184,12 @@ def _role() -> tuple[Any, RoleHost]:
     from chaos.protocol import TrainerInfo
     from chaos.protocol.states import NodeState
 
-    host = RoleHost()
     cfg = DaemonConfig(
-        node_id="a", listen=host.address, heartbeat_interval_s=0.2, failure_timeout_s=1.0,
+        node_id="a", listen="tcp://127.0.0.1:1", heartbeat_interval_s=0.2, failure_timeout_s=1.0,
         straggler_grace_s=GRACE, behind_grace_s=GRACE,
     )  # fmt: skip
-    role = SchedulerRole(host, cfg, None, 0.0)
+    ctx, host = recording_context(cfg)
+    role = SchedulerRole(ctx, None, 0.0)
     for i, n in enumerate("bc"):
         role.monitor.add_node(n, f"tcp://127.0.0.1:{10 + i}", NodeState.ACTIVE, 0.0)
     for x, y in (("a", "b"), ("b", "c"), ("a", "c")):
