@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import msgspec
 import psutil
 from chaos.daemon.config import DaemonConfig
-from chaos.daemon.context import Context
 from chaos.daemon.dispatch import Handler, scheduler_side
+from chaos.daemon.scheduler.role import DaemonContext
 from chaos.daemon.transport import ReplyPath
 
 from chaos.allocator import keep_frame_memory
@@ -111,7 +111,7 @@ class Agent:
         cfg: Probe and heartbeat settings.
     """
 
-    ctx: Context
+    ctx: DaemonContext
     cfg: DaemonConfig
     links: dict[str, LinkProbe] = field(default_factory=dict)
     measurements: dict[int, Measurement] = field(default_factory=dict)

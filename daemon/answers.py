@@ -9,11 +9,11 @@ steps down) or that the cluster moved on without it (it joins again).
 
 from __future__ import annotations
 
-from chaos.daemon.context import Context
 from chaos.daemon.dispatch import Handler
 from chaos.daemon.membership import Membership
 from chaos.daemon.relay import TrainerRelay
 from chaos.daemon.relayed import RelayedOps
+from chaos.daemon.scheduler.role import DaemonContext
 from chaos.daemon.states import DaemonState
 from chaos.daemon.succession import Succession
 from chaos.daemon.transport import ReplyPath
@@ -34,7 +34,7 @@ class Answers:
 
     def __init__(
         self,
-        ctx: Context,
+        ctx: DaemonContext,
         relayed: RelayedOps,
         trainer: TrainerRelay,
         membership: Membership,

@@ -13,11 +13,11 @@ from __future__ import annotations
 import uuid
 
 from chaos.daemon.agent import Agent
-from chaos.daemon.context import Context
 from chaos.daemon.dispatch import Handler, fault_permission
 from chaos.daemon.relay import TrainerRelay
 from chaos.daemon.relayed import RelayedOps
 from chaos.daemon.replies import policy_reply, status_reply
+from chaos.daemon.scheduler.role import DaemonContext
 from chaos.daemon.states import DaemonState
 from chaos.daemon.transport import FaultInjector, ReplyPath, Transport
 
@@ -49,7 +49,7 @@ class ClientRequests:
 
     def __init__(
         self,
-        ctx: Context,
+        ctx: DaemonContext,
         relayed: RelayedOps,
         faults: FaultInjector,
         agent: Agent,

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Generic, Protocol, TypeVar
 
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.election import Election
 from chaos.daemon.events import EventLog
 from chaos.daemon.metrics import Metrics
 from chaos.daemon.outbox import Outbox
+from chaos.daemon.scheduler.monitor import ClusterMonitor
 from chaos.daemon.states import DAEMON_TRANSITIONS, DaemonState, Role
 from chaos.daemon.timers import Timers
 from chaos.daemon.transport import ReplyPath
@@ -32,14 +33,27 @@ from chaos.daemon.vote_certs import VoteBook
 from chaos.errors import ChaosError
 from chaos.protocol import ClusterUpdate, ClusterView, Message, OpResult, Reason, Vote
 
-if TYPE_CHECKING:
-    from chaos.daemon.scheduler.monitor import ClusterMonitor
-    from chaos.daemon.scheduler.role import SchedulerRole
-
 log = logging.getLogger("chaos.daemon")
 
 
-class NodeFacts:
+class HeldRole(Protocol):
+    """What the facts read of the scheduler role: the epoch it committed last and its cluster
+    monitor. The role itself (:class:`chaos.daemon.scheduler.role.SchedulerRole`) is built on
+    this context, so the context names only this much of it; the member side's flows see the
+    whole role (``Context[SchedulerRole]``), the scheduler's modules need none of it."""
+
+    monitor: ClusterMonitor
+
+    @property
+    def epoch(self) -> int:
+        """The epoch committed last."""
+
+
+R = TypeVar("R", bound=HeldRole)
+"""The scheduler role's type, as the holder of a context sees it."""
+
+
+class NodeFacts(Generic[R]):
     """Who this node is and where it stands.
 
     Args:
@@ -74,7 +88,7 @@ class NodeFacts:
         """The installed view (written by the view installer)."""
         self.update: ClusterUpdate | None = None
         """The installed update, with its policies (written by the view installer)."""
-        self.role: SchedulerRole | None = None
+        self.role: R | None = None
         """The scheduler role while this node holds it (written by the succession)."""
 
     # -- the lifecycle ---------------------------------------------------------------------
@@ -173,7 +187,7 @@ class NodeFacts:
 
 
 @dataclass(frozen=True)
-class Context:
+class Context(Generic[R]):
     """The daemon's facts and ways out, handed to every flow and collaborator.
 
     Attributes:
@@ -184,7 +198,7 @@ class Context:
         metrics: The counters and gauges.
     """
 
-    facts: NodeFacts
+    facts: NodeFacts[R]
     out: Outbox
     events: EventLog
     timers: Timers

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from chaos.daemon.config import DaemonConfig
-from chaos.daemon.context import Context, NodeFacts
 from chaos.daemon.peer_auth import sender_refusal
 from chaos.daemon.states import DaemonState
 from chaos.daemon.transport import FaultInjector, Inbound, ReplyPath, Transport
@@ -43,7 +42,7 @@ from chaos.protocol import (
 )
 
 if TYPE_CHECKING:
-    from chaos.daemon.scheduler.role import SchedulerRole
+    from chaos.daemon.scheduler.role import DaemonContext, DaemonFacts, SchedulerRole
 
 log = logging.getLogger("chaos.daemon")
 
@@ -146,7 +145,7 @@ class Dispatcher:
         faults: The injected faults (a blocked sender's frames are dropped).
     """
 
-    def __init__(self, ctx: Context, transport: Transport, faults: FaultInjector) -> None:
+    def __init__(self, ctx: DaemonContext, transport: Transport, faults: FaultInjector) -> None:
         self.source = ctx.facts
         self.transport = transport
         self.faults = faults
@@ -320,7 +319,7 @@ def merge_handlers(*tables: dict[type, Handler]) -> dict[type, Handler]:
 
 
 def scheduler_side(
-    facts: NodeFacts, fn: Callable[[SchedulerRole, Any, ReplyPath | None, float], None]
+    facts: DaemonFacts, fn: Callable[[SchedulerRole, Any, ReplyPath | None, float], None]
 ) -> Handler:
     """A handler run only while this node holds the scheduler role (a member drops the
     message): ``fn(role, message, reply, now)``."""

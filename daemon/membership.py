@@ -19,8 +19,8 @@ import uuid
 from collections.abc import Sequence
 
 import msgspec
-from chaos.daemon.context import Context
 from chaos.daemon.dispatch import Handler, scheduler_side
+from chaos.daemon.scheduler.role import DaemonContext
 from chaos.daemon.states import DaemonState
 from chaos.daemon.transport import ReplyPath, Transport
 
@@ -59,7 +59,7 @@ class Membership:
         transport: The contacts a join goes through.
     """
 
-    def __init__(self, ctx: Context, transport: Transport) -> None:
+    def __init__(self, ctx: DaemonContext, transport: Transport) -> None:
         self.ctx = ctx
         self.transport = transport
         self._contacts: list[str] = []

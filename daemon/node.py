@@ -44,6 +44,7 @@ from chaos.daemon.notices import PolicyNotices
 from chaos.daemon.outbox import Outbox
 from chaos.daemon.relay import TrainerRelay
 from chaos.daemon.relayed import RelayedOps
+from chaos.daemon.scheduler.role import DaemonContext, DaemonFacts
 from chaos.daemon.states import DaemonState
 from chaos.daemon.succession import Succession
 from chaos.daemon.timers import Timers
@@ -93,8 +94,8 @@ class Daemon:
         transport.max_dealers = cfg.max_peer_sockets
         transport.on_refused = self.metrics.refused
         public_key = security.public_key if security.enabled else ""
-        facts = NodeFacts(cfg, Election(cfg.node_id, cfg, rng), votes, public_key,
-                          incarnation=uuid.uuid4().hex[:12])  # fmt: skip
+        facts: DaemonFacts = NodeFacts(cfg, Election(cfg.node_id, cfg, rng), votes, public_key,
+                                       incarnation=uuid.uuid4().hex[:12])  # fmt: skip
         timers = Timers()
         outbox = Outbox(cfg.node_id, transport, lambda: facts.scheduler)
         self.ctx = ctx = Context(facts, outbox, events, timers, self.metrics)
@@ -102,7 +103,7 @@ class Daemon:
         self._wire(ctx, transport, faults)
         self._leave_requested = False
 
-    def _wire(self, ctx: Context, transport: Transport, faults: FaultInjector) -> None:
+    def _wire(self, ctx: DaemonContext, transport: Transport, faults: FaultInjector) -> None:
         """Builds the flows and merges their handler tables into the dispatcher."""
         self.agent = Agent(ctx, ctx.cfg)
         self.relayed = RelayedOps(ctx)

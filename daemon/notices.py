@@ -7,8 +7,8 @@ of a change without asking (docs/trainer-daemon-interface.md).
 
 from __future__ import annotations
 
-from chaos.daemon.context import Context
 from chaos.daemon.replies import policy_notice
+from chaos.daemon.scheduler.role import DaemonContext
 from chaos.daemon.transport import Transport
 
 from chaos.protocol import encode
@@ -22,7 +22,7 @@ class PolicyNotices:
         transport: Publishes on the notify endpoint.
     """
 
-    def __init__(self, ctx: Context, transport: Transport) -> None:
+    def __init__(self, ctx: DaemonContext, transport: Transport) -> None:
         self.ctx = ctx
         self.transport = transport
         self._last: tuple[int, bool] | None = None  # the last (epoch, paused) published

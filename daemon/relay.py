@@ -31,9 +31,9 @@ from typing import Any
 
 import msgspec
 import psutil
-from chaos.daemon.context import Context
 from chaos.daemon.dispatch import Handler, scheduler_side
 from chaos.daemon.relayed import RelayedOps
+from chaos.daemon.scheduler.role import DaemonContext
 from chaos.daemon.transport import ReplyPath
 
 from chaos.protocol import (
@@ -81,7 +81,7 @@ class TrainerRelay:
         relayed: The requests relayed to the scheduler (the trainer's go there).
     """
 
-    def __init__(self, ctx: Context, relayed: RelayedOps) -> None:
+    def __init__(self, ctx: DaemonContext, relayed: RelayedOps) -> None:
         self.ctx = ctx
         self.relayed = relayed
         relayed.on_dropped.append(self.forget)

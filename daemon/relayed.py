@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
-from chaos.daemon.context import Context
+from chaos.daemon.scheduler.role import DaemonContext
 from chaos.daemon.transport import ReplyPath
 
 from chaos.protocol import Message, OpResult, Reason, TrainerEvent, TrainerInfo
@@ -39,7 +39,7 @@ class RelayedOps:
         ctx: The daemon's context.
     """
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: DaemonContext) -> None:
         self.ctx = ctx
         self._waiting: dict[str, _ClientOp] = {}
         self._scheduler: tuple[str | None, int] = (None, 0)  # the one last sent to, its term

@@ -10,8 +10,8 @@ import time
 from typing import TYPE_CHECKING
 
 import msgspec
-from chaos.daemon.context import Context, NodeFacts
 from chaos.daemon.scheduler.activity import join_activity, member_activity
+from chaos.daemon.scheduler.role import DaemonContext, DaemonFacts
 
 from chaos.protocol import (
     LinkInfo,
@@ -31,7 +31,7 @@ NOTICE_POLICY_MAX_BYTES = 64 << 10
 """Largest policy a notice carries; a trainer asks for a bigger one."""
 
 
-def status_reply(ctx: Context, measured: Measured, trainer: TrainerRelay) -> StatusReply:
+def status_reply(ctx: DaemonContext, measured: Measured, trainer: TrainerRelay) -> StatusReply:
     """The daemon's state and its copy of the cluster view.
 
     The scheduler shows the trainer states and links its monitor holds now: ``ready`` and a link
@@ -89,7 +89,7 @@ def _with_own_measurements(
     return out
 
 
-def policy_reply(d: NodeFacts, notify_endpoint: str | None) -> PolicyReply:
+def policy_reply(d: DaemonFacts, notify_endpoint: str | None) -> PolicyReply:
     """The policies of the installed epoch, for the trainer (``epoch``: that epoch), with where
     the daemon publishes its notices."""
     u = d.update
@@ -108,7 +108,7 @@ def policy_reply(d: NodeFacts, notify_endpoint: str | None) -> PolicyReply:
     )
 
 
-def policy_notice(d: NodeFacts, notify_endpoint: str | None, with_policy: bool) -> PolicyNotice:
+def policy_notice(d: DaemonFacts, notify_endpoint: str | None, with_policy: bool) -> PolicyNotice:
     """What the daemon publishes to its trainers: the installed epoch and the pause state, and,
     with ``with_policy``, the policy itself when it encodes to at most
     ``NOTICE_POLICY_MAX_BYTES`` (a large replication plan is fetched instead)."""

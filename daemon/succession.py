@@ -16,11 +16,10 @@ from collections.abc import Callable
 
 import msgspec
 from chaos.daemon.agent import Agent
-from chaos.daemon.context import Context
 from chaos.daemon.dispatch import Handler, scheduler_side
 from chaos.daemon.election import carried_silence
 from chaos.daemon.relay import TrainerRelay
-from chaos.daemon.scheduler.role import SchedulerRole
+from chaos.daemon.scheduler.role import DaemonContext, SchedulerRole
 from chaos.daemon.states import DaemonState, Role
 from chaos.daemon.transport import ReplyPath, Transport
 
@@ -52,7 +51,7 @@ class Succession:
 
     def __init__(
         self,
-        ctx: Context,
+        ctx: DaemonContext,
         transport: Transport,
         agent: Agent,
         trainer: TrainerRelay,

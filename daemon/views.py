@@ -10,9 +10,9 @@ goes to :class:`~chaos.daemon.membership.Membership` (a leave is done, or this n
 from __future__ import annotations
 
 from chaos.daemon.agent import Agent
-from chaos.daemon.context import Context
 from chaos.daemon.dispatch import Handler, scheduler_side
 from chaos.daemon.membership import Membership
+from chaos.daemon.scheduler.role import DaemonContext
 from chaos.daemon.states import DaemonState
 from chaos.daemon.succession import Succession
 from chaos.daemon.transport import ReplyPath, Transport
@@ -33,7 +33,7 @@ class ViewInstaller:
 
     def __init__(
         self,
-        ctx: Context,
+        ctx: DaemonContext,
         succession: Succession,
         membership: Membership,
         transport: Transport,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from chaos.daemon.context import Context
@@ -77,7 +78,7 @@ class EpochLedger:
 
     def __init__(
         self,
-        ctx: Context,
+        ctx: Context[Any],
         monitor: ClusterMonitor,
         epoch: int,
         carried: Callable[[], ReplicationWire | None],

@@ -10,7 +10,7 @@ host measures the CPU more than the link.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from chaos.daemon.context import Context
 from chaos.daemon.scheduler.ledger import EpochLedger
@@ -58,7 +58,7 @@ class LinkChecks:
     """
 
     def __init__(
-        self, ctx: Context, monitor: ClusterMonitor, ledger: EpochLedger, probes: ProbeOrders
+        self, ctx: Context[Any], monitor: ClusterMonitor, ledger: EpochLedger, probes: ProbeOrders
     ) -> None:
         self.ctx = ctx
         self.monitor = monitor

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from chaos.daemon.context import Context
 from chaos.daemon.scheduler.healing import candidate_pairs, components
@@ -71,7 +72,7 @@ class LinkOps:
     """
 
     def __init__(
-        self, ctx: Context, monitor: ClusterMonitor, ledger: EpochLedger
+        self, ctx: Context[Any], monitor: ClusterMonitor, ledger: EpochLedger
     ) -> None:
         self.ctx = ctx
         self.cfg = ctx.cfg

@@ -139,7 +139,7 @@ class TrainerRegistry:
 
     def __init__(
         self,
-        ctx: Context,
+        ctx: Context[Any],
         monitor: ClusterMonitor,
         commits: Commits,
         liveness: Liveness,

@@ -35,9 +35,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TypeAlias
 
 import msgspec
-from chaos.daemon.context import Context
+from chaos.daemon.context import Context, NodeFacts
 from chaos.daemon.scheduler.failures import FailureDetector
 from chaos.daemon.scheduler.ledger import EpochLedger
 from chaos.daemon.scheduler.link_checks import LinkChecks
@@ -84,7 +85,7 @@ class SchedulerRole:
 
     def __init__(
         self,
-        ctx: Context,
+        ctx: DaemonContext,
         view: ClusterView | None,
         now: float,
         old_scheduler: tuple[str, float] | None = None,
@@ -362,3 +363,11 @@ class SchedulerRole:
             "%d steps (steps %s; offender_limit %d); it joins again, pulling the state",
             o.node, o.count, o.window, ", ".join(map(str, o.steps)), o.limit,
         )  # fmt: skip
+
+
+DaemonContext: TypeAlias = Context[SchedulerRole]
+"""The context as the member side's flows hold it: its facts' role, while this node holds it,
+is a :class:`SchedulerRole`."""
+
+DaemonFacts: TypeAlias = NodeFacts[SchedulerRole]
+"""The facts as the member side's flows read them (see :data:`DaemonContext`)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from chaos.daemon.context import Context
 from chaos.daemon.scheduler.failures import FailureDetector
@@ -67,7 +67,7 @@ class ScaleOuts:
 
     def __init__(
         self,
-        ctx: Context,
+        ctx: Context[Any],
         monitor: ClusterMonitor,
         ledger: EpochLedger,
         liveness: FailureDetector,
