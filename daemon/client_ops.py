@@ -43,7 +43,8 @@ from chaos.protocol import (
     Reason,
     Refusal,
     StatusRequest,
-    TrainerEvent,
+    StepFailed,
+    TrainerEventBase,
     TrainerInfo,
 )
 
@@ -181,7 +182,7 @@ class ClientRequests:
             if op.sent and not changed:
                 continue
             msg = op.msg
-            if not (isinstance(msg, TrainerEvent) and msg.kind == "step_failed"):
+            if not isinstance(msg, StepFailed):
                 msg = msgspec.structs.replace(msg, epoch=self.host.epoch)  # not the failed one
             if self.host.to_scheduler(msg):
                 op.deadline = max(op.deadline, now + self.host.cfg.op_timeout_s)
@@ -254,7 +255,7 @@ class ClientRequests:
 
 def _is_patient(msg: Message) -> bool:
     """The local trainer's messages wait for a scheduler instead of being refused."""
-    return isinstance(msg, (TrainerInfo, TrainerEvent))
+    return isinstance(msg, (TrainerInfo, TrainerEventBase))
 
 
 def _is_join(msg: Message) -> bool:

@@ -55,6 +55,7 @@ from chaos.protocol import (
     AgentReport,
     BulkAck,
     BulkData,
+    CaughtUp,
     ClusterUpdate,
     ClusterView,
     ConnectCommand,
@@ -68,20 +69,26 @@ from chaos.protocol import (
     LinkRequest,
     MemberHeartbeat,
     Message,
+    NonfiniteStep,
     OpResult,
     Ping,
     PolicyAck,
     PolicyRequest,
     Pong,
+    PullDone,
     Reason,
     Refusal,
     RequestVote,
     SchedulerHeartbeat,
     StatusRequest,
+    StepFailed,
     TimeoutNow,
-    TrainerEvent,
+    TrainerGone,
     TrainerInfo,
+    TrainerProgress,
+    TrainerReady,
     TrainerRegister,
+    TrainerThroughput,
     Vote,
     VoteReply,
     refusal,
@@ -495,7 +502,8 @@ class Daemon:
     # -- handlers --------------------------------------------------------------------------
 
     def _handler_table(self) -> dict[type, Handler]:
-        s, a, r = self.succession, self.agent, self.requests
+        s, a, r, relay = self.succession, self.agent, self.requests, self.trainer
+        answer = lambda n, m, rp, now: n.trainers.on_event(m, rp, now)  # noqa: E731
         return {
             SchedulerHeartbeat: s.on_scheduler_heartbeat,
             MemberHeartbeat: self._on_member_heartbeat,
@@ -523,7 +531,25 @@ class Daemon:
             PolicyRequest: r.on_policy_request,
             TrainerRegister: lambda m, r, t: self.trainer.on_register(m, r),
             TrainerInfo: self._scheduler_only(lambda n, m, r, t: n.trainers.on_info(m, r, t)),
-            TrainerEvent: self._on_trainer_event,
+            # trainer events: the local trainer's (no node_id) go to the relay, a member's
+            # forwarded ones (node_id set) to the scheduler role
+            TrainerReady: self._trainer_event(relay.on_event, answer),
+            PullDone: self._trainer_event(relay.on_event, answer),
+            CaughtUp: self._trainer_event(relay.on_event, answer),
+            StepFailed: self._trainer_event(relay.on_event, SchedulerRole.on_step_failed),
+            TrainerGone: self._trainer_event(relay.on_event, SchedulerRole.on_trainer_gone),
+            TrainerProgress: self._trainer_event(
+                lambda m, rp: relay.on_progress(m),
+                lambda n, m, rp, now: n.on_trainer_progress(m, now),
+            ),
+            NonfiniteStep: self._trainer_event(
+                lambda m, rp: relay.on_nonfinite(m),
+                lambda n, m, rp, now: n.on_nonfinite(m, now),
+            ),
+            TrainerThroughput: self._trainer_event(
+                lambda m, rp: relay.on_throughput(m),
+                lambda n, m, rp, now: n.trainers.on_throughput(m),
+            ),
         }
 
     def _scheduler_only(
@@ -613,11 +639,21 @@ class Daemon:
         ):
             self.membership.rejoin(None, msg.sender, now)  # the cluster moved on without us
 
-    def _on_trainer_event(self, msg: TrainerEvent, reply: ReplyPath | None, now: float) -> None:
-        if msg.node_id is None:  # from the local trainer
-            self.trainer.on_event(msg, reply)
-        elif self.succession.role is not None:  # forwarded by a member
-            self.succession.role.on_trainer_event(msg, reply, now)
+    def _trainer_event(
+        self,
+        local: Callable[[Any, ReplyPath | None], None],
+        forwarded: Callable[[SchedulerRole, Any, ReplyPath | None, float], None],
+    ) -> Handler:
+        """A trainer event's handler: ``local`` (the relay's) for one from this node's trainer
+        (``node_id`` unset), ``forwarded`` (the scheduler role's) for one a member forwarded."""
+
+        def handler(msg: Any, reply: ReplyPath | None, now: float) -> None:
+            if msg.node_id is None:  # from the local trainer
+                local(msg, reply)
+            elif self.succession.role is not None:  # forwarded by a member
+                forwarded(self.succession.role, msg, reply, now)
+
+        return handler
 
 
 def _exit_code_of(exc: BaseException) -> int:
