@@ -27,7 +27,7 @@ BYTE_ORDER = "<"
 
 # ----------------------------------------------------------------------------- control plane
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 """The control plane's messages (:mod:`chaos.protocol.messages`), daemon to daemon, CLI and
 trainer to daemon. 3: one :class:`~chaos.protocol.messages.Refusal` for every msgpack channel
 (``req_id``, the shard server's reason codes). 4: a join's refusal may list other members'
@@ -39,9 +39,12 @@ which the scheduler evicts repeat offenders by. 7: signed votes and the schedule
 ``NodeInfo.sign_key``, ``JoinRequest.sign_key``); the reasons ``id_in_use`` and
 ``unverified_scheduler``. 8: a join's incarnation nonce (``JoinRequest.incarnation``). 9: what
 a live view of the cluster shows (``StatusReply.activity``, ``joins`` and ``events``; a joiner's
-pull progress, ``TrainerEvent.pulling``). 10: the trainer's lifecycle phase
-(``TrainerEvent.phase``, ``StatusReply.trainer_phase``, ``MemberActivity.phase``,
-``JoinActivity.phase``)."""
+pull progress, the trainer event's ``pulling``). 10: the trainer's lifecycle phase (the
+trainer event's ``phase``, ``StatusReply.trainer_phase``, ``MemberActivity.phase``,
+``JoinActivity.phase``). 11: one message type per trainer event instead of one
+``trainer_event`` with a ``kind`` (``TrainerReady``, ``TrainerGone``, ``PullDone``,
+``StepFailed``, ``CaughtUp``, ``TrainerProgress``, ``NonfiniteStep``, ``TrainerThroughput``),
+each with only its own fields; a field another event owns is refused."""
 
 # ----------------------------------------------------------------------------- replication
 

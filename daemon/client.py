@@ -19,6 +19,8 @@ import zmq
 from chaos.errors import ChaosTimeout, DaemonGone, ProtocolError
 from chaos.protocol import (
     DEFAULT_MAX_FRAME_BYTES,
+    AnsweredEvent,
+    AnsweredEventBase,
     FaultCommand,
     FaultName,
     FaultReply,
@@ -31,8 +33,6 @@ from chaos.protocol import (
     Refusal,
     StatusReply,
     StatusRequest,
-    TrainerEvent,
-    TrainerEventKind,
     TrainerRegister,
     decode,
     encode,
@@ -192,7 +192,7 @@ class DaemonClient:
 
     def op(
         self,
-        msg: LeaveCommand | LinkCommand | TrainerRegister | TrainerEvent,
+        msg: LeaveCommand | LinkCommand | TrainerRegister | AnsweredEvent,
         timeout_s: float | None = None,
         gone: Callable[[], bool] | None = None,
     ) -> OpResult:
@@ -204,7 +204,7 @@ class DaemonClient:
             RequestRefused: refused on receipt (e.g. ``paused``, ``malformed``).
             ProtocolError: an unexpected answer.
         """
-        if isinstance(msg, (TrainerRegister, TrainerEvent)) and not msg.op_id:
+        if isinstance(msg, (TrainerRegister, AnsweredEventBase)) and not msg.op_id:
             # the daemon answers under this id, so a late answer to an earlier op is told apart
             msg = msgspec.structs.replace(msg, op_id=uuid.uuid4().hex[:12])
         return cast(OpResult, self._expect(msg, OpResult, timeout_s, gone))
@@ -273,39 +273,28 @@ class DaemonClient:
         )
         return _checked(self.op(msg, timeout_s))
 
-    def trainer_event(
-        self,
-        kind: TrainerEventKind,
-        elapsed_s: float = 0.0,
-        detail: str = "",
-        timeout_s: float | None = None,
-        epoch: int = 0,
-        step: int = 0,
-    ) -> OpResult:
-        """Reports a trainer event to the scheduler (``ready``: the state is in place).
+    def trainer_event(self, event: AnsweredEvent, timeout_s: float | None = None) -> OpResult:
+        """Reports a trainer event to the scheduler and waits for its answer.
 
         Args:
-            kind: ``"ready"``, ``"replication_done"`` or ``"step_failed"`` (an allreduce failed
-                and no newer policy is known; ``detail`` names the blamed peer, ``epoch`` the
-                epoch the step ran under; the scheduler commits a restart epoch if nothing
-                else will).
-            elapsed_s: The trainer's own duration for the event (e.g. join to ready), seconds.
-            detail: Free text (at most 1024 characters).
+            event: The event: :class:`~chaos.protocol.TrainerReady` (the state is in place;
+                its ``step`` is the step it enters at, where the local daemon starts the
+                trainer's silence clock, so a trainer stopped before its first progress report
+                is still found a straggler), :class:`~chaos.protocol.StepFailed` (an allreduce
+                failed and no newer policy is known; ``detail`` names the blamed peer,
+                ``epoch`` the epoch the step ran under; the scheduler commits a restart epoch
+                if nothing else will), :class:`~chaos.protocol.CaughtUp` or
+                :class:`~chaos.protocol.PullDone`. Its ``op_id`` is set when empty.
             timeout_s: Wait at most this long (default: the client's timeout).
-            epoch: The trainer's epoch (used by ``step_failed``).
-            step: The trainer's step (``ready``: the step it enters at; the local daemon
-                starts the trainer's silence clock there, so a trainer stopped before its first
-                progress report is still found a straggler).
 
         Returns:
-            The scheduler's result.
+            The scheduler's result (``ok``).
 
         Raises:
             ChaosTimeout: no answer in time.
             RequestRefused: refused (e.g. ``bad_request``: no trainer registered here).
         """
-        msg = TrainerEvent(kind=kind, elapsed_s=elapsed_s, detail=detail, epoch=epoch, step=step)
-        return _checked(self.op(msg, timeout_s))
+        return _checked(self.op(event, timeout_s))
 
     def link(self, peer: str, add: bool, timeout_s: float | None = None) -> OpResult:
         """Adds or removes this daemon's link to ``peer``."""

@@ -1,25 +1,26 @@
 """The member's side of data-plane membership: the local trainer's messages, relayed.
 
 :class:`TrainerRelay` runs on every daemon. It forwards the local trainer's
-:class:`~chaos.protocol.TrainerRegister` (as :class:`~chaos.protocol.TrainerInfo`) and
-:class:`~chaos.protocol.TrainerEvent` to the scheduler, and remembers what was accepted, so that
-its :class:`~chaos.protocol.AgentReport` lets a newly elected scheduler rebuild the registration.
-The scheduler's side is :class:`chaos.daemon.scheduler.registry.TrainerRegistry`; the contract is
+:class:`~chaos.protocol.TrainerRegister` (as :class:`~chaos.protocol.TrainerInfo`) and its
+answered events (:class:`~chaos.protocol.AnsweredEventBase`) to the scheduler, and remembers
+what was accepted, so that its :class:`~chaos.protocol.AgentReport` lets a newly elected
+scheduler rebuild the registration. The scheduler's side is
+:class:`chaos.daemon.scheduler.registry.TrainerRegistry`; the contract is
 docs/trainer-daemon-interface.md.
 
 The relay also watches the trainer's process (the ``pid`` of its registration): when it exits,
-the registration ends and the scheduler is told (``TrainerEvent(kind="gone")``), so that a dead
-trainer behind a live daemon leaves the sync policy instead of failing every step.
+the registration ends and the scheduler is told (:class:`~chaos.protocol.TrainerGone`), so
+that a dead trainer behind a live daemon leaves the sync policy instead of failing every step.
 
-And it keeps the trainer's step progress: the trainer's one-way ``TrainerEvent(kind="progress")``
-says where it is in its steps, and every heartbeat interval the relay forwards the latest one to
-the scheduler with how long the trainer has been silent since, so that the scheduler can find a
-trainer that holds the others up (:mod:`chaos.daemon.scheduler.stragglers`). When the installed
-view shows this node's trainer evicted as a straggler, the registration ends here too; the
-trainer registers again, as a joiner, when it resumes. A trainer's one-way
-``TrainerEvent(kind="nonfinite")`` (a step it skipped, and the devices whose gradients spoiled
-it) goes to the scheduler at once, which evicts a repeat offender the same way
-(:mod:`chaos.daemon.scheduler.offenders`).
+And it keeps the trainer's step progress: the trainer's one-way
+:class:`~chaos.protocol.TrainerProgress` says where it is in its steps, and every heartbeat
+interval the relay forwards the latest one to the scheduler with how long the trainer has been
+silent since, so that the scheduler can find a trainer that holds the others up
+(:mod:`chaos.daemon.scheduler.stragglers`). When the installed view shows this node's trainer
+evicted as a straggler, the registration ends here too; the trainer registers again, as a
+joiner, when it resumes. A trainer's one-way :class:`~chaos.protocol.NonfiniteStep` (a step it
+skipped, and the devices whose gradients spoiled it) goes to the scheduler at once, which
+evicts a repeat offender the same way (:mod:`chaos.daemon.scheduler.offenders`).
 """
 
 from __future__ import annotations
@@ -27,22 +28,32 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import psutil
 from chaos.daemon.dispatch import Handler, scheduler_side
 from chaos.daemon.relayed import RelayedOps
-from chaos.daemon.scheduler.role import DaemonContext
+from chaos.daemon.scheduler.role import DaemonContext, SchedulerRole
 from chaos.daemon.transport import ReplyPath
 
 from chaos.protocol import (
+    AnsweredEvent,
+    CaughtUp,
+    NonfiniteStep,
     OpResult,
+    PullDone,
     Reason,
     Refusal,
-    TrainerEvent,
+    StepFailed,
+    TrainerGone,
     TrainerInfo,
+    TrainerProgress,
+    TrainerReady,
     TrainerRegister,
+    TrainerThroughput,
+    tag_of,
 )
 from chaos.protocol.messages import MAX_ELAPSED_S, AuditInfo
 from chaos.protocol.states import TrainerPhase, TrainerState
@@ -88,11 +99,11 @@ class TrainerRelay:
         self.registration: TrainerRegister | None = None
         self.sizes: list[int] | None = None
         self.state: TrainerState = TrainerState.NONE
-        self._sent: dict[str, TrainerRegister | TrainerEvent] = {}
+        self._sent: dict[str, TrainerRegister | AnsweredEvent] = {}
         self._watched: tuple[int, float] | None = None  # the trainer's pid and start time
         self._gone: str = ""  # why the last registration ended (for ``status``)
         self._accepted_epoch = 0  # the scheduler's epoch when it accepted the registration
-        self._progress: TrainerEvent | None = None  # the trainer's latest progress report
+        self._progress: TrainerProgress | None = None  # the trainer's latest progress report
         self.audit: AuditInfo | None = None  # the trainer's last reported state audit
         self.phase: TrainerPhase | None = None  # the trainer's last reported lifecycle phase
         self._progress_at = 0.0  # when it came (monotonic)
@@ -104,20 +115,40 @@ class TrainerRelay:
         scheduler), and on the scheduler's side the registrations and events the members
         forward."""
         side = self.ctx.facts
+        answered = lambda n, m, r, t: n.trainers.on_event(m, r, t)  # noqa: E731
         return {
             TrainerRegister: lambda m, r, t: self.on_register(m, r),
             TrainerInfo: scheduler_side(side, lambda n, m, r, t: n.trainers.on_info(m, r, t)),
-            TrainerEvent: self.rpc_trainer_event,
-        }
+            TrainerReady: self._event(self.on_event, answered),
+            PullDone: self._event(self.on_event, answered),
+            CaughtUp: self._event(self.on_event, answered),
+            StepFailed: self._event(self.on_event, SchedulerRole.on_step_failed),
+            TrainerGone: self._event(self.on_event, SchedulerRole.on_trainer_gone),
+            TrainerProgress: self._event(lambda m, r: self.on_progress(m),
+                                         lambda n, m, r, t: n.on_trainer_progress(m, t)),
+            NonfiniteStep: self._event(lambda m, r: self.on_nonfinite(m),
+                                       lambda n, m, r, t: n.on_nonfinite(m, t)),
+            TrainerThroughput: self._event(lambda m, r: self.on_throughput(m),
+                                           lambda n, m, r, t: n.trainers.on_throughput(m)),
+        }  # fmt: skip
 
-    def rpc_trainer_event(self, msg: TrainerEvent, reply: ReplyPath | None, now: float) -> None:
-        """A trainer event: from the local trainer (no ``node_id``), relayed here; forwarded by
-        a member, taken by the scheduler's side."""
-        role = self.ctx.facts.role
-        if msg.node_id is None:
-            self.on_event(msg, reply)
-        elif role is not None:
-            role.on_trainer_event(msg, reply, now)
+    def _event(
+        self,
+        local: Callable[[Any, ReplyPath | None], None],
+        forwarded: Callable[[SchedulerRole, Any, ReplyPath | None, float], None],
+    ) -> Handler:
+        """A trainer event's handler: ``local`` (this relay's) for one from this node's
+        trainer (``node_id`` unset), ``forwarded`` (the scheduler's side) for one a member
+        forwarded."""
+        scheduler = scheduler_side(self.ctx.facts, forwarded)
+
+        def handler(msg: Any, reply: ReplyPath | None, now: float) -> None:
+            if msg.node_id is None:
+                local(msg, reply)
+            else:
+                scheduler(msg, reply, now)
+
+        return handler
 
     def on_register(self, msg: TrainerRegister, reply: ReplyPath | None) -> None:
         """Forwards a registration to the scheduler as :class:`TrainerInfo`."""
@@ -142,38 +173,40 @@ class TrainerRelay:
         )
         self.relayed.relay(reply, info, op_id)
 
-    def on_event(self, msg: TrainerEvent, reply: ReplyPath | None) -> None:
-        """Forwards a trainer event to the scheduler, stamped with this node's id (a progress
-        report is kept instead, and forwarded at the next heartbeat; it is never answered)."""
-        if msg.kind == "throughput":
-            return  # the daemon's to send: the trainer's throughput rides in its progress
-        if msg.kind == "nonfinite":
-            self._forward_nonfinite(msg)
-            return  # one-way: never answered
-        if msg.kind == "progress":
-            if msg.audit is not None:
-                self.audit = msg.audit  # kept for status, whatever the registration
-            if msg.phase is not None:
-                self.phase = msg.phase  # kept for status, whatever the registration
-            if self.registration is not None:
-                self._progress = msg
-                self._progress_at = time.monotonic()
-            return
+    def on_event(self, msg: AnsweredEvent, reply: ReplyPath | None) -> None:
+        """Forwards an answered trainer event (ready, a pull done, a failed step, caught up)
+        to the scheduler, stamped with this node's id; the scheduler's answer goes back to the
+        trainer."""
         if not self.ctx.facts.active:
             self.ctx.result(reply, msg.op_id, Reason.UNKNOWN_PEER,
                              "this daemon is not a member (yet)")  # fmt: skip
             return
-        if msg.kind == "ready" and self.registration is not None:
+        if isinstance(msg, TrainerReady) and self.registration is not None:
             self._start_silence_clock(msg.step)
         op_id = _op_id(msg.op_id)
         self._sent[op_id] = msg
         me = self.ctx.node_id
         # a failed step names the epoch it ran under; other events carry this daemon's epoch
-        epoch = msg.epoch if msg.kind == "step_failed" else self.ctx.facts.epoch
+        epoch = msg.epoch if isinstance(msg, StepFailed) else self.ctx.facts.epoch
         fwd = msgspec.structs.replace(msg, sender=me, node_id=me, epoch=epoch, op_id=op_id)
         self.relayed.relay(reply, fwd, op_id)
 
-    def _forward_nonfinite(self, msg: TrainerEvent) -> None:
+    def on_progress(self, msg: TrainerProgress) -> None:
+        """Keeps the trainer's step progress (one-way, never answered): forwarded at the next
+        heartbeat; its audit and phase are kept for ``status``."""
+        if msg.audit is not None:
+            self.audit = msg.audit  # kept for status, whatever the registration
+        if msg.phase is not None:
+            self.phase = msg.phase  # kept for status, whatever the registration
+        if self.registration is not None:
+            self._progress = msg
+            self._progress_at = time.monotonic()
+
+    def on_throughput(self, msg: TrainerThroughput) -> None:
+        """Drops a trainer's throughput event: it is the daemon's to send (the trainer's
+        throughput rides in its progress, :meth:`_report_throughput`)."""
+
+    def on_nonfinite(self, msg: NonfiniteStep) -> None:
         """Forwards the trainer's report of a step it skipped as non-finite (the devices named)
         to the scheduler at once, one way, which evicts a repeat offender
         (:mod:`chaos.daemon.scheduler.offenders`); dropped without a registration."""
@@ -181,8 +214,8 @@ class TrainerRelay:
             return
         me = self.ctx.node_id
         self.ctx.out.to_scheduler(
-            TrainerEvent(sender=me, epoch=self.ctx.facts.epoch, kind="nonfinite", node_id=me,
-                         step=msg.step, devices=msg.devices)
+            NonfiniteStep(sender=me, epoch=self.ctx.facts.epoch, node_id=me, step=msg.step,
+                          devices=msg.devices)
         )  # fmt: skip
 
     def on_result(self, msg: OpResult) -> None:
@@ -200,7 +233,7 @@ class TrainerRelay:
             self.state = TrainerState.TRAINING if sent.has_state else TrainerState.SYNCING
             if sent.has_state and sent.tensor_sizes is not None:
                 self.sizes = list(sent.tensor_sizes)
-        elif sent.kind == "ready":
+        elif isinstance(sent, TrainerReady):
             self.state = TrainerState.TRAINING
 
     def _start_silence_clock(self, step: int) -> None:
@@ -208,13 +241,13 @@ class TrainerRelay:
         counts, and it is heard now (a report it sends from here on replaces this one). A
         trainer stopped before its first progress report is so still reported, silent since
         its ready, and found a straggler."""
-        self._progress = TrainerEvent(kind="progress", step=step)
+        self._progress = TrainerProgress(step=step)
         self._progress_at = time.monotonic()
 
     def on_refusal(self, msg: Refusal) -> str | None:
         """The op id of the forwarded message a scheduler refused (the oldest of its type)."""
         for op_id, sent in self._sent.items():
-            tag = "trainer_info" if isinstance(sent, TrainerRegister) else "trainer_event"
+            tag = "trainer_info" if isinstance(sent, TrainerRegister) else tag_of(sent)
             if tag == msg.ref_type:
                 del self._sent[op_id]
                 return op_id
@@ -274,16 +307,17 @@ class TrainerRelay:
         me = self.ctx.node_id
         silent = min(max(0.0, now - self._progress_at), MAX_ELAPSED_S)
         self.ctx.out.to_scheduler(
-            TrainerEvent(
-                sender=me, epoch=self.ctx.facts.epoch, kind="progress", node_id=me, step=last.step,
+            TrainerProgress(
+                sender=me, epoch=self.ctx.facts.epoch, node_id=me, step=last.step,
                 in_step=last.in_step, elapsed_s=last.elapsed_s + silent, silent_s=silent,
                 pulling=last.pulling, phase=last.phase,
             )
         )  # fmt: skip
         self._report_throughput(last, now)
 
-    def _report_throughput(self, last: TrainerEvent, now: float) -> None:
-        """Forwards the trainer's throughput and global batch (a one-way ``throughput`` event)
+    def _report_throughput(self, last: TrainerProgress, now: float) -> None:
+        """Forwards the trainer's throughput and global batch (a one-way
+        :class:`~chaos.protocol.TrainerThroughput`)
         when they changed by over 2 % since last forwarded, or every
         :data:`THROUGHPUT_REFRESH_S` (a new scheduler learns them so)."""
         rate, batch = last.samples_per_s, last.global_batch
@@ -296,9 +330,9 @@ class TrainerRelay:
             return
         me = self.ctx.node_id
         self.ctx.out.to_scheduler(
-            TrainerEvent(
-                sender=me, epoch=self.ctx.facts.epoch, kind="throughput", node_id=me,
-                step=last.step, samples_per_s=rate, global_batch=batch,
+            TrainerThroughput(
+                sender=me, epoch=self.ctx.facts.epoch, node_id=me, samples_per_s=rate,
+                global_batch=batch,
             )
         )  # fmt: skip
         self._rate_sent, self._rate_sent_at = (rate, batch), now
@@ -330,8 +364,8 @@ class TrainerRelay:
         if self.ctx.facts.active:
             op_id = uuid.uuid4().hex[:12]
             me = self.ctx.node_id
-            msg = TrainerEvent(
-                sender=me, epoch=self.ctx.facts.epoch, kind="gone", node_id=me, op_id=op_id,
+            msg = TrainerGone(
+                sender=me, epoch=self.ctx.facts.epoch, node_id=me, op_id=op_id,
                 detail=f"pid {pid} exited",
             )  # fmt: skip
             self._sent[op_id] = msg

@@ -21,7 +21,14 @@ import msgspec
 from chaos.daemon.scheduler.role import DaemonContext
 from chaos.daemon.transport import ReplyPath
 
-from chaos.protocol import Message, OpResult, Reason, TrainerEvent, TrainerInfo
+from chaos.protocol import (
+    Message,
+    OpResult,
+    Reason,
+    StepFailed,
+    TrainerEventBase,
+    TrainerInfo,
+)
 
 
 @dataclass
@@ -101,7 +108,7 @@ class RelayedOps:
             if op.sent and not changed:
                 continue
             msg = op.msg
-            if not (isinstance(msg, TrainerEvent) and msg.kind == "step_failed"):
+            if not isinstance(msg, StepFailed):
                 msg = msgspec.structs.replace(msg, epoch=self.ctx.facts.epoch)  # not the failed one
             if self.ctx.out.to_scheduler(msg):
                 op.deadline = max(op.deadline, now + self.ctx.cfg.op_timeout_s)
@@ -132,7 +139,7 @@ class RelayedOps:
 
 def _is_patient(msg: Message) -> bool:
     """The local trainer's messages wait for a scheduler instead of being refused."""
-    return isinstance(msg, (TrainerInfo, TrainerEvent))
+    return isinstance(msg, (TrainerInfo, TrainerEventBase))
 
 
 def _is_join(msg: Message) -> bool:

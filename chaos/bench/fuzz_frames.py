@@ -26,7 +26,7 @@ from chaos.wire import (
 
 __all__ = [
     "DEEP", "Mutator", "control_examples", "frame_headers", "lane_garbage", "shard_examples",
-    "trainer_frame",
+    "trainer_event_examples", "trainer_frame",
 ]  # fmt: skip
 
 DEEP = 3000
@@ -160,7 +160,39 @@ def control_examples() -> list[m.Message]:
             has_state=False,
             tensor_sizes=[16],
         ),
-        m.TrainerEvent(kind="ready", node_id=None, elapsed_s=1.0),
+        *trainer_event_examples(),
+    ]
+
+
+def trainer_event_examples() -> list[m.Message]:
+    """One well-formed instance of every trainer event, most fields set (the local trainer's
+    and, with ``node_id``, a member's forwarded one)."""
+    pull = m.PullReport(
+        reason="donor n3 failed",
+        per_shard_cost_s=0.01,
+        replans=1,
+        state_bytes=64,
+        donors=[m.DonorPull(id="n1", bytes=64, shards=2, elapsed_s=0.5, ranges=[(0, 64)])],
+    )
+    return [
+        m.TrainerReady(node_id=None, elapsed_s=1.0, detail="pulled", step=4, op_id="r1"),
+        m.TrainerGone(sender="n2", node_id="n2", detail="pid 12 exited", op_id="g1"),
+        m.PullDone(op_id="p1", pull=pull),
+        m.StepFailed(sender="n2", epoch=2, node_id="n2", elapsed_s=3.0, detail="n1", op_id="f1"),
+        m.CaughtUp(detail="step 9, 1 behind", op_id="c1"),
+        m.TrainerProgress(
+            step=7,
+            in_step=True,
+            elapsed_s=0.5,
+            silent_s=0.1,
+            samples_per_s=120.0,
+            global_batch=64,
+            audit=m.AuditInfo(step=6, audits=2),
+            pulling=m.PullStatus(pulled_bytes=32, total_bytes=64, donors={"n1": 32}),
+            phase=m.TrainerPhase.LIVE,
+        ),
+        m.NonfiniteStep(sender="n2", node_id="n2", step=7, devices=["n3"]),
+        m.TrainerThroughput(sender="n2", node_id="n2", samples_per_s=120.0, global_batch=64),
     ]
 
 

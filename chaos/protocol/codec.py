@@ -21,7 +21,7 @@ from chaos.protocol.messages import (
     Message,
     Reason,
     Refusal,
-    TrainerEvent,
+    TrainerEventBase,
     TrainerInfo,
     TrainerRegister,
     _Base,
@@ -242,10 +242,11 @@ def _far_ahead(msg: Message, kind: str, term: int | None, ctx: ValidationContext
 def kind_of(msg: Message) -> tuple[str, bool]:
     """The ``(KIND, TO_SCHEDULER)`` that apply to ``msg``.
 
-    A :class:`TrainerEvent` with ``node_id`` set was forwarded by a member's daemon: it is then a
-    peer message to the scheduler; without, it is a trainer's client message.
+    A trainer event (:class:`~chaos.protocol.messages.TrainerEventBase`) with ``node_id`` set
+    was forwarded by a member's daemon: it is then a peer message to the scheduler; without, it
+    is a trainer's client message.
     """
-    if isinstance(msg, TrainerEvent) and msg.node_id is not None:
+    if isinstance(msg, TrainerEventBase) and msg.node_id is not None:
         return "peer", True
     return type(msg).KIND, type(msg).TO_SCHEDULER
 
@@ -280,7 +281,7 @@ def _refusal_problem(msg: Message) -> str:
 
 def _trainer_problem(msg: Message) -> str:
     """Semantic checks of the trainer messages beyond their schema ("" when fine)."""
-    if isinstance(msg, (TrainerInfo, TrainerEvent)) and msg.node_id not in (None, msg.sender):
+    if isinstance(msg, (TrainerInfo, TrainerEventBase)) and msg.node_id not in (None, msg.sender):
         return f"node_id {msg.node_id!r} differs from the sender {msg.sender!r}"
     if isinstance(msg, (TrainerRegister, TrainerInfo)):
         if msg.tensor_sizes is not None and sum(msg.tensor_sizes) <= 0:

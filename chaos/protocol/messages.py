@@ -23,10 +23,12 @@ Message kinds (the ``KIND`` class variable) decide which semantic checks apply:
 Messages with ``TO_SCHEDULER = True`` are refused with ``not_scheduler`` by a non-scheduler
 (joins are forwarded instead), and with ``paused`` by a scheduler without a majority.
 
-:class:`TrainerEvent` is the one message with two kinds: sent by the trainer to its local daemon
-it is a ``"client"`` message (``node_id`` unset); forwarded by that daemon to the scheduler (with
-``node_id`` set to the forwarding daemon's id) it is a ``"peer"`` message with
-``TO_SCHEDULER = True``. :func:`chaos.protocol.codec.kind_of` tells them apart.
+The trainer events (:class:`TrainerReady`, :class:`TrainerGone`, :class:`PullDone`,
+:class:`StepFailed`, :class:`CaughtUp`, :class:`TrainerProgress`, :class:`NonfiniteStep`,
+:class:`TrainerThroughput`, all :class:`TrainerEventBase`) have two kinds: sent by the trainer to
+its local daemon they are ``"client"`` messages (``node_id`` unset); forwarded by that daemon to
+the scheduler (with ``node_id`` set to the forwarding daemon's id) they are ``"peer"`` messages
+with ``TO_SCHEDULER = True``. :func:`chaos.protocol.codec.kind_of` tells them apart.
 """
 
 from __future__ import annotations
@@ -132,18 +134,8 @@ class Reason(str, enum.Enum):
 
 ApplyAt = Literal["after_allreduce", "before_next_allreduce"]
 FaultName = Literal["drop_to", "drop_from", "cut_link", "partition", "clear"]
-TrainerEventKind = Literal[
-    "ready",
-    "replication_done",
-    "step_failed",
-    "gone",
-    "progress",
-    "throughput",
-    "caught_up",
-    "nonfinite",
-]
 MAX_OFFENDERS = 256
-"""Most devices one ``nonfinite`` trainer event may name."""
+"""Most devices one :class:`NonfiniteStep` may name."""
 MAX_ELAPSED_S = 1e9
 """Longest duration a trainer's progress report may state (about 31 years)."""
 Elapsed = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_ELAPSED_S)]
@@ -318,7 +310,7 @@ class DonorPull(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class PullReport(msgspec.Struct, kw_only=True, frozen=True):
-    """A joiner's account of the pull it executed (``TrainerEvent.pull``).
+    """A joiner's account of the pull it executed (:attr:`PullDone.pull`).
 
     ``reason`` says why the plan it started with differs from the scheduler's (empty: it is
     the scheduler's); ``per_shard_cost_s`` is the c its re-plans used; ``replans`` counts the
@@ -336,7 +328,7 @@ MAX_PULL_DONORS = 256
 
 
 class PullStatus(msgspec.Struct, kw_only=True, frozen=True):
-    """A joiner's pull as it goes (``TrainerEvent.pulling``, with ``progress``): the bytes
+    """A joiner's pull as it goes (:attr:`TrainerProgress.pulling`): the bytes
     verified so far of the bytes it pulls, and per donor."""
 
     pulled_bytes: Counter = 0
@@ -760,58 +752,125 @@ class AuditInfo(msgspec.Struct, kw_only=True, frozen=True):
     healed: Counter = 0
 
 
-class TrainerEvent(_Base, frozen=True, tag="trainer_event"):
-    """Trainer -> local daemon (``node_id`` unset) -> scheduler (``node_id`` = ``sender``).
+class TrainerEventBase(_Base, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """What every trainer event shares (each is its own tagged message, below).
 
-    ``ready``: the trainer holds the state and takes part in training. ``gone``: sent by the
-    local daemon only, its trainer's process exited (the node stays a member without a trainer).
-    Answered with an :class:`OpResult`, except ``progress``.
-
-    ``progress`` is the step heartbeat that finds a straggler (docs/daemon.md). From the trainer
-    (one-way, never answered) it says the trainer is alive at ``step``, inside ``update()``
-    (``in_step``) or computing, for ``elapsed_s`` in that phase; the daemon forwards the latest
-    one to the scheduler every heartbeat interval, with ``silent_s``, the time since its trainer
-    was last heard, and ``elapsed_s`` aged to that moment.
-
-    ``replication_done`` (answered) carries the joiner's :class:`PullReport` in ``pull``.
-
-    ``nonfinite`` (one-way, never answered, like ``progress``): the trainer skipped ``step``
-    because its summed gradients were not finite, and names in ``devices`` the members whose
-    contribution was marked bad; its daemon forwards it to the scheduler at once, which evicts
-    a device that a majority of the training members named in enough steps
-    (:mod:`chaos.daemon.scheduler.offenders`).
-
-    A trainer with a global batch adds ``samples_per_s`` (its throughput: samples per second
-    of compute, allreduce waits excluded) and ``global_batch`` to its progress; its daemon
-    forwards them to the scheduler as a one-way ``throughput`` event when they change, which
-    the scheduler splits the global batch by (``SyncPolicyWire.batch_sizes``).
+    Trainer -> local daemon (``node_id`` unset: a ``"client"`` message) -> scheduler
+    (``node_id`` = ``sender``: a ``"peer"`` message to the scheduler;
+    :func:`chaos.protocol.codec.kind_of` tells them apart). A field another event owns is
+    refused as ``malformed`` (``forbid_unknown_fields``). ``NAME`` is what the daemons' event
+    logs call the event (``trainer_event``'s ``kind``).
     """
 
     KIND: ClassVar[str] = "client"
-    kind: TrainerEventKind
+    NAME: ClassVar[str] = ""
     node_id: NodeId | None = None
+
+
+class AnsweredEventBase(TrainerEventBase, kw_only=True, frozen=True):
+    """A trainer event the scheduler answers with an :class:`OpResult` under ``op_id``."""
+
+    op_id: OpId = ""
+
+
+class TrainerReady(AnsweredEventBase, frozen=True, tag="trainer_ready"):
+    """The trainer holds the state and takes part in training (a syncing trainer becomes
+    ``training``). ``elapsed_s``: its own time for the join; ``step``: the step it enters at
+    (its daemon starts the trainer's silence clock there)."""
+
+    NAME: ClassVar[str] = "ready"
     elapsed_s: Seconds = 0.0
     detail: Detail = ""
-    op_id: OpId = ""
+    step: Counter = 0
+
+
+class TrainerGone(AnsweredEventBase, frozen=True, tag="trainer_gone"):
+    """Sent by the local daemon only: its trainer's process exited (``detail`` says which);
+    the node stays a member without a trainer."""
+
+    NAME: ClassVar[str] = "gone"
+    detail: Detail = ""
+
+
+class PullDone(AnsweredEventBase, frozen=True, tag="pull_done"):
+    """A joiner's pull of the state ended: ``pull`` is what it executed (the scheduler measures
+    the per-shard cost from it and logs ``replication_executed``)."""
+
+    NAME: ClassVar[str] = "replication_done"
+    pull: PullReport
+
+
+class StepFailed(AnsweredEventBase, frozen=True, tag="step_failed"):
+    """The trainer's allreduce of ``epoch`` (the epoch the step ran under, kept when forwarded)
+    failed after ``elapsed_s``, blaming ``detail`` (the neighbour that stopped); the answer's
+    ``detail`` names the member the scheduler blames."""
+
+    NAME: ClassVar[str] = "step_failed"
+    elapsed_s: Seconds = 0.0
+    detail: Detail = ""
+
+
+class CaughtUp(AnsweredEventBase, frozen=True, tag="caught_up"):
+    """A catching-up joiner asks to enter the data plane (``detail``: how far it replayed)."""
+
+    NAME: ClassVar[str] = "caught_up"
+    detail: Detail = ""
+
+
+class TrainerProgress(TrainerEventBase, frozen=True, tag="trainer_progress"):
+    """The step heartbeat that finds a straggler (docs/daemon.md); one-way, never answered.
+
+    From the trainer it says the trainer is alive at ``step``, inside ``update()``
+    (``in_step``) or computing, for ``elapsed_s`` in that phase; the daemon forwards the latest
+    one to the scheduler every heartbeat interval, with ``silent_s``, the time since its trainer
+    was last heard, and ``elapsed_s`` aged to that moment. A trainer with a global batch adds
+    ``samples_per_s`` (samples per second of compute, allreduce waits excluded) and
+    ``global_batch``, which its daemon forwards as :class:`TrainerThroughput`.
+    """
+
+    NAME: ClassVar[str] = "progress"
     step: Counter = 0
     in_step: bool = False
+    elapsed_s: Seconds = 0.0
     silent_s: Elapsed = 0.0
     samples_per_s: Rate = 0.0
     global_batch: Annotated[int, msgspec.Meta(ge=0, le=MAX_BATCH)] = 0
     audit: AuditInfo | None = None
-    """With ``progress``: the trainer's state audit, once it ran one (its daemon keeps the
-    latest for ``status``)."""
-    pull: PullReport | None = None
-    """With ``replication_done``: the pull the joiner executed (the scheduler measures the
-    per-shard cost from it and logs ``replication_executed``)."""
-    devices: Annotated[list[NodeId], msgspec.Meta(max_length=MAX_OFFENDERS)] = []
-    """With ``nonfinite``: the devices whose gradients of ``step`` were marked bad."""
+    """The trainer's state audit, once it ran one (its daemon keeps the latest for
+    ``status``)."""
     pulling: PullStatus | None = None
-    """With ``progress`` from a joiner pulling the state: how far the pull is (the scheduler
-    shows it in ``status``; such a report says nothing of steps)."""
+    """From a joiner pulling the state: how far the pull is (the scheduler shows it in
+    ``status``; such a report says nothing of steps)."""
     phase: TrainerPhase | None = None
-    """With ``progress``: where the trainer is in its lifecycle (:mod:`chaos.trainer.lifecycle`;
-    its daemon's ``status`` shows it, and the scheduler's for every member)."""
+    """Where the trainer is in its lifecycle (:mod:`chaos.trainer.lifecycle`; its daemon's
+    ``status`` shows it, and the scheduler's for every member)."""
+
+
+class NonfiniteStep(TrainerEventBase, frozen=True, tag="nonfinite_step"):
+    """The trainer skipped ``step`` because its summed gradients were not finite, naming in
+    ``devices`` the members whose contribution was marked bad; one-way, never answered. Its
+    daemon forwards it to the scheduler at once, which evicts a device that a majority of the
+    training members named in enough steps (:mod:`chaos.daemon.scheduler.offenders`)."""
+
+    NAME: ClassVar[str] = "nonfinite"
+    step: Counter = 0
+    devices: Annotated[list[NodeId], msgspec.Meta(max_length=MAX_OFFENDERS)] = []
+
+
+class TrainerThroughput(TrainerEventBase, frozen=True, tag="trainer_throughput"):
+    """Sent by a daemon only, one-way: its trainer's throughput (``samples_per_s``) and
+    ``global_batch``, from the trainer's progress, when they change; the scheduler splits the
+    global batch by them (``SyncPolicyWire.batch_sizes``)."""
+
+    NAME: ClassVar[str] = "throughput"
+    samples_per_s: Rate = 0.0
+    global_batch: Annotated[int, msgspec.Meta(ge=0, le=MAX_BATCH)] = 0
+
+
+AnsweredEvent = Union[TrainerReady, TrainerGone, PullDone, StepFailed, CaughtUp]
+"""The trainer events the scheduler answers (:class:`AnsweredEventBase`)."""
+AnyTrainerEvent = Union[AnsweredEvent, TrainerProgress, NonfiniteStep, TrainerThroughput]
+"""Every trainer event (:class:`TrainerEventBase`), one message type each."""
 
 
 class PolicyReply(_Base, frozen=True, tag="policy_reply"):
@@ -877,5 +936,12 @@ Message = Union[
     PolicyNotice,
     TrainerRegister,
     TrainerInfo,
-    TrainerEvent,
+    TrainerReady,
+    TrainerGone,
+    PullDone,
+    StepFailed,
+    CaughtUp,
+    TrainerProgress,
+    NonfiniteStep,
+    TrainerThroughput,
 ]

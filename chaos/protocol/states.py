@@ -69,7 +69,7 @@ TRAINER_TRANSITIONS: dict[TrainerState, frozenset[TrainerState]] = {
 
 class TrainerPhase(str, enum.Enum):
     """Where a :class:`~chaos.trainer.Trainer` is in its own lifecycle, as it reports it
-    (:class:`~chaos.protocol.messages.TrainerEvent`'s ``phase``); the trainer moves along
+    (:class:`~chaos.protocol.messages.TrainerProgress`'s ``phase``); the trainer moves along
     :data:`PHASE_TRANSITIONS` only (:mod:`chaos.trainer.lifecycle` enforces it and says why
     each move is allowed).
 

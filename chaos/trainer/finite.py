@@ -19,8 +19,8 @@ A member's slot is its id's hash modulo ``n``, the same on every member and unde
 policy; two members whose ids share a slot (likelier the smaller the model) are both named
 when one of them is bad.
 
-Every member reports a skipped step's devices to its daemon (``TrainerEvent(kind=
-"nonfinite")``); the scheduler evicts a device named in too many steps
+Every member reports a skipped step's devices to its daemon (a
+:class:`~chaos.protocol.NonfiniteStep`); the scheduler evicts a device named in too many steps
 (:mod:`chaos.daemon.scheduler.offenders`). A step skipped is logged for a catching-up joiner as
 the members held it (:meth:`FiniteGuard.replayed`): the joiner skips it alike.
 

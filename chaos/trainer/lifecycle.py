@@ -30,7 +30,7 @@ Allowed transitions (``chaos.protocol.states.PHASE_TRANSITIONS``), and what make
     leaving     -> closed
 
 The phases travel on the wire in the trainer's progress beacon
-(:class:`~chaos.protocol.messages.TrainerEvent`), so the enum lives in
+(:class:`~chaos.protocol.messages.TrainerProgress`), so the enum lives in
 :mod:`chaos.protocol.states` with the other lifecycles; this module enforces its moves.
 """
 

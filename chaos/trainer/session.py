@@ -18,19 +18,25 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Protocol
 
 import zmq
 
 from chaos.collectives import Topology
 from chaos.errors import ChaosError, ChaosTimeout, ProtocolError
 from chaos.protocol import (
+    AnsweredEvent,
+    CaughtUp,
+    NonfiniteStep,
     OpResult,
     PolicyReply,
+    PullDone,
     ReplicationWire,
     StatusReply,
-    TrainerEvent,
+    StepFailed,
     TrainerPhase,
+    TrainerProgress,
+    TrainerReady,
     TrainerRegister,
     encode,
 )
@@ -105,23 +111,15 @@ class DaemonLink(Protocol):
         """Registers the trainer with the scheduler."""
         ...
 
-    def trainer_event(
-        self,
-        kind: Literal["ready", "step_failed", "caught_up"],
-        elapsed_s: float = 0.0,
-        detail: str = "",
-        timeout_s: float | None = None,
-        epoch: int = 0,
-        step: int = 0,
-    ) -> object:
-        """Reports a trainer event to the scheduler."""
+    def trainer_event(self, event: AnsweredEvent, timeout_s: float | None = None) -> object:
+        """Reports a trainer event to the scheduler (raises when it is not taken)."""
         ...
 
     def status(self, timeout_s: float | None = None) -> StatusReply:
         """The daemon's status."""
         ...
 
-    def op(self, msg: TrainerEvent, timeout_s: float | None = None) -> OpResult:
+    def op(self, msg: AnsweredEvent, timeout_s: float | None = None) -> OpResult:
         """Sends a request to the daemon and returns its result."""
         ...
 
@@ -241,7 +239,7 @@ class StepBeacon:
         """Tells the daemon at once (one way) that step ``step`` was skipped as non-finite,
         naming the devices whose gradients were bad (a full queue drops it: the scheduler
         counts a device when a majority of the members name it)."""
-        msg = TrainerEvent(kind="nonfinite", step=step, devices=devices[:MAX_OFFENDERS])
+        msg = NonfiniteStep(step=step, devices=devices[:MAX_OFFENDERS])
         with self._lock:
             if self._closed.is_set():
                 return
@@ -280,8 +278,7 @@ class StepBeacon:
         """Sends the state (the lock held)."""
         if self._closed.is_set():
             return
-        msg = TrainerEvent(
-            kind="progress",
+        msg = TrainerProgress(
             step=self._step,
             in_step=self._in_step,
             elapsed_s=min(now - self._since, MAX_ELAPSED_S),
@@ -429,7 +426,7 @@ class DaemonSession:
             self._retrying(
                 "ready report",
                 lambda t: self._client.trainer_event(
-                    "ready", elapsed_s, detail, timeout_s=t, step=step
+                    TrainerReady(elapsed_s=elapsed_s, detail=detail, step=step), timeout_s=t
                 ),
                 _ATTEMPT_S,
             )
@@ -513,7 +510,7 @@ class DaemonSession:
         self._retrying(
             "catch-up report",
             lambda t: self._client.trainer_event(
-                "caught_up", 0.0, f"step {step}, {lag} behind: {detail}"[:200], timeout_s=t
+                CaughtUp(detail=f"step {step}, {lag} behind: {detail}"[:200]), timeout_s=t
             ),
             _ATTEMPT_S,
             timeout_s,
@@ -526,7 +523,7 @@ class DaemonSession:
         if report is None:
             return
         try:
-            self._client.op(TrainerEvent(kind="replication_done", pull=report), timeout_s=2.0)
+            self._client.op(PullDone(pull=report), timeout_s=2.0)
         except ChaosError as exc:
             log.debug("replication report not taken: %s", exc)
 
@@ -545,13 +542,10 @@ class DaemonSession:
             report was not taken.
         """
         try:
-            result = self._client.trainer_event(
-                "step_failed",
-                detail=peer,
-                epoch=epoch,
-                timeout_s=min(2.0, self._policy_timeout_s),
-                elapsed_s=min(max(0.0, waited_s), MAX_ELAPSED_S),
+            failed = StepFailed(
+                detail=peer, epoch=epoch, elapsed_s=min(max(0.0, waited_s), MAX_ELAPSED_S)
             )
+            result = self._client.trainer_event(failed, timeout_s=min(2.0, self._policy_timeout_s))
         except ChaosError as exc:
             log.debug("step_failed report not taken: %s", exc)
             return peer

@@ -2,12 +2,12 @@
 
 Pure rules, no I/O. Each trainer with ``TrainerConfig.global_batch`` reports its throughput
 (samples per second of compute, allreduce waits excluded) in its step progress; its daemon
-forwards it to the scheduler (``TrainerEvent(kind="throughput")``). :class:`BatchSplitter`
-keeps the latest figures, and the ledger asks it for the split at every commit, which the sync
-policy carries (``SyncPolicyWire.batch_sizes``): so every membership change (join, leave,
-failure) installs a new split. Between commits, the scheduler re-splits only when the
-throughputs drifted so far that the installed split is off by more than the tolerance
-(:meth:`BatchSplitter.due`), and not more often than ``min_interval_s``.
+forwards it to the scheduler (a :class:`~chaos.protocol.TrainerThroughput`).
+:class:`BatchSplitter` keeps the latest figures, and the ledger asks it for the split at every
+commit, which the sync policy carries (``SyncPolicyWire.batch_sizes``): so every membership
+change (join, leave, failure) installs a new split. Between commits, the scheduler re-splits
+only when the throughputs drifted so far that the installed split is off by more than the
+tolerance (:meth:`BatchSplitter.due`), and not more often than ``min_interval_s``.
 
 :func:`split_batch` is the rule: integer sizes that sum to the global batch exactly, at least
 one sample each, each within one sample of its proportional share (the largest-remainder

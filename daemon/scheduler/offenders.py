@@ -3,13 +3,13 @@
 Pure rules, no I/O: the scheduler role feeds :class:`OffenderWatch` the trainers' reports and
 acts on its answers (see :mod:`chaos.daemon.scheduler.role`).
 
-With ``TrainerConfig.nonfinite = "skip"``, every member skips a step whose summed gradients
-are not finite, alike, and names the devices whose contribution was marked bad
-(:mod:`chaos.trainer.finite`). Each member tells its daemon (``TrainerEvent(kind="nonfinite")``:
-the step and the devices), and the daemon forwards it to the scheduler at once. A device that
-spoils one step (an fp16 overflow, one corrupt batch) costs the cluster that step; one that
-spoils every step (a broken accelerator, a corrupt local shard) stops the cluster learning, so
-it must leave the sync policy.
+With ``TrainerConfig.nonfinite = "skip"``, every member skips a step whose summed gradients are
+not finite, alike, and names the devices whose contribution was marked bad
+(:mod:`chaos.trainer.finite`). Each member tells its daemon (a
+:class:`~chaos.protocol.NonfiniteStep`: the step and the devices), and the daemon forwards it
+to the scheduler at once. A device that spoils one step (an fp16 overflow, one corrupt batch)
+costs the cluster that step; one that spoils every step (a broken accelerator, a corrupt local
+shard) stops the cluster learning, so it must leave the sync policy.
 
 **The rule.** A device ``D`` *offends* at step ``s`` when a strict majority of the members
 training when the report comes named ``D`` in their report of step ``s``. Every member holds

@@ -23,13 +23,20 @@ from chaos.daemon.scheduler.snapshot_lead import snapshot_step
 from chaos.daemon.transport import ReplyPath
 
 from chaos.protocol import (
+    AnsweredEvent,
     ApplyAt,
+    CaughtUp,
     OpResult,
+    PullDone,
     Reason,
     ReplicationWire,
+    StepFailed,
     SyncPolicyWire,
-    TrainerEvent,
+    TrainerGone,
     TrainerInfo,
+    TrainerProgress,
+    TrainerReady,
+    TrainerThroughput,
 )
 from chaos.protocol.ids import is_loopback_endpoint
 from chaos.protocol.messages import PullReport, merge_ranges
@@ -345,7 +352,7 @@ class TrainerRegistry:
 
     # -- measured inputs -------------------------------------------------------------------
 
-    def on_progress(self, msg: TrainerEvent, now: float) -> None:
+    def on_progress(self, msg: TrainerProgress, now: float) -> None:
         """A training member's step progress: its step boundaries date tau_sync."""
         if self.monitor.trainer(msg.sender) == TrainerState.TRAINING:
             self.monitor.observe_progress(msg.sender, msg.step, msg.in_step, msg.elapsed_s, now)
@@ -384,57 +391,64 @@ class TrainerRegistry:
 
     # -- events ----------------------------------------------------------------------------
 
-    def on_event(self, msg: TrainerEvent, reply: ReplyPath | None, now: float) -> None:
-        """Applies a trainer event (rule 4: ``ready`` marks the node ``training``); a
-        ``throughput`` report (one-way, never answered) goes to the global batch's split."""
-        mon, n = self.monitor, msg.sender
-        cur = mon.trainer(n)
-        if msg.kind == "throughput":
-            if cur == TrainerState.TRAINING:
-                self.commits.batches.observe(n, msg.samples_per_s, msg.global_batch)
-            return
-        self.ctx.event(
-            "trainer_event", peer=n, kind=msg.kind, elapsed_s=msg.elapsed_s, detail=msg.detail
-        )
+    def on_throughput(self, msg: TrainerThroughput) -> None:
+        """A training member's throughput (one-way, never answered): it goes to the global
+        batch's split."""
+        if self.monitor.trainer(msg.sender) == TrainerState.TRAINING:
+            self.commits.batches.observe(msg.sender, msg.samples_per_s, msg.global_batch)
+
+    def on_event(self, msg: AnsweredEvent, reply: ReplyPath | None, now: float) -> None:
+        """Applies an answered trainer event (rule 4: :class:`TrainerReady` marks the node
+        ``training``) and answers it."""
+        n = msg.sender
+        cur = self.monitor.trainer(n)
+        elapsed_s = msg.elapsed_s if isinstance(msg, (TrainerReady, StepFailed)) else 0.0
+        detail = "" if isinstance(msg, PullDone) else msg.detail
+        self.ctx.event("trainer_event", peer=n, kind=msg.NAME, elapsed_s=elapsed_s,
+                        detail=detail)  # fmt: skip
         if cur == TrainerState.NONE:
             self._answer(reply, msg.op_id, Reason.BAD_REQUEST, f"{n} has no registered trainer")
             return
-        if msg.kind == "step_failed":
+        if isinstance(msg, StepFailed):
             self._on_step_failed(msg, reply, now)
             return
-        if msg.kind == "gone":
+        if isinstance(msg, TrainerGone):
             self._on_gone(n, cur, now)
-            self._answer(reply, msg.op_id)
-            return
-        if msg.kind == "replication_done" and msg.pull is not None:
+        elif isinstance(msg, PullDone):
             self._on_pull(n, msg.pull)
             if n in self.replaying:  # its snapshot is in: the replay's own time starts now
                 self.replaying[n] = now
-        if msg.kind == "caught_up" and cur == TrainerState.SYNCING:
+        elif isinstance(msg, CaughtUp) and cur == TrainerState.SYNCING:
             if (busy := self._other_entry(n, now, replays=False)) is not None:
                 self._answer(reply, msg.op_id, Reason.OVERLOADED, busy)
                 return
             self._on_caught_up(n, now)
-        if msg.kind == "ready" and cur == TrainerState.SYNCING:
-            mon.set_trainer(
-                n,
-                TrainerState.TRAINING,
-                mon.node_attr(n, "data_address"),
-                mon.node_attr(n, "shard_address"),
-            )
-            self.entering.pop(n, None)
-            arrived = self.registered_at.pop(n, None)
-            repl = self.pending.pop(n, None)
-            donors = sorted(repl.donor_addresses) if repl is not None else []
-            self.ctx.event(
-                "scale_out_complete",
-                peer=n,
-                delay_s=now - arrived if arrived is not None else None,
-                trainer_elapsed_s=msg.elapsed_s,
-                donors=donors,
-                multi_hop=bool(donors) and not set(donors) & set(mon.neighbors(n)),
-            )
+        elif isinstance(msg, TrainerReady) and cur == TrainerState.SYNCING:
+            self._on_ready(msg, now)
         self._answer(reply, msg.op_id)
+
+    def _on_ready(self, msg: TrainerReady, now: float) -> None:
+        """A syncing trainer holds the state: its node is ``training``, and the scale-out is
+        logged with its delay (registration to ready) and donors."""
+        mon, n = self.monitor, msg.sender
+        mon.set_trainer(
+            n,
+            TrainerState.TRAINING,
+            mon.node_attr(n, "data_address"),
+            mon.node_attr(n, "shard_address"),
+        )
+        self.entering.pop(n, None)
+        arrived = self.registered_at.pop(n, None)
+        repl = self.pending.pop(n, None)
+        donors = sorted(repl.donor_addresses) if repl is not None else []
+        self.ctx.event(
+            "scale_out_complete",
+            peer=n,
+            delay_s=now - arrived if arrived is not None else None,
+            trainer_elapsed_s=msg.elapsed_s,
+            donors=donors,
+            multi_hop=bool(donors) and not set(donors) & set(mon.neighbors(n)),
+        )
 
     def _on_gone(self, n: str, cur: TrainerState, now: float) -> None:
         """``n``'s daemon saw its trainer's process exit: ``n`` stays a member without a trainer,
@@ -445,7 +459,7 @@ class TrainerRegistry:
         self.ctx.event("trainer_gone", peer=n, was=cur.value)
         self.commits.commit("trainer_gone", now, apply_at="before_next_allreduce", restart=True)
 
-    def _on_step_failed(self, msg: TrainerEvent, reply: ReplyPath | None, now: float) -> None:
+    def _on_step_failed(self, msg: StepFailed, reply: ReplyPath | None, now: float) -> None:
         """A trainer's allreduce of epoch ``msg.epoch`` failed, blaming ``msg.detail``.
 
         The trainer waits for a newer policy before it reruns the step. When nothing else will

@@ -58,12 +58,15 @@ from chaos.protocol import (
     LeaveRequest,
     LinkReport,
     LinkRequest,
+    NonfiniteStep,
     PolicyAck,
     Reason,
     ReplicationWire,
     Resources,
+    StepFailed,
     TimeoutNow,
-    TrainerEvent,
+    TrainerGone,
+    TrainerProgress,
 )
 from chaos.protocol.states import NodeState, TrainerState
 
@@ -261,26 +264,25 @@ class SchedulerRole:
 
     # -- trainers' step progress and stragglers --------------------------------------------
 
-    def on_trainer_event(self, msg: TrainerEvent, reply: ReplyPath | None, now: float) -> None:
-        """A trainer event a member forwarded: its trainer's step progress is recorded; a
-        failed step is blamed on the member that stopped, when one is known (the neighbour the
-        trainer's round named only stopped forwarding); the others go to the registry."""
+    def on_trainer_progress(self, msg: TrainerProgress, now: float) -> None:
+        """A member's forwarded step progress (one-way, never answered): its phase, a pull's
+        progress, or its step (recorded for the straggler watch and tau_sync)."""
         n = msg.sender
-        if msg.kind == "progress":
-            self.monitor.observe_phase(n, msg.phase)
-        if msg.kind == "progress" and msg.pulling is not None:
+        self.monitor.observe_phase(n, msg.phase)
+        if msg.pulling is not None:
             self.monitor.observe_pull_progress(n, msg.pulling, now)  # says nothing of steps
-            return  # one-way: never answered
-        if msg.kind == "progress":
-            if self.monitor.trainer(n) == TrainerState.TRAINING:
-                self.failures.heard(n, now)
-                self.stragglers.report(n, msg.step, msg.in_step, msg.elapsed_s, msg.silent_s, now)
-                self.trainers.on_progress(msg, now)  # its step boundaries date tau_sync
-            return  # one-way: never answered
-        if msg.kind == "nonfinite":
-            self.on_nonfinite(msg, now)
-            return  # one-way: never answered
-        if msg.kind == "step_failed" and self.monitor.trainer(n) != TrainerState.NONE:
+            return
+        if self.monitor.trainer(n) == TrainerState.TRAINING:
+            self.failures.heard(n, now)
+            self.stragglers.report(n, msg.step, msg.in_step, msg.elapsed_s, msg.silent_s, now)
+            self.trainers.on_progress(msg, now)  # its step boundaries date tau_sync
+
+    def on_step_failed(self, msg: StepFailed, reply: ReplyPath | None, now: float) -> None:
+        """A member's trainer's failed step: blamed on the member that stopped, when one is
+        known (the neighbour the trainer's round named only stopped forwarding), then the
+        registry commits or holds the restart and answers."""
+        n = msg.sender
+        if self.monitor.trainer(n) != TrainerState.NONE:
             neighbour = msg.detail
             training = self.monitor.trainer_members((TrainerState.TRAINING,))
             peer = self.stragglers.blame(n, neighbour, msg.elapsed_s, training, now)
@@ -294,9 +296,13 @@ class SchedulerRole:
                 # no straggler explains it and the neighbour's daemon is heard: the link
                 # between the two may be what failed; check it at once (disconnect-link if so)
                 self.links.verify(n, neighbour, now)
-        elif msg.kind == "gone":
-            self.stragglers.forget(n)
-            self.offenders.forget(n)
+        self.trainers.on_event(msg, reply, now)
+
+    def on_trainer_gone(self, msg: TrainerGone, reply: ReplyPath | None, now: float) -> None:
+        """A member's trainer process exited: no straggler or offender record is kept for it;
+        the registry takes the trainer out and answers."""
+        self.stragglers.forget(msg.sender)
+        self.offenders.forget(msg.sender)
         self.trainers.on_event(msg, reply, now)
 
     def evict_stragglers(self, now: float) -> None:
@@ -334,7 +340,7 @@ class SchedulerRole:
 
     # -- repeat offenders: devices whose gradients keep spoiling the steps ------------------
 
-    def on_nonfinite(self, msg: TrainerEvent, now: float) -> None:
+    def on_nonfinite(self, msg: NonfiniteStep, now: float) -> None:
         """A training member's report of a step it skipped as non-finite, naming the devices
         whose gradients were bad: counted (:mod:`chaos.daemon.scheduler.offenders`); a device
         due is evicted from the sync policy (one commit, before the next allreduce, restarting

@@ -3,13 +3,14 @@
 Pure rules, no I/O: the scheduler role feeds :class:`StragglerWatch` the progress reports and
 acts on its answers (see :mod:`chaos.daemon.scheduler.role`).
 
-Every trainer tells its local daemon where it is in its steps (``TrainerEvent(kind="progress")``:
-its step, whether it is inside ``update()``, how long it has been in that phase), and keeps
-doing so while it waits inside an allreduce. Its daemon forwards the latest report to the
-scheduler once per heartbeat interval, with how long the trainer has been *silent* (not heard).
-A trainer that computes its gradients, or whose process is stopped, is silent; one that waits
-for the others is not. The daemon is a separate process, so a stopped trainer behind a live
-daemon is invisible to the failure detector; this is what finds it.
+Every trainer tells its local daemon where it is in its steps (a
+:class:`~chaos.protocol.TrainerProgress`: its step, whether it is inside ``update()``, how long
+it has been in that phase), and keeps doing so while it waits inside an allreduce. Its daemon
+forwards the latest report to the scheduler once per heartbeat interval, with how long the
+trainer has been *silent* (not heard). A trainer that computes its gradients, or whose process
+is stopped, is silent; one that waits for the others is not. The daemon is a separate process,
+so a stopped trainer behind a live daemon is invisible to the failure detector; this is what
+finds it.
 
 **The rule.** A training member ``S`` is a straggler when another training member ``W`` has
 been waiting inside ``update()`` at step ``N`` for longer than the grace period, ``S`` has been

@@ -55,7 +55,14 @@ _SAFE_TAGS = [
     "policy_reply",
     "trainer_register",
     "trainer_info",
-    "trainer_event",
+    "trainer_ready",
+    "trainer_gone",
+    "pull_done",
+    "step_failed",
+    "caught_up",
+    "trainer_progress",
+    "nonfinite_step",
+    "trainer_throughput",
     "nonsense",
 ]
 
@@ -90,7 +97,9 @@ _bodies = st.fixed_dictionaries(
         "shard_address": _values,
         "has_state": _values,
         "tensor_sizes": st.one_of(_values, st.lists(st.integers(-(2**70), 2**70), max_size=8)),
-        "kind": st.sampled_from(["ready", "step_failed", "explode"]),
+        "step": st.integers(-5, 2**60),
+        "devices": _values,
+        "detail": _values,
     },
 )
 

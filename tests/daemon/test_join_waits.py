@@ -15,7 +15,7 @@ from typing import Any
 from daemon_helpers import Cluster, in_background, wait_until
 
 from chaos.errors import ChaosTimeout
-from chaos.protocol import OpResult
+from chaos.protocol import OpResult, TrainerReady
 from chaos.trainer.session import DaemonSession
 
 OP_TIMEOUT_S = 1.0
@@ -62,7 +62,9 @@ def test_a_ready_report_with_no_scheduler_is_held_not_refused(cluster: Cluster) 
     n2.proc.send_signal(signal.SIGSTOP)
     wait_until(lambda: n3.status().paused, "n3 paused (no majority)")
     t, answer = in_background(
-        lambda c: c.trainer_event("ready", 1.0, "test", timeout_s=30.0), n3.ipc, timeout_s=30.0
+        lambda c: c.trainer_event(TrainerReady(elapsed_s=1.0, detail="test"), timeout_s=30.0),
+        n3.ipc,
+        timeout_s=30.0,
     )
     wait_until(
         lambda: [e for e in n3.events() if e["event"] in ("relay_held", "relayed")] or answer,

@@ -333,15 +333,15 @@ def test_a_late_answer_of_an_earlier_op_is_not_taken_for_the_next_op(
     The client tells them apart by op id (a soak's trainer crashed joining again on 'n18 has no
     registered trainer', the late answer of its failed-step report)."""
     from chaos.errors import ChaosTimeout
-    from chaos.protocol import OpResult, Reason, TrainerEvent
+    from chaos.protocol import OpResult, Reason, StepFailed
     from chaos.protocol.codec import decode
 
     daemon, client = slow_daemon
     with pytest.raises(ChaosTimeout):  # the daemon is slow: no answer in time
-        client.op(TrainerEvent(sender="t", kind="step_failed", detail="n2"))
+        client.op(StepFailed(sender="t", detail="n2"))
     ident, raw = daemon.recv_multipart()
     first = decode(raw, 1 << 20)
-    assert isinstance(first, TrainerEvent) and first.op_id  # the client named its op
+    assert isinstance(first, StepFailed) and first.op_id  # the client named its op
     late = OpResult(sender="d", op_id=first.op_id, ok=False, reason=Reason.BAD_REQUEST,
                     detail="t has no registered trainer")  # fmt: skip
     seen: list[Any] = []
@@ -356,3 +356,64 @@ def test_a_late_answer_of_an_earlier_op_is_not_taken_for_the_next_op(
                                   timeout_s=5.0)  # fmt: skip
     t.join(10)
     assert got.ok and got.op_id == seen[0].op_id != first.op_id
+
+
+# -- the trainer events: one message type each ------------------------------------------------
+
+
+def test_every_trainer_event_is_its_own_message_and_round_trips() -> None:
+    """Each trainer event is a tagged message of its own (a tag no other message has); from the
+    local trainer (no ``node_id``) and forwarded by a member (``node_id`` = sender), each one
+    comes through ``validate`` as it was sent."""
+    import typing
+
+    from chaos.bench.fuzz_frames import trainer_event_examples
+    from chaos.protocol import AnyTrainerEvent, Message, TrainerEventBase, kind_of, tag_of
+
+    examples = trainer_event_examples()
+    types = set(typing.get_args(AnyTrainerEvent))
+    assert {type(e) for e in examples} == types and len(types) == 8
+    assert types <= set(typing.get_args(Message))
+    tags = [tag_of(e) for e in examples]
+    every = [str(t.__struct_config__.tag) for t in typing.get_args(Message)]
+    assert len(every) == len(set(every)) and set(tags) <= set(every)
+    assert "trainer_event" not in every
+    for msg in examples:
+        assert isinstance(msg, TrainerEventBase)
+        local = msgspec.structs.replace(msg, sender="", node_id=None)
+        fwd = msgspec.structs.replace(msg, sender="b", node_id="b", epoch=5)
+        for sent, kind in ((local, ("client", False)), (fwd, ("peer", True))):
+            got = validate(encode(sent), CTX)
+            assert not isinstance(got, Rejected), (tag_of(sent), got)
+            assert got == sent and type(got) is type(sent) and kind_of(got) == kind
+
+
+def test_a_wrong_shaped_trainer_event_is_refused_with_a_clear_error() -> None:
+    """A field another event owns, a missing one, a bad value, the old one-message-with-a-kind
+    shape, or a forwarded event whose ``node_id`` is not its sender: refused, saying why."""
+
+    def detail(fields: dict[str, Any], ctx: ValidationContext = CTX) -> tuple[str, str]:
+        got = validate(msgspec.msgpack.encode({"v": PROTOCOL_VERSION, **fields}), ctx)
+        assert isinstance(got, Rejected), fields
+        return got.refusal.reason.value, got.refusal.detail
+
+    reason, why = detail({"type": "trainer_ready", "devices": ["b"]})  # NonfiniteStep's field
+    assert reason == "malformed" and "unknown field `devices`" in why
+    reason, why = detail({"type": "nonfinite_step", "step": 3, "pull": {}})  # PullDone's
+    assert reason == "malformed" and "unknown field `pull`" in why
+    reason, why = detail({"type": "trainer_progress", "op_id": "x"})  # one-way: no op id
+    assert reason == "malformed" and "unknown field `op_id`" in why
+    reason, why = detail({"type": "pull_done", "op_id": "x"})
+    assert reason == "malformed" and "missing required field `pull`" in why
+    reason, why = detail({"type": "step_failed", "elapsed_s": -1.0})
+    assert reason == "malformed" and "elapsed_s" in why
+    reason, why = detail({"type": "trainer_event", "kind": "ready"})  # protocol 10's shape
+    assert reason == "malformed" and "trainer_event" in why
+    reason, why = detail({"type": "trainer_gone", "sender": "b", "node_id": "a", "epoch": 5})
+    assert reason == "bad_request" and "differs from the sender" in why
+    reason, _ = detail({"type": "step_failed", "sender": "z", "node_id": "z", "epoch": 5})
+    assert reason == "unknown_peer"  # forwarded: a member's message
+    follower = ValidationContext(**{**CTX.__dict__, "is_scheduler": False})
+    reason, _ = detail({"type": "trainer_throughput", "sender": "b", "node_id": "b",
+                        "epoch": 5}, follower)  # fmt: skip
+    assert reason == "not_scheduler"

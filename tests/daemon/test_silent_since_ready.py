@@ -8,6 +8,7 @@ from chaos.daemon.client import DaemonClient
 from daemon_helpers import Cluster, Node, wait_until
 
 from chaos.launch import free_port
+from chaos.protocol import TrainerReady
 from chaos.trainer.session import StepBeacon
 
 GRACE_S = 1.0
@@ -34,7 +35,7 @@ def test_a_trainer_silent_since_its_ready_is_evicted(cluster: Cluster) -> None:
         beacon.note(5, in_step=True)
         # n2's trainer is ready at step 5, then says nothing more (as if stopped at once)
         with DaemonClient(n2.ipc, timeout_s=10.0) as c:
-            assert c.trainer_event("ready", 0.1, timeout_s=10.0, step=5).ok
+            assert c.trainer_event(TrainerReady(elapsed_s=0.1, step=5), timeout_s=10.0).ok
         wait_until(
             lambda: [e for e in n1.events() if e["event"] == "straggler_evicted"],
             "n2 evicted as a straggler",

@@ -14,7 +14,15 @@ import pytest
 from chaos.daemon.client import DaemonClient, RequestRefused
 from daemon_helpers import Cluster, Node, free_port, wait_until
 
-from chaos.protocol import MAX_STATE_TENSORS, PolicyReply, TrainerEvent, TrainerRegister
+from chaos.protocol import (
+    MAX_STATE_TENSORS,
+    CaughtUp,
+    PolicyReply,
+    PullDone,
+    StepFailed,
+    TrainerReady,
+    TrainerRegister,
+)
 from tests.daemon.recorder import Recorder, recording_context
 
 SIZES = [4096, 1000, 123_457, 8]
@@ -106,7 +114,7 @@ def test_first_trainer_joiner_plan_ready_and_refusals(cluster: Cluster) -> None:
 
     # rule 4: ready marks n2 training and logs the scale-out with its delay
     with _trainer(n2) as c:
-        assert c.trainer_event("ready", 0.25, "pulled", timeout_s=10.0).ok
+        assert c.trainer_event(TrainerReady(elapsed_s=0.25, detail="pulled"), timeout_s=10.0).ok
     assert _nodes(n1)["n2"].trainer == "training"  # the scheduler's view of now
     done = [e for e in n1.events() if e["event"] == "scale_out_complete"]
     assert len(done) == 1 and done[0]["peer"] == "n2" and done[0]["donors"] == ["n1"]
@@ -114,7 +122,7 @@ def test_first_trainer_joiner_plan_ready_and_refusals(cluster: Cluster) -> None:
     assert done[0]["trainer_elapsed_s"] == 0.25 and done[0]["multi_hop"] is False
     # a ready from a node without trainer is refused; the daemon keeps serving
     with _trainer(n3) as c, pytest.raises(RequestRefused, match="bad_request"):
-        c.trainer_event("ready", timeout_s=10.0)
+        c.trainer_event(TrainerReady(), timeout_s=10.0)
 
     # rule 1: a re-registration that changes only the sizes updates the layout, same epoch
     commits = len([e for e in n1.events() if e["event"] == "committed"])
@@ -149,7 +157,7 @@ def test_a_failed_step_without_a_failure_gets_a_restart_epoch(cluster: Cluster) 
     _register(n1, True, SIZES)
     epoch, _, _ = _register(n2, False)
     with _trainer(n2) as c:
-        assert c.trainer_event("ready", 0.1, timeout_s=10.0).ok
+        assert c.trainer_event(TrainerReady(elapsed_s=0.1), timeout_s=10.0).ok
     cur = wait_until(lambda: (q := _policy(n2)).epoch >= epoch and q.epoch, "n2's policy")
 
     def restarts() -> list[dict[str, Any]]:
@@ -157,10 +165,10 @@ def test_a_failed_step_without_a_failure_gets_a_restart_epoch(cluster: Cluster) 
         return [e for e in commits if e["cause"] == "allreduce_restart"]
 
     with _trainer(n2) as c:  # stale: a newer epoch exists already
-        assert c.trainer_event("step_failed", detail="n1", epoch=cur - 1, timeout_s=10.0).ok
+        assert c.trainer_event(StepFailed(detail="n1", epoch=cur - 1), timeout_s=10.0).ok
     assert restarts() == []
     with _trainer(n2) as c:
-        assert c.trainer_event("step_failed", detail="n1", epoch=cur, timeout_s=10.0).ok
+        assert c.trainer_event(StepFailed(detail="n1", epoch=cur), timeout_s=10.0).ok
     done = restarts()
     assert len(done) == 1 and done[0]["epoch"] == cur + 1
     assert done[0]["restart_allreduce"] is True and done[0]["apply_at"] == "before_next_allreduce"
@@ -168,7 +176,7 @@ def test_a_failed_step_without_a_failure_gets_a_restart_epoch(cluster: Cluster) 
     assert p.sync is not None and sorted(p.sync.nodes) == ["n1", "n2"]
     # the other member's report of the same failed round finds the restart already there
     with _trainer(n1) as c:
-        assert c.trainer_event("step_failed", detail="n2", epoch=cur, timeout_s=10.0).ok
+        assert c.trainer_event(StepFailed(detail="n2", epoch=cur), timeout_s=10.0).ok
     assert len(restarts()) == 1
 
 
@@ -211,7 +219,7 @@ def test_bad_registration_is_refused_and_the_daemon_keeps_serving(
             c.op(TrainerRegister(**{**good, **fields}))
         assert info.value.reason == reason
         with pytest.raises(RequestRefused, match="malformed"):
-            c.op(TrainerEvent(kind="explode"))  # type: ignore[arg-type]
+            c.op(TrainerReady(step=-1))  # a step below 0: refused by the schema
         assert n1.alive() and c.status().state == "active"
         assert c.policy().sync.nodes == []  # type: ignore[union-attr]  # nothing registered
         assert c.op(TrainerRegister(**good)).ok
@@ -222,7 +230,7 @@ def test_registration_survives_kill9_of_the_scheduler(cluster: Cluster) -> None:
     _, data2, shard2 = _register(n2, True, SIZES)
     _, data3, shard3 = _register(n3, False)
     with _trainer(n3) as c:
-        c.trainer_event("ready", 1.0, timeout_s=10.0)
+        c.trainer_event(TrainerReady(elapsed_s=1.0), timeout_s=10.0)
     cluster.kill9(n1)
 
     def new_scheduler() -> Node | None:
@@ -317,9 +325,7 @@ def test_multi_hop_donors_carried_plans_and_restarts() -> None:
     role.monitor.remove_node("d")
     role.ledger.commit("scale_in_failure", 3.0, apply_at="before_next_allreduce", restart=True)
     assert host.updates[-1].replication == rep
-    from chaos.protocol import TrainerEvent
-
-    ready = TrainerEvent(sender="c", node_id="c", kind="ready", elapsed_s=0.5, op_id="r")
+    ready = TrainerReady(sender="c", node_id="c", elapsed_s=0.5, op_id="r")
     role.trainers.on_event(ready, None, 4.0)
     done = [f for name, f in host.events if name == "scale_out_complete"]
     assert done == [
@@ -347,18 +353,15 @@ def test_multi_hop_donors_carried_plans_and_restarts() -> None:
 def _join_one_by_one(role: Any, nodes: str, t0: float) -> None:
     """Each node's trainer joins without state and reports ready before the next registers (one
     joiner enters the data plane at a time)."""
-    from chaos.protocol import TrainerEvent
-
     for t, n in enumerate(nodes):
         role.trainers.on_info(_info(n, False), None, t0 + t)
-        ready = TrainerEvent(sender=n, node_id=n, kind="ready", elapsed_s=0.1, op_id=f"r-{n}")
+        ready = TrainerReady(sender=n, node_id=n, elapsed_s=0.1, op_id=f"r-{n}")
         role.trainers.on_event(ready, None, t0 + t + 0.5)
 
 
 def _step_failed(role: Any, host: Recorder, node: str, peer: str, epoch: int, now: float) -> None:
     """``node``'s trainer reports a failed step of ``epoch`` blaming ``peer``; it is answered."""
-    msg = TrainerEvent(sender=node, epoch=epoch, kind="step_failed", detail=peer,
-                       op_id=f"op-{node}-{peer}-{now}")  # fmt: skip
+    msg = StepFailed(sender=node, epoch=epoch, detail=peer, op_id=f"op-{node}-{peer}-{now}")
     role.trainers.on_event(msg, None, now)
     if not host.answers[-1].ok:
         raise AssertionError(f"step_failed refused: {host.answers[-1]}")
@@ -632,16 +635,12 @@ def test_a_commit_that_keeps_the_structure_keeps_the_topology_epoch() -> None:
     # commit that kept the structure (that one would not rerun the step)
     role.ledger.commit("connect_link", 8.0)
     assert host.updates[-1].sync.topology_epoch == restart_epoch
-    from chaos.protocol import TrainerEvent
-
-    failed = TrainerEvent(sender="b", node_id="b", kind="step_failed", epoch=restart_epoch,
-                          detail="c", op_id="f")  # fmt: skip
+    failed = StepFailed(sender="b", node_id="b", epoch=restart_epoch, detail="c", op_id="f")
     role.last_heard["c"] = 8.0
     role.trainers.on_event(failed, None, 8.0)
     assert host.updates[-1].cause == "allreduce_restart" and role.epoch == restart_epoch + 2
     # one reported under an older structure epoch than the newest one is answered, not restarted
-    stale = TrainerEvent(sender="b", node_id="b", kind="step_failed", epoch=restart_epoch - 1,
-                         detail="c", op_id="g")  # fmt: skip
+    stale = StepFailed(sender="b", node_id="b", epoch=restart_epoch - 1, detail="c", op_id="g")
     role.trainers.on_event(stale, None, 8.5)
     assert role.epoch == restart_epoch + 2
 
@@ -731,15 +730,13 @@ def test_one_joiner_enters_the_data_plane_at_a_time() -> None:
     import msgspec
     from chaos.daemon.scheduler.registry import ENTRY_EXCLUSIVE_S
 
-    from chaos.protocol import TrainerEvent
-
     role, host = _scheduler_role()
     role.trainers.on_info(_info("a", True, SIZES), None, 1.0)
     for step in (5, 9, 12):  # a's step clock: catch-up joins can be planned
         role.monitor.observe_progress("a", step, False, 0.03, 1.0 + 0.1 * step + 0.03)
 
     def ready(node: str, now: float) -> None:
-        msg = TrainerEvent(sender=node, node_id=node, kind="ready", elapsed_s=0.5, op_id=f"r{now}")
+        msg = TrainerReady(sender=node, node_id=node, elapsed_s=0.5, op_id=f"r{now}")
         role.trainers.on_event(msg, None, now)
         assert host.answers[-1].ok
 
@@ -766,7 +763,7 @@ def test_one_joiner_enters_the_data_plane_at_a_time() -> None:
     role.trainers.on_info(msgspec.structs.replace(_info("d", False), catch_up=True), None, 3.25)
     assert host.answers[-1].reason == "overloaded" and role.epoch == epoch
     assert role.trainers.carried() == b_plan  # a commit now (e.g. a failure) still carries it
-    caught_up = TrainerEvent(sender="b", node_id="b", kind="caught_up", op_id="cu1")
+    caught_up = CaughtUp(sender="b", node_id="b", op_id="cu1")
     role.trainers.on_event(caught_up, None, 3.3)  # b enters: still no one else
     assert host.answers[-1].ok and host.updates[-1].cause == "trainer_scale_out"
     assert host.updates[-1].replication.target == "b" and "b" in host.updates[-1].sync.nodes
@@ -786,8 +783,7 @@ def test_one_joiner_enters_the_data_plane_at_a_time() -> None:
     assert host.answers[-1].ok and role.monitor.catching_up == {"d"}
     role.monitor.catching_up.add("c")  # c replaying too (it would hold a registration back)
     role.trainers.replaying["c"] = 3.85
-    role.trainers.on_event(TrainerEvent(sender="d", node_id="d", kind="caught_up", op_id="cu3"),
-                           None, 3.9)  # fmt: skip
+    role.trainers.on_event(CaughtUp(sender="d", node_id="d", op_id="cu3"), None, 3.9)
     assert host.answers[-1].ok and host.updates[-1].replication.target == "d"
     role.monitor.catching_up.discard("c")
     role.trainers.replaying.pop("c")
@@ -800,13 +796,12 @@ def test_one_joiner_enters_the_data_plane_at_a_time() -> None:
     cu = msgspec.structs.replace(_info("d", False, port=5), catch_up=True)
     role.trainers.on_info(cu, None, 10.0)  # d's trainer restarts: it catches up again
     assert host.answers[-1].ok and role.monitor.catching_up == {"d"}
-    pulled = TrainerEvent(sender="d", node_id="d", kind="replication_done", op_id="rd",
-                          pull=PullReport(state_bytes=sum(SIZES)))  # fmt: skip
+    pulled = PullDone(sender="d", node_id="d", op_id="rd", pull=PullReport(state_bytes=sum(SIZES)))
     role.trainers.on_event(pulled, None, 10.0 + ENTRY_EXCLUSIVE_S - 1.0)
     role.trainers.on_info(_info("c", False, port=4), None, 10.0 + ENTRY_EXCLUSIVE_S + 1.0)
     assert host.answers[-1].reason == "overloaded" and "d is catching up" in host.answers[-1].detail
-    role.trainers.on_event(TrainerEvent(sender="d", node_id="d", kind="caught_up", op_id="cu4"),
-                           None, 10.0 + ENTRY_EXCLUSIVE_S + 2.0)  # fmt: skip
+    role.trainers.on_event(CaughtUp(sender="d", node_id="d", op_id="cu4"), None,
+                           10.0 + ENTRY_EXCLUSIVE_S + 2.0)  # fmt: skip
     assert host.answers[-1].ok and host.updates[-1].replication.target == "d"
     t = 10.0 + ENTRY_EXCLUSIVE_S + 3.0
 

@@ -97,7 +97,7 @@ def test_the_beacon_tells_the_daemon_of_the_pull(tmp_path: Path) -> None:
     the daemon's): at most one per interval, and always the last."""
     import zmq
 
-    from chaos.protocol import TrainerEvent, decode
+    from chaos.protocol import TrainerProgress, decode
     from chaos.trainer.session import StepBeacon
 
     ctx = zmq.Context()
@@ -112,7 +112,7 @@ def test_the_beacon_tells_the_daemon_of_the_pull(tmp_path: Path) -> None:
         got = []
         while len(got) < 2 and daemon.poll(2000):
             msg = decode(daemon.recv_multipart()[-1])
-            assert isinstance(msg, TrainerEvent) and msg.kind == "progress"
+            assert isinstance(msg, TrainerProgress)
             got.append(msg.pulling)
         assert [(p.pulled_bytes, p.total_bytes) if p else None for p in got] == [
             (100, 1000), (1000, 1000)]  # fmt: skip

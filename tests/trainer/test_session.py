@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Literal
 
 import pytest
 
 from chaos.errors import ChaosTimeout, ProtocolError
 from chaos.protocol import (
+    AnsweredEvent,
     NodeInfo,
     NodeState,
     PolicyReply,
     StatusReply,
+    StepFailed,
     SyncPolicyWire,
+    TrainerReady,
     TrainerRegister,
 )
 from chaos.trainer import TrainingStalled
@@ -56,18 +58,11 @@ class FakeDaemon:
     def register(self, reg: object, timeout_s: float | None = None) -> object:
         return None  # the session's registration is not under test here
 
-    def trainer_event(
-        self,
-        kind: Literal["ready", "step_failed"],
-        elapsed_s: float = 0.0,
-        detail: str = "",
-        timeout_s: float | None = None,
-        epoch: int = 0,
-        step: int = 0,
-    ) -> object:
-        if kind == "step_failed":
+    def trainer_event(self, event: AnsweredEvent, timeout_s: float | None = None) -> object:
+        if isinstance(event, StepFailed):
             raise ProtocolError("refused")
-        self.events.append((kind, detail, epoch))
+        if isinstance(event, TrainerReady):
+            self.events.append(("ready", event.detail, event.epoch))
         return None
 
     def status(self, timeout_s: float | None = None) -> StatusReply:
@@ -221,9 +216,7 @@ def test_a_ready_report_that_finds_no_scheduler_is_logged_not_raised(
     import chaos.trainer.session as session_mod
 
     class Silent(FakeDaemon):
-        def trainer_event(self, kind: Literal["ready", "step_failed"], elapsed_s: float = 0.0,
-                          detail: str = "", timeout_s: float | None = None,
-                          epoch: int = 0, step: int = 0) -> object:  # fmt: skip
+        def trainer_event(self, event: AnsweredEvent, timeout_s: float | None = None) -> object:
             raise ChaosTimeout("no answer from the daemon")
 
     monkeypatch.setattr(session_mod, "_RETRY_TOTAL_S", 0.3)

@@ -229,7 +229,7 @@ def test_the_step_beacon_says_when_a_step_ends_and_keeps_saying_it_is_alive_insi
 ) -> None:
     import zmq
 
-    from chaos.protocol import TrainerEvent, decode
+    from chaos.protocol import TrainerProgress, decode
     from chaos.trainer.session import StepBeacon
 
     endpoint = f"ipc://{tmp_path}/d.ipc"
@@ -237,12 +237,12 @@ def test_the_step_beacon_says_when_a_step_ends_and_keeps_saying_it_is_alive_insi
     daemon = ctx.socket(zmq.ROUTER)
     daemon.bind(endpoint)
     beacon = StepBeacon(endpoint)
-    got: list[TrainerEvent] = []
+    got: list[TrainerProgress] = []
 
     def received(n: int) -> bool:
         while daemon.poll(10, zmq.POLLIN):
             msg = decode(daemon.recv_multipart()[-1])
-            assert isinstance(msg, TrainerEvent) and msg.kind == "progress"
+            assert isinstance(msg, TrainerProgress)
             got.append(msg)
         return len(got) >= n
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from chaos.protocol import ConnectCommand, LinkReport
-from tests.daemon.scheduler.test_stragglers import _event, _progress, _role
+from tests.daemon.scheduler.test_stragglers import _progress, _role, _step_failed
 
 
 class _Sends:
@@ -20,8 +20,7 @@ class _Sends:
 def _fail(role: Any, now: float) -> None:
     # every trainer progressed just now: no straggler explains the failure
     _progress(role, now, a=(3, True, 3.0, 0.1), b=(3, True, 3.0, 0.1), c=(3, True, 3.0, 0.1))
-    failed = _event("a", "step_failed", detail="b", epoch=role.epoch, elapsed_s=3.0, op_id="x")
-    role.on_trainer_event(failed, None, now)
+    _step_failed(role, now)
 
 
 def _order(sends: _Sends) -> ConnectCommand:

@@ -1,7 +1,7 @@
 """The repeat-offender rule (daemon/scheduler/offenders.py) and its wiring in the scheduler role.
 
 Pure rules first (no sockets: steps and reports are given), then the scheduler role in process,
-with a host that records what it would send: the members' ``nonfinite`` reports in,
+with a host that records what it would send: the members' ``NonfiniteStep`` reports in,
 ``offender_evicted`` and the commit out.
 """
 
@@ -15,7 +15,7 @@ from chaos.daemon.config import DaemonConfig
 from chaos.daemon.scheduler.offenders import OffenderWatch
 
 from chaos.errors import ConfigError, ProtocolError
-from chaos.protocol import TrainerEvent, decode, encode
+from chaos.protocol import NonfiniteStep, TrainerReady, decode, encode
 from tests.daemon.recorder import Recorder, recording_context
 
 ABC = ("a", "b", "c")
@@ -121,9 +121,9 @@ def test_bad_limits_are_refused() -> None:
 
 
 def test_the_report_is_a_typed_message_with_bounded_devices() -> None:
-    msg = TrainerEvent(kind="nonfinite", step=7, devices=["b", "c"])
+    msg = NonfiniteStep(step=7, devices=["b", "c"])
     back = decode(encode(msg))
-    assert isinstance(back, TrainerEvent) and back.devices == ["b", "c"] and back.step == 7
+    assert isinstance(back, NonfiniteStep) and back.devices == ["b", "c"] and back.step == 7
     raw = msgspec.msgpack.decode(encode(msg))
     raw["devices"] = ["x"] * 1000
     with pytest.raises(ProtocolError, match="malformed|devices"):
@@ -155,17 +155,14 @@ def _role(**cfg_fields: Any) -> tuple[Any, Recorder]:
         )  # fmt: skip
         role.trainers.on_info(info, None, 0.0)
         if n != "a":
-            role.on_trainer_event(_event(n, "ready"), None, 0.0)
+            role.trainers.on_event(TrainerReady(sender=n, node_id=n), None, 0.0)
     return role, host
-
-
-def _event(node: str, kind: Any, **fields: Any) -> TrainerEvent:
-    return TrainerEvent(sender=node, node_id=node, kind=kind, **fields)
 
 
 def _skipped(role: Any, step: int, *devices: str, reporters: tuple[str, ...] = ABC) -> None:
     for n in reporters:
-        role.on_trainer_event(_event(n, "nonfinite", step=step, devices=list(devices)), None, 1.0)
+        msg = NonfiniteStep(sender=n, node_id=n, step=step, devices=list(devices))
+        role.on_nonfinite(msg, 1.0)
 
 
 def test_the_scheduler_evicts_a_repeat_offender_and_the_others_go_on() -> None:

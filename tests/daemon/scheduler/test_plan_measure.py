@@ -23,7 +23,7 @@ from chaos.daemon.scheduler.monitor import (
 )
 from daemon_helpers import Cluster, Node, free_port, wait_until
 
-from chaos.protocol import PolicyReply, TrainerEvent
+from chaos.protocol import PolicyReply, PullDone, TrainerReady
 from chaos.protocol.messages import DonorPull, PullReport
 from chaos.trainer.session import StepBeacon
 
@@ -127,7 +127,7 @@ def test_tau_sync_and_c_are_measured_and_reach_the_plans_and_status(cluster: Clu
         DonorPull(id="n1", bytes=nbytes, shards=shards, elapsed_s=elapsed,
                   ranges=[(0, sum(SIZES))])])  # fmt: skip
     with _client(n2) as cl:
-        assert cl.op(TrainerEvent(kind="replication_done", pull=pull), timeout_s=10.0).ok
+        assert cl.op(PullDone(pull=pull), timeout_s=10.0).ok
     done = [e for e in n1.events() if e["event"] == "replication_executed"]
     assert done[-1]["peer"] == "n2" and done[-1]["per_shard_cost_fit_s"] == pytest.approx(c)
     assert done[-1]["as_planned"] is (rep.assignment == {"n1": [(0, sum(SIZES))]})
@@ -135,7 +135,7 @@ def test_tau_sync_and_c_are_measured_and_reach_the_plans_and_status(cluster: Clu
     assert any("c = 0.002 s, measured over 1 pulls" in n for n in notes), notes
     # the next joiner's plan uses (and carries, for its re-plans) the measured c
     with _client(n2) as cl:
-        assert cl.trainer_event("ready", 0.1, timeout_s=10.0).ok
+        assert cl.trainer_event(TrainerReady(elapsed_s=0.1), timeout_s=10.0).ok
     epoch = _register(n3, False)
     rep3 = wait_until(lambda: (p := _policy(n3)).epoch >= epoch and p.replication, "n3's plan")
     assert rep3.target == "n3" and rep3.per_shard_cost_s == pytest.approx(c)

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from chaos.daemon.scheduler.stragglers import StragglerWatch
 
+from chaos.protocol import StepFailed, TrainerProgress, TrainerReady
 from tests.daemon.recorder import Recorder, recording_context
 
 GRACE = 2.0
@@ -201,21 +202,22 @@ def _role() -> tuple[Any, Recorder]:
         )  # fmt: skip
         role.trainers.on_info(info, None, 0.0)
         if n != "a":  # b, then c, pulled the state: training (one joiner enters at a time)
-            role.on_trainer_event(_event(n, "ready"), None, 0.0)
+            role.trainers.on_event(TrainerReady(sender=n, node_id=n), None, 0.0)
     return role, host
 
 
-def _event(node: str, kind: Any, **fields: Any) -> Any:
-    from chaos.protocol import TrainerEvent
-
-    return TrainerEvent(sender=node, node_id=node, kind=kind, **fields)
+def _step_failed(role: Any, now: float) -> None:
+    """a's round waited 3 s for its neighbour b, and failed (answered under op id ``x``)."""
+    failed = StepFailed(sender="a", node_id="a", detail="b", epoch=role.epoch, elapsed_s=3.0,
+                        op_id="x")  # fmt: skip
+    role.on_step_failed(failed, None, now)
 
 
 def _progress(role: Any, now: float, **reports: tuple[int, bool, float, float]) -> None:
     for n, (step, in_step, phase_s, silent_s) in reports.items():
-        msg = _event(n, "progress", step=step, in_step=in_step, elapsed_s=phase_s,
-                     silent_s=silent_s)  # fmt: skip
-        role.on_trainer_event(msg, None, now)
+        msg = TrainerProgress(sender=n, node_id=n, step=step, in_step=in_step,
+                              elapsed_s=phase_s, silent_s=silent_s)  # fmt: skip
+        role.on_trainer_progress(msg, now)
         role.failures.heard(n, now)
 
 
@@ -286,8 +288,7 @@ def test_a_failed_step_is_blamed_on_the_member_that_stopped() -> None:
     role, host = _role()
     _progress(role, 5.0, a=(3, True, 3.0, 0.1), b=(3, True, 3.0, 0.1), c=(3, False, 3.1, 3.1))
     # a's round waited 3 s for its neighbour b, which waited for c
-    failed = _event("a", "step_failed", detail="b", epoch=role.epoch, elapsed_s=3.0, op_id="x")
-    role.on_trainer_event(failed, None, 5.0)
+    _step_failed(role, 5.0)
     [ev] = host.named("allreduce_failed")
     assert ev["peer"] == "c" and ev["neighbour"] == "b" and ev["reporter"] == "a"
     answer = host.answers[-1]
