@@ -11,7 +11,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from typing import cast
+from typing import TypeVar, cast
 
 import msgspec
 import zmq
@@ -39,6 +39,8 @@ from chaos.protocol import (
 )
 from chaos.protocol.ids import check_daemon_endpoint
 from chaos.security import HandshakeWatch, Security
+
+R = TypeVar("R")
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +187,18 @@ class DaemonClient:
         if not isinstance(answer, kind):
             raise ProtocolError(f"unexpected answer {type(answer).__name__}")
         return answer
+
+    def ask(self, msg: Message, reply: type[R], timeout_s: float | None = None) -> R:
+        """Sends a request and returns its answer of type ``reply`` (a flow's ``call_`` side
+        uses it: the request and its handler live together in the flow's module).
+
+        Raises:
+            ChaosTimeout: no answer in time.
+            RequestRefused: the daemon refused the request (``malformed``: one it does not
+                know, such as a newer request sent to an older daemon).
+            ProtocolError: an unexpected answer.
+        """
+        return cast(R, self._expect(msg, reply, timeout_s))
 
     def status(self, timeout_s: float | None = None) -> StatusReply:
         """The daemon's status."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.peer_auth import sender_refusal
@@ -22,17 +22,13 @@ from chaos.daemon.transport import FaultInjector, Inbound, ReplyPath, Transport
 from chaos.errors import ChaosError
 from chaos.protocol import (
     FaultCommand,
-    FaultReply,
     JoinRequest,
     LeaveCommand,
     LinkCommand,
     Message,
-    PolicyNotice,
-    PolicyReply,
     Reason,
     Refusal,
     Rejected,
-    StatusReply,
     ValidationContext,
     encode,
     kind_of,
@@ -54,8 +50,9 @@ REFUSAL_RECORDS_EVERY = 1000
 Handler = Callable[[Any, ReplyPath | None, float], None]
 """A message handler: ``(message, reply path or None for a local message, monotonic now)``."""
 
-CLIENT_ONLY: tuple[type, ...] = (StatusReply, FaultReply, PolicyReply, PolicyNotice)
-"""The answers only a client takes: a daemon has no handler for them (and drops them)."""
+CLIENT_ONLY: tuple[type, ...] = tuple(t for t in get_args(Message) if t.TO_CLIENT)
+"""The answers only a client takes (``TO_CLIENT`` in their schema): a daemon has no handler for
+them (and drops them)."""
 
 OPERATOR_COMMANDS: tuple[type, ...] = (LeaveCommand, LinkCommand, FaultCommand)
 """Client commands that change the cluster: accepted on the local IPC socket, and over TCP only

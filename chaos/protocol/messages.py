@@ -154,6 +154,8 @@ class _Base(msgspec.Struct, kw_only=True, frozen=True, tag_field="type"):
     KIND: ClassVar[str] = "open"
     TO_SCHEDULER: ClassVar[bool] = False
     MUTATING: ClassVar[bool] = False
+    TO_CLIENT: ClassVar[bool] = False
+    """An answer only a client (the CLI, a trainer) takes: a daemon has no handler for it."""
 
     v: int = PROTOCOL_VERSION
     sender: Annotated[str, msgspec.Meta(max_length=64)] = ""
@@ -650,6 +652,8 @@ _Note = Annotated[str, msgspec.Meta(max_length=256)]
 class StatusReply(_Base, frozen=True, tag="status_reply"):
     """Daemon -> CLI: the local node's state and its copy of the cluster view."""
 
+    TO_CLIENT: ClassVar[bool] = True
+
     node_id: NodeId
     role: Literal["follower", "candidate", "scheduler"]
     state: Annotated[str, msgspec.Meta(max_length=32)]
@@ -700,6 +704,8 @@ class FaultCommand(_Base, frozen=True, tag="fault_command"):
 
 class FaultReply(_Base, frozen=True, tag="fault_reply"):
     """Daemon -> CLI: the faults now active, as readable strings."""
+
+    TO_CLIENT: ClassVar[bool] = True
 
     active: list[str]
 
@@ -876,6 +882,8 @@ AnyTrainerEvent = Union[AnsweredEvent, TrainerProgress, NonfiniteStep, TrainerTh
 class PolicyReply(_Base, frozen=True, tag="policy_reply"):
     """Daemon -> trainer (``epoch`` is the policy's epoch)."""
 
+    TO_CLIENT: ClassVar[bool] = True
+
     term: Counter
     members: list[NodeId]
     sync: SyncPolicyWire | None
@@ -896,6 +904,8 @@ class PolicyNotice(_Base, frozen=True, tag="policy_notice"):
     a trainer learns of a newer policy without asking at every step boundary, and can tell a
     silent notifier (then it asks again at every boundary).
     """
+
+    TO_CLIENT: ClassVar[bool] = True
 
     KIND: ClassVar[str] = "client"
     paused: bool = False
