@@ -13,11 +13,12 @@ from __future__ import annotations
 import uuid
 
 from chaos.daemon.agent import Agent
+from chaos.daemon.client import DaemonClient
 from chaos.daemon.dispatch import Handler, fault_permission
 from chaos.daemon.relay import TrainerRelay
 from chaos.daemon.relayed import RelayedOps
 from chaos.daemon.replies import policy_reply, status_reply
-from chaos.daemon.scheduler.role import DaemonContext
+from chaos.daemon.scheduler.role import DaemonContext, DaemonFacts
 from chaos.daemon.states import DaemonState
 from chaos.daemon.transport import FaultInjector, ReplyPath, Transport
 
@@ -32,6 +33,8 @@ from chaos.protocol import (
     Refusal,
     StatusRequest,
 )
+from chaos.protocol.ids import is_loopback_endpoint
+from chaos.protocol.messages import DoctorCheck, DoctorReply, DoctorRequest
 
 
 class ClientRequests:
@@ -71,6 +74,7 @@ class ClientRequests:
             PolicyRequest: self.on_policy_request,
             FaultCommand: self.on_fault,
             LinkCommand: self.on_link_command,
+            DoctorRequest: self.on_doctor,
         }
 
     def on_status(self, msg: StatusRequest, reply: ReplyPath | None, now: float) -> None:
@@ -137,3 +141,94 @@ class ClientRequests:
                 ),
                 now,
             )
+
+    def on_doctor(self, msg: DoctorRequest, reply: ReplyPath | None, now: float) -> None:
+        """Answers ``doctor``: this daemon's checks of its own setup, worst first."""
+        checks = self._doctor_checks(now)
+        order = {"fail": 0, "warn": 1, "ok": 2}
+        checks.sort(key=lambda c: order[c.status])
+        f = self.ctx.facts
+        self.ctx.out.respond(reply, DoctorReply(sender=f.node_id, epoch=f.epoch, checks=checks))
+
+    def _doctor_checks(self, now: float) -> list[DoctorCheck]:
+        f = self.ctx.facts
+        checks = [_membership_check(f.state, len(f.members())), _address_check(f)]
+        if f.active:
+            checks.append(_scheduler_check(f, now))
+        down = sorted(p.peer for p in self.agent.links.values() if not p.up)
+        if down:
+            checks.append(DoctorCheck(name="links", status="warn", detail=f"links down: {down}",
+                                      fix="check the network between this device and them"))
+        else:
+            checks.append(DoctorCheck(name="links", status="ok",
+                                      detail=f"{len(self.agent.links)} overlay links up"))
+        if self.trainer.registration is None:
+            checks.append(DoctorCheck(name="trainer", status="warn", detail="no trainer "
+                                      "registered here", fix="start the training script with "
+                                      "this daemon's endpoint (Trainer(daemon=...))"))
+        else:
+            phase = self.trainer.phase.value if self.trainer.phase is not None else "registered"
+            checks.append(DoctorCheck(name="trainer", status="ok", detail=f"trainer {phase}"))
+        return checks  # fmt: skip
+
+
+def _scheduler_check(f: DaemonFacts, now: float) -> DoctorCheck:
+    """Whether an active member follows a scheduler (or is it)."""
+    e = f.election
+    if f.is_scheduler:
+        return DoctorCheck(name="scheduler", status="ok",
+                           detail=f"this node is the scheduler (term {f.term})")  # fmt: skip
+    if f.paused or e.scheduler is None:
+        return DoctorCheck(name="scheduler", status="fail",
+                           detail="paused: no scheduler with a majority",
+                           fix="a majority of the members must reach one another: check the "
+                           "links (chaos-daemon status) and that the other devices run",
+                           )  # fmt: skip
+    heard = now - e.last_scheduler_contact
+    return DoctorCheck(name="scheduler", status="ok",
+                       detail=f"following {e.scheduler}, heard {heard:.1f} s ago")  # fmt: skip
+
+
+def _membership_check(state: DaemonState, members: int) -> DoctorCheck:
+    """Whether this daemon is an active member."""
+    if state == DaemonState.ACTIVE:
+        return DoctorCheck(name="membership", status="ok",
+                           detail=f"an active member of {members}")  # fmt: skip
+    if state == DaemonState.JOINING:
+        return DoctorCheck(name="membership", status="warn", detail="joining",
+                           fix="if it stays so, check that a member's address in --join is "
+                           "reachable from this device")  # fmt: skip
+    return DoctorCheck(name="membership", status="fail", detail=state.value,
+                       fix="start the daemon again (chaos-daemon start)")  # fmt: skip
+
+
+def _address_check(f: DaemonFacts) -> DoctorCheck:
+    """Whether the members can reach the address this daemon advertises: a loopback or
+    wildcard address reaches nobody when another member is on a network."""
+    mine = f.address
+    host = mine.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    others = [n.address for n in (f.view.nodes if f.view else []) if n.id != f.node_id]
+    networked = [a for a in others if not is_loopback_endpoint(a)]
+    if host in ("0.0.0.0", "::", "*"):
+        return DoctorCheck(name="address", status="fail",
+                           detail=f"advertises the wildcard {mine}: nobody can dial it",
+                           fix="start with --listen tcp://ADDRESS:PORT, this device's address "
+                           "on the cluster's network")  # fmt: skip
+    if is_loopback_endpoint(mine) and networked:
+        return DoctorCheck(name="address", status="fail",
+                           detail=f"advertises loopback {mine} while a member is at "
+                           f"{networked[0]}: the others cannot reach this device",
+                           fix="start with --listen tcp://ADDRESS:PORT, this device's address "
+                           "on the cluster's network")  # fmt: skip
+    return DoctorCheck(name="address", status="ok", detail=f"advertises {mine}")
+
+
+def call_doctor(client: DaemonClient, timeout_s: float | None = None) -> DoctorReply:
+    """Asks a daemon for its ``doctor`` checks (the request :meth:`ClientRequests.on_doctor`
+    answers).
+
+    Raises:
+        ChaosTimeout: no answer in time.
+        RequestRefused: the daemon does not know the request (an older daemon: ``malformed``).
+    """
+    return client.ask(DoctorRequest(), DoctorReply, timeout_s)

@@ -136,6 +136,8 @@ def control_examples() -> list[m.Message]:
             sync=sync,
             notes=["x"],
         ),
+        m.DoctorRequest(),
+        m.DoctorReply(checks=[m.DoctorCheck(name="links", status="warn", detail="d", fix="f")]),
         m.LeaveCommand(),
         m.LinkCommand(peer="n2", op="disconnect"),
         m.FaultCommand(name="drop_to", peers=["n2"]),

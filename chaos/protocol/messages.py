@@ -646,6 +646,30 @@ class StatusRequest(_Base, frozen=True, tag="status_request"):
     KIND: ClassVar[str] = "client"
 
 
+class DoctorRequest(_Base, frozen=True, tag="doctor_request"):
+    """CLI -> daemon: ``chaos-daemon doctor``, the daemon's checks of its own setup."""
+
+    KIND: ClassVar[str] = "client"
+
+
+class DoctorCheck(msgspec.Struct, kw_only=True, frozen=True):
+    """One check of ``doctor``: what was checked, how it stands, and what to do."""
+
+    name: Annotated[str, msgspec.Meta(max_length=32)]
+    status: Literal["ok", "warn", "fail"]
+    detail: Detail
+    fix: Detail = ""
+    """What to do about a ``warn`` or a ``fail`` (empty for ``ok``)."""
+
+
+class DoctorReply(_Base, frozen=True, tag="doctor_reply"):
+    """Daemon -> CLI: the checks of :class:`DoctorRequest`, worst first."""
+
+    TO_CLIENT: ClassVar[bool] = True
+
+    checks: Annotated[list[DoctorCheck], msgspec.Meta(max_length=32)]
+
+
 _Note = Annotated[str, msgspec.Meta(max_length=256)]
 
 
@@ -937,6 +961,8 @@ Message = Union[
     Refusal,
     StatusRequest,
     StatusReply,
+    DoctorRequest,
+    DoctorReply,
     LeaveCommand,
     LinkCommand,
     FaultCommand,
