@@ -477,6 +477,34 @@ def status(connect: str | None, cluster_key: str | None, as_json: bool) -> None:
 @main.command()
 @click.option("--connect", help=_CONNECT_HELP)
 @_key_option
+@click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
+def doctor(connect: str | None, cluster_key: str | None, as_json: bool) -> None:
+    """Check this daemon's setup: membership, advertised address, scheduler, links, trainer.
+
+    Prints each check, worst first, with what to do about one that is not ok; exits 1 when a
+    check fails.
+    """
+    from chaos.daemon.client_ops import call_doctor  # the daemon's modules: only here
+
+    with _client(connect, cluster_key) as c:
+        try:
+            reply = call_doctor(c)
+        except ChaosError as exc:
+            raise click.ClickException(str(exc)) from exc
+    if as_json:
+        click.echo(json.dumps({"checks": msgspec.to_builtins(reply.checks)}, indent=2))
+    else:
+        for check in reply.checks:
+            click.echo(f"{check.status.upper():<5}{check.name}: {check.detail}")
+            if check.fix:
+                click.echo(f"     fix: {check.fix}")
+    if any(check.status == "fail" for check in reply.checks):
+        raise SystemExit(1)
+
+
+@main.command()
+@click.option("--connect", help=_CONNECT_HELP)
+@_key_option
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address the page binds (another than loopback needs --cluster-key).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8470, show_default=True,
