@@ -44,7 +44,9 @@ trainer event's ``phase``, ``StatusReply.trainer_phase``, ``MemberActivity.phase
 ``JoinActivity.phase``). 11: one message type per trainer event instead of one
 ``trainer_event`` with a ``kind`` (``TrainerReady``, ``TrainerGone``, ``PullDone``,
 ``StepFailed``, ``CaughtUp``, ``TrainerProgress``, ``NonfiniteStep``, ``TrainerThroughput``),
-each with only its own fields; a field another event owns is refused."""
+each with only its own fields; a field another event owns is refused. A new request only a
+client sends needs no new version (``doctor_request``): an older daemon refuses its unknown type
+as ``malformed``."""
 
 # ----------------------------------------------------------------------------- replication
 
