@@ -239,6 +239,13 @@ class Donor:
         elif epoch != self._published[0] and self._snapshots.also_serve(epoch, step):
             self._event("serving", joiner=rep.target, epoch=epoch, step=step, same_snapshot=True)
 
+    def serves_entry(self, replication: ReplicationWire | None) -> bool:
+        """Whether ``replication`` names this donor to serve the entry of the catching-up
+        joiner it logs steps for (the joiner enters the data plane at the next step)."""
+        log_, rep = self.step_log, replication
+        return (log_ is not None and rep is not None and rep.at_step is None
+                and rep.target == log_.target and self.node_id in rep.donor_addresses)  # fmt: skip
+
     def retire(self) -> None:
         """Stops serving the published snapshot, if any (the state is about to change); a
         catch-up snapshot (a copy) stays, and a closed step log is dropped (its joiner has

@@ -325,9 +325,15 @@ class Trainer(JoinFlows):
             self._event("membership", epoch=policy.epoch, members=list(policy.members))
         self._donor.serve(policy.replication, policy.epoch, self._step)
 
-    def _refresh(self) -> bool:
+    def _refresh(self, in_update: bool = True) -> bool:
         """Installs a newer policy at this step boundary, if the daemon has one; joins again
         if the newer policy leaves this trainer out (the scheduler evicted it as a straggler).
+
+        Args:
+            in_update: ``False`` from :meth:`check_state_replication`, before the loop set the
+                next step's hyperparameters: a policy in which this donor serves a catching-up
+                joiner's entry then waits for :meth:`update` (the entry pull carries the
+                hyperparameters the joiner runs the entry step with).
 
         Returns:
             Whether this trainer joined again (its state is now the pulled one).
@@ -339,6 +345,8 @@ class Trainer(JoinFlows):
             return False  # left out on purpose: it enters in its next update()
         policy = self._session.poll(self._epoch)
         if policy is None:
+            return False
+        if not in_update and self._donor.serves_entry(policy.replication):
             return False
         if policy.topology is None:  # left out: evicted
             self._rejoin(policy)
@@ -717,7 +725,7 @@ class Trainer(JoinFlows):
         Returns:
             True when this node is serving a joiner now.
         """
-        self._refresh()
+        self._refresh(in_update=False)
         return self._donor.serving
 
     def request_node_exit(self, timeout_s: float = 15.0) -> None:
