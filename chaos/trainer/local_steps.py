@@ -32,6 +32,7 @@ state its script built (fresh), see ``docs/trainer.md``, *Local steps*.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -42,6 +43,7 @@ import torch
 
 from chaos.errors import ConfigError
 from chaos.trainer.config import check_num_samples
+from chaos.trainer.overlap import BackgroundSync, progress, rebase
 from chaos.trainer.trainer import Trainer
 
 __all__ = [
@@ -64,6 +66,8 @@ LOCAL_AUDIT_EVERY = 1
 """The state audit's default period in local mode, in outer steps: every outer step (an outer
 step is many inner steps, so one digest of the global state per outer step is cheap)."""
 
+log = logging.getLogger("chaos.trainer")
+
 OuterFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 Hook = Callable[[], object]
 
@@ -81,6 +85,12 @@ class LocalStepsConfig:
         outer_lr: The default outer optimizer's learning rate.
         outer_momentum: Its momentum.
         outer_nesterov: Whether its momentum is Nesterov's.
+        overlap: Whether the outer step runs in the background while the next inner phase
+            computes (each pseudo-gradient is applied one outer step late; see
+            :mod:`chaos.trainer.overlap`). ``False``: the member waits for each outer step.
+        sync_timeout_s: With ``overlap``, how long a boundary waits at most for the previous
+            outer step (the Trainer's own deadlines end it long before; this one bounds the
+            wait itself).
 
     Raises:
         ConfigError: neither bound is set, or a value is out of range.
@@ -91,6 +101,8 @@ class LocalStepsConfig:
     outer_lr: float = DILOCO_OUTER_LR
     outer_momentum: float = DILOCO_OUTER_MOMENTUM
     outer_nesterov: bool = True
+    overlap: bool = False
+    sync_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         h, t = self.inner_steps, self.inner_time_s
@@ -108,6 +120,11 @@ class LocalStepsConfig:
             raise ConfigError(f"outer_momentum must be in [0, 1), got {mom!r}")
         if self.outer_nesterov and mom == 0:
             raise ConfigError("outer_nesterov needs a positive outer_momentum")
+        if not isinstance(self.overlap, bool):
+            raise ConfigError(f"overlap must be a bool, got {self.overlap!r}")
+        st = self.sync_timeout_s
+        if isinstance(st, bool) or not isinstance(st, (int, float)) or not 0 < st < math.inf:
+            raise ConfigError(f"sync_timeout_s must be a positive number, got {st!r}")
 
     def outer_optimizer(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         """The default outer optimizer over the global parameters ``params``."""
@@ -216,10 +233,13 @@ class LocalSteps:
             Inner-phase objects (an inner LR scheduler) are local: leave them out.
         inner_steps: See :class:`LocalStepsConfig` (default 100).
         inner_time_s: See :class:`LocalStepsConfig`.
+        overlap: See :class:`LocalStepsConfig`: the outer step runs in the background while
+            the next inner phase computes.
         outer_optimizer: Builds the outer optimizer from the global parameters; ``None``: the
             config's Nesterov SGD.
         after_outer_step: Called on every member right after each outer optimizer step (the
-            Trainer's ``after_step``): advance ``extra_state`` here.
+            Trainer's ``after_step``): advance ``extra_state`` here. With ``overlap`` it runs
+            on the background thread of the outer step.
         local: More :class:`LocalStepsConfig` fields (``outer_lr`` ...), as a config.
         **options: :class:`~chaos.trainer.TrainerConfig` fields. ``audit_every`` counts outer
             steps and defaults to :data:`LOCAL_AUDIT_EVERY`. ``global_batch`` counts the
@@ -244,13 +264,14 @@ class LocalSteps:
         *,
         inner_steps: int | None = 100,
         inner_time_s: float | None = None,
+        overlap: bool = False,
         outer_optimizer: OuterFactory | None = None,
         after_outer_step: Hook | None = None,
         local: LocalStepsConfig | None = None,
         **options: Any,
     ) -> None:
-        self.local_config = local if local is not None else LocalStepsConfig(inner_steps,
-                                                                             inner_time_s)
+        self.local_config = local if local is not None else LocalStepsConfig(
+            inner_steps, inner_time_s, overlap=overlap)
         self.model = model
         self.optimizer = optimizer
         self._params = list(model.parameters())
@@ -266,8 +287,13 @@ class LocalSteps:
         self.inner_step = 0  # inner steps in this phase
         self.inner_steps_total = 0  # inner steps this member took since it started
         self.phase_samples = 0  # samples of this phase's inner steps
+        self.phase_overlapped = 0  # inner steps of this phase that ran beside an outer step
         self.last_phase: dict[str, Any] = {}
         self._phase_started = time.monotonic()
+        self._sync = BackgroundSync(self.local_config.sync_timeout_s)
+        self._synced_live: bool | None = None  # the background outer step's result, once in
+        self._anchor: list[torch.Tensor] = []  # with overlap: the trainable local parameters
+        # at the phase's start, which its pseudo-gradient is measured from
         try:
             if join is not None:
                 self._enter()
@@ -334,7 +360,8 @@ class LocalSteps:
 
         Returns:
             Whether this call ended an inner phase (the model now holds the global
-            parameters of :attr:`step`).
+            parameters of :attr:`step`; with ``overlap``, those plus the progress of the phase
+            that just ended, whose outer step has begun in the background).
 
         Raises:
             TypeError, ValueError: a bad ``num_samples``.
@@ -353,6 +380,7 @@ class LocalSteps:
             after_step()
         self.inner_step += 1
         self.inner_steps_total += 1
+        self.phase_overlapped += self._sync.running
         self.phase_samples += 1 if num_samples is None else num_samples
         cfg = self.local_config
         elapsed = time.monotonic() - self._phase_started
@@ -360,16 +388,16 @@ class LocalSteps:
         if not outer_boundary(self.inner_step, elapsed, cfg.inner_steps, cfg.inner_time_s,
                               self.phase_samples, budget):  # fmt: skip
             return False
-        self._outer(elapsed)
+        if cfg.overlap:
+            self._outer_overlapped(elapsed)
+        else:
+            self._outer(elapsed)
         return True
 
     def _outer(self, elapsed_s: float) -> None:
         """The outer step: the pseudo-gradient's weighted average, the outer optimizer's step,
         then the model loaded from the global parameters (event ``outer_step``)."""
-        trainable = self.global_params.trainable()
-        local = [p for p, g in zip(self._params, self.global_params.params, strict=True)
-                 if g.requires_grad]  # fmt: skip
-        pseudo_gradient(trainable, local)
+        pseudo_gradient(*self._trainable_pairs())
         step, t0 = self.trainer.step, time.monotonic()
         live = self.trainer.update(num_samples=self.phase_samples, after_step=self._after_outer)
         self.last_phase = {"step": step, "inner_steps": self.inner_step,
@@ -394,23 +422,85 @@ class LocalSteps:
             if self.trainer.update(num_samples=0, after_step=self._after_outer):
                 return
 
+    def _outer_overlapped(self, elapsed_s: float) -> None:
+        """The boundary with ``overlap``: waits for the previous outer step, rebases the model
+        on its global parameters plus this phase's progress, and starts this phase's outer
+        step in the background (event ``outer_step``, with ``wait_s``: how long the member
+        waited here, and ``sync_s``: how long the previous outer step took)."""
+        t0 = time.monotonic()
+        self._settle()
+        waited, live = time.monotonic() - t0, self._synced_live
+        self._synced_live = None
+        trainable, local = self._trainable_pairs()
+        step, samples = self.trainer.step, self.phase_samples
+        self.last_phase = {"step": step, "inner_steps": self.inner_step, "samples": samples,
+                           "inner_s": round(elapsed_s, 3), "sync_s": round(self._sync.took_s, 3),
+                           "wait_s": round(waited, 3), "overlapped": self.phase_overlapped,
+                           "live": live is not False}  # fmt: skip
+        self.trainer.events.append({"t": time.time(), "node": self.node_id,
+                                    "event": "outer_step", **self.last_phase})  # fmt: skip
+        if live is False:  # joined again in the background: this phase ran on an old state
+            self._start_phase()
+            return
+        delta = progress(self._anchor, local)
+        rebase(local, trainable, delta)
+        for g, d in zip(trainable, delta, strict=True):
+            g.grad = d
+        self._sync.start(lambda: self._background_step(samples), f"outer-{step}")
+        self._begin_phase()
+
+    def _background_step(self, samples: int) -> bool:
+        """The outer step on the background thread: the Trainer's update (joining again when
+        it was evicted), then serving a joiner if the scheduler asked. Returns whether the
+        step was live."""
+        live = self.trainer.update(num_samples=samples, after_step=self._after_outer)
+        if not live:
+            self._enter()
+        self.trainer.check_state_replication()
+        return live
+
+    def _settle(self) -> None:
+        """Waits for the background outer step, if one is pending, and keeps its result."""
+        if self._sync.pending:
+            self._synced_live = bool(self._sync.wait())
+
+    def _trainable_pairs(self) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+        """The trainable global parameters and the model's parameters they stand for."""
+        pairs = [(g, p) for p, g in zip(self._params, self.global_params.params, strict=True)
+                 if g.requires_grad]  # fmt: skip
+        return [g for g, _ in pairs], [p for _, p in pairs]
+
     def _start_phase(self) -> None:
         """The model takes the global parameters; the next inner phase begins."""
         load_global(self._params, list(self.global_params.params))
+        self._begin_phase()
+
+    def _begin_phase(self) -> None:
+        """The next inner phase begins from the model as it is."""
         self.inner_step = 0
         self.phase_samples = 0
+        self.phase_overlapped = 0
         self._phase_started = time.monotonic()
+        if self.local_config.overlap:
+            self._anchor = [p.detach().clone() for p in self._trainable_pairs()[1]]
 
     # ------------------------------------------------------------------ the rest
 
     def check_state_replication(self) -> bool:
         """As the Trainer's: serves the global state's shards to a joiner (call it after
-        :meth:`update`)."""
+        :meth:`update`). With ``overlap`` the background outer step does it after each
+        update, and this returns ``False`` while one runs."""
+        if self._sync.running:
+            return False
         return self.trainer.check_state_replication()
 
     def request_node_exit(self, timeout_s: float = 15.0) -> None:
-        """Leaves the cluster gracefully (at the boundary it is called at), then closes."""
-        self.trainer.request_node_exit(timeout_s)
+        """Leaves the cluster gracefully (at the boundary it is called at, once the outer step
+        in the background has ended), then closes."""
+        try:
+            self._settle()
+        finally:
+            self.trainer.request_node_exit(timeout_s)
 
     def fail_at(self, step: int, after_frames: int = 0) -> None:
         """Fault injection: dies (``kill -9``) in the outer allreduce of outer step ``step``."""
@@ -418,14 +508,22 @@ class LocalSteps:
 
     def state_dict(self) -> dict[str, Any]:
         """The Trainer's state (global parameters, outer optimizer, extra state, step) and this
-        member's own: the model and the inner optimizer."""
+        member's own: the model and the inner optimizer (after the outer step in the
+        background, if one runs)."""
+        self._settle()
         return {"outer": self.trainer.state_dict(), "model": self.model.state_dict(),
                 "inner_optimizer": self.optimizer.state_dict(),
                 "inner_step": self.inner_step}  # fmt: skip
 
     def close(self) -> None:
-        """Closes the Trainer (its data plane, daemon connection and embedded daemon)."""
-        self.trainer.close()
+        """Closes the Trainer (its data plane, daemon connection and embedded daemon), after
+        the outer step in the background, if one runs (what it raised is logged)."""
+        try:
+            self._settle()
+        except Exception as exc:  # closing anyway: the error was the step's, not the close's
+            log.warning("the background outer step failed: %s", exc)
+        finally:
+            self.trainer.close()
 
     def __enter__(self) -> LocalSteps:
         return self

@@ -15,6 +15,10 @@ equal). ``<out>.leave`` asks it to leave gracefully at its next boundary.
 - ``--die-after K``: ``kill -9`` in the outer allreduce, ``K`` outer steps after joining.
 - ``--global-batch G``: the samples of one outer step over the cluster, split by speed: a
   phase also ends at this member's share (recorded as ``budget``).
+- ``--overlap``: the outer step runs in the background while the next inner phase computes;
+  the digests are then taken on that thread right after each outer optimizer step (one record
+  each), and each boundary also appends a record without a digest (``boundary``: its phase's
+  ``wait_s`` and ``overlapped`` inner steps).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ def _parse_args() -> argparse.Namespace:
     ap.add_argument("--dump-dir", type=Path, default=None)
     ap.add_argument("--die-after", type=int, default=None)
     ap.add_argument("--global-batch", type=int, default=None)
+    ap.add_argument("--overlap", action="store_true")
     return ap.parse_args()
 
 
@@ -64,10 +69,26 @@ def main() -> int:
         def outer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
             return torch.optim.SGD(params, lr=1.0)
 
+    # with --overlap the outer step runs on a background thread: the global state is digested
+    # there, right after each outer optimizer step, not from the loop while it may change
+    hooked: list[tuple[int, str, int]] = []
+    holder: list[LocalSteps] = []
+
+    def digest_outer() -> None:
+        if not holder:  # the joiner's entry, inside the constructor: nothing to record yet
+            return
+        lo = holder[0]
+        step = lo.trainer.step + 1  # the step this outer step reaches
+        hooked.append((step, model_digest(lo.global_params, lo.outer_optimizer, step),
+                       lo.world_size))  # fmt: skip
+
     local = LocalSteps(model, inner, join=args.join, node_id=args.id, listen=args.listen,
                        daemon_args=tuple(args.daemon_arg), inner_steps=args.inner_steps,
                        inner_time_s=args.inner_time, outer_optimizer=outer,
-                       step_timeout_s=20.0, global_batch=args.global_batch)  # fmt: skip
+                       step_timeout_s=20.0, global_batch=args.global_batch,
+                       overlap=args.overlap,
+                       after_outer_step=digest_outer if args.overlap else None)  # fmt: skip
+    holder.append(local)
     if args.die_after is not None:
         local.fail_at(local.step + args.die_after)
     leave_flag = args.out.with_suffix(".leave")
@@ -99,11 +120,18 @@ def main() -> int:
                            args.dump_dir / f"{args.id}-{step}.pt")  # fmt: skip
             rec = {"step": local.step, "epoch": local.epoch, "world": local.world_size,
                    **{k: phase[k] for k in ("inner_steps", "samples", "sync_s", "live")},
+                   **{k: phase[k] for k in ("wait_s", "overlapped") if k in phase},
                    "audits": local.trainer.audit["audits"], "budget": local.phase_budget,
-                   "mismatches": local.trainer.audit["mismatches"],
-                   "digest": model_digest(local.global_params, local.outer_optimizer,
-                                          local.step)}  # fmt: skip
-            write_record(out, rec)
+                   "mismatches": local.trainer.audit["mismatches"]}  # fmt: skip
+            if not args.overlap:
+                rec["digest"] = model_digest(local.global_params, local.outer_optimizer,
+                                             local.step)  # fmt: skip
+                write_record(out, rec)
+                continue
+            while hooked:  # the outer steps that ended in the background since the last one
+                s, digest, size = hooked.pop(0)
+                write_record(out, {**rec, "step": s, "world": size, "digest": digest})
+            write_record(out, {**rec, "boundary": True})
         local.request_node_exit()
         write_record(out, {"left": True, "step": local.step})
     return 0
