@@ -167,8 +167,8 @@ class Campaign:
         c = self.cfg
         return Scenario(name="chaos", nodes=c.nodes, degree=c.degree, model=c.model, scale=c.scale,
                         step_time_s=c.step_time_s, step_timeout_s=c.step_timeout_s,
-                        settle_s=END_SETTLE_S, seed=c.seed,
-                        events=joins)  # fmt: skip
+                        settle_s=END_SETTLE_S, seed=c.seed, inner_steps=c.inner_steps,
+                        overlap=c.overlap, events=joins)  # fmt: skip
 
     def run(self) -> dict[str, Any]:
         """Runs the campaign and returns its document (see :func:`report`).

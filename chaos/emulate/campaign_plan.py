@@ -12,6 +12,7 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from chaos.emulate.scenario import check_local_mode
 from chaos.errors import ConfigError
 
 __all__ = [
@@ -82,6 +83,10 @@ class CampaignConfig:
             system can go on past that bound without risking two states at one step: a
             campaign that crosses it measures a cluster that is, by design, paused for good.
             ``False``: draw them anyway (the report then shows the paused cluster).
+        inner_steps: Local-steps mode: every device takes an outer step every this many
+            inner steps (``Scenario.inner_steps``; 0: synchronise every step). Steps are then
+            outer steps in every figure.
+        overlap: With ``inner_steps``: the outer step runs beside the next inner phase.
     """
 
     nodes: int = 6
@@ -100,6 +105,8 @@ class CampaignConfig:
     sample_s: float = 5.0
     warmup_s: float = 20.0
     keep_majority: bool = True
+    inner_steps: int = 0
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.nodes, int) or not 2 <= self.nodes <= 32:
@@ -118,6 +125,7 @@ class CampaignConfig:
             raise ConfigError(f"degree must be an int in [1, 8], got {self.degree!r}")
         if not isinstance(self.max_live, int) or (self.max_live and self.max_live < self.nodes):
             raise ConfigError(f"max_live must be 0 (2 x nodes) or >= nodes: {self.max_live!r}")
+        check_local_mode(self.inner_steps, self.overlap)
         bad = set(self.weights) - set(DEFAULT_WEIGHTS)
         if bad or any(not w >= 0 for w in self.weights.values()) or not sum(self.weights.values()):
             raise ConfigError(f"weights: kinds among {sorted(DEFAULT_WEIGHTS)}, >= 0, not all 0: "

@@ -541,11 +541,16 @@ def _parse_weights(text: str | None) -> dict[str, float]:
 @click.option("--keep-majority/--no-keep-majority", default=True, show_default=True,
               help="Skip a kill or leave that would leave fewer than a strict majority of the "
               "committed membership running (past it the cluster pauses for good).")
+@click.option("--inner-steps", type=click.IntRange(0, 100_000), default=0, show_default=True,
+              help="Local-steps mode: every device takes an outer step every this many inner "
+              "steps (0: synchronise every step); steps in the report are outer steps.")
+@click.option("--overlap", is_flag=True,
+              help="With --inner-steps: the outer step runs beside the next inner phase.")
 def chaos_command(nodes: int, duration: float, rate: float, seed: int, json_path: Path,
                   plot_dir: Path | None, loopback: bool, min_live: int | None, max_live: int,
                   weights: str | None, cut_vertex_bias: float, degree: int, model: str,
                   scale: float, step_timeout_s: float, sample_s: float, warmup_s: float,
-                  keep_majority: bool) -> None:  # fmt: skip
+                  keep_majority: bool, inner_steps: int, overlap: bool) -> None:  # fmt: skip
     """A fault campaign and soak: Poisson-timed joins, leaves, kill -9s, link cuts,
     partitions and heals on a training cluster; reports per fault kind whether and how fast
     training resumed, lost or divergent steps, crashes, ETTR, and RSS/open files over time."""
@@ -557,8 +562,8 @@ def chaos_command(nodes: int, duration: float, rate: float, seed: int, json_path
                              max_live=max_live, weights=_parse_weights(weights),
                              cut_vertex_bias=cut_vertex_bias, degree=degree, model=model,
                              scale=scale, step_timeout_s=step_timeout_s, sample_s=sample_s,
-                             warmup_s=warmup_s,
-                             keep_majority=keep_majority)  # fmt: skip
+                             warmup_s=warmup_s, keep_majority=keep_majority,
+                             inner_steps=inner_steps, overlap=overlap)  # fmt: skip
     except ConfigError as exc:
         raise click.BadParameter(str(exc)) from exc
     shaped = _shaped(loopback)

@@ -108,6 +108,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                     help="TrainerConfig.step_timeout_s (the scenario's step_timeout_s)")
     ap.add_argument("--join-mode", choices=["catch-up", "barrier"], default="catch-up",
                     help="TrainerConfig.join_mode")  # fmt: skip
+    ap.add_argument("--inner-steps", type=int, default=0,
+                    help="local-steps mode: an outer step every this many inner steps "
+                         "(0: synchronise every step)")  # fmt: skip
+    ap.add_argument("--overlap", action="store_true",
+                    help="with --inner-steps: the outer step runs beside the next inner phase")
     ap.add_argument(
         "--no-base-on-disk",
         action="store_true",
@@ -119,7 +124,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="the model and optimizer state it held when it left; joins with it",
     )
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.inner_steps < 0:
+        ap.error(f"--inner-steps must be >= 0, got {args.inner_steps}")
+    if args.overlap and not args.inner_steps:
+        ap.error("--overlap needs --inner-steps")
+    return args
 
 
 def split_join(args: argparse.Namespace) -> argparse.Namespace:
@@ -149,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         opt.load_state_dict(held["optimizer"])
     xs, ys = local_data(args.id, 512, HEAD_IN, HEAD_OUT, args.seed)  # this device's own data
     started = time.time()
+    if args.inner_steps:
+        return _main_local(args, model, opt, (xs, ys), started)
     fetch_s = None
     if args.resume_from is not None:
         state, fetch_s = _fetch_checkpoint(args.resume_from)
@@ -185,6 +197,26 @@ def main(argv: list[str] | None = None) -> int:
                            "checkpoint_fetch_s": fetch_s})  # fmt: skip
         return _train(args, trainer, model, opt, xs, ys, out, leave_flag, ckpt_flag,
                       capture_exit_event)  # fmt: skip
+
+
+def _main_local(args: argparse.Namespace, model: StandInModel, opt: torch.optim.Optimizer,
+                data: tuple[torch.Tensor, torch.Tensor], started: float) -> int:  # fmt: skip
+    """The device in local-steps mode (:mod:`chaos.emulate.device_local`)."""
+    from chaos.emulate.device_local import check_local_args, start_local, train_local
+
+    check_local_args(args)
+    if args.gate is not None:
+        _wait_gate(args.gate)
+    digests: list[tuple[int, str, int]] = []
+    local = start_local(args, model, opt, digests)
+    with args.out.open("a") as out:
+        write_record(out, {"kind": "ready", "t": time.time(), "started": started,
+                           "step": local.step, "epoch": local.epoch,
+                           "events": list(local.events), "held": None,
+                           "checkpoint_fetch_s": None,
+                           "inner_steps": args.inner_steps})  # fmt: skip
+        return train_local(args, local, model, data, digests, out,
+                           args.out.with_suffix(".leave"), capture_exit_event)  # fmt: skip
 
 
 def _train(

@@ -280,7 +280,10 @@ class Runner:
                 "--step-time", str(sc.step_time_s), "--daemon-dir", str(ddir),
                 "--step-timeout", str(sc.step_timeout_s),
                 "--cluster-key", str(self.cluster_key),
-                "--join-mode", join_mode or sc.join_mode]  # fmt: skip
+                "--join-mode", join_mode or sc.join_mode,
+                "--inner-steps", str(sc.inner_steps)]  # fmt: skip
+        if sc.overlap:
+            argv.append("--overlap")
         daemon_args = [*DAEMON_ARGS, "--replication-strategy", sc.strategy]
         for n in neighbors:
             daemon_args += ["--neighbor", n]

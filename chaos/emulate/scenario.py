@@ -17,6 +17,10 @@ A scenario file (see ``examples/scenarios/``)::
     settle_s = 5                  # keep running this long after the last event
     cpu_per_device = 0.2          # optional: each device's own CPU budget, in cores (cgroups,
                                   # root); 0 (the default): every device shares every core
+    inner_steps = 0               # optional: local-steps mode, an outer step every this many
+                                  # inner steps; 0 (the default): synchronise every step
+    overlap = false               # optional, with inner_steps: the outer step runs beside the
+                                  # next inner phase
     seed = 0
 
     [[events]]
@@ -135,6 +139,21 @@ class Event:
         return f"{self.kind} {self.node or ''}".strip()
 
 
+def check_local_mode(inner_steps: int, overlap: bool) -> None:
+    """Checks the local-steps settings of a scenario or a campaign.
+
+    Raises:
+        ConfigError: ``inner_steps`` is not an int in [0, 100000], or ``overlap`` not a bool
+            or set without ``inner_steps``.
+    """
+    h = inner_steps
+    if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h <= 100_000:
+        raise ConfigError(f"inner_steps must be an int in [0, 100000], got {h!r}")
+    if not isinstance(overlap, bool) or (overlap and not h):
+        raise ConfigError(f"overlap must be a bool, and true only with inner_steps >= 1: "
+                          f"{overlap!r}")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Scenario:
     """A whole emulation run; see the module docstring for the fields.
@@ -158,6 +177,8 @@ class Scenario:
     join_mode: str = "catch-up"
     settle_s: float = 5.0
     cpu_per_device: float = 0.0
+    inner_steps: int = 0
+    overlap: bool = False
     seed: int = 0
     events: tuple[Event, ...] = field(default_factory=tuple)
 
@@ -177,6 +198,7 @@ class Scenario:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or not low <= v <= high:
                 raise ConfigError(f"{name} must be in [{low}, {high}], got {v!r}")
+        check_local_mode(self.inner_steps, self.overlap)
         if self.strategy not in STRATEGIES:
             raise ConfigError(f"strategy must be one of {', '.join(STRATEGIES)}: {self.strategy}")
         if self.join_mode not in JOIN_MODES:

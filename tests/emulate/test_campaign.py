@@ -473,6 +473,41 @@ def test_a_short_loopback_campaign_reports_every_field_and_reaps_its_processes(
     assert not left, f"device processes left behind: {left}"
 
 
+def test_a_loopback_campaign_in_local_steps_mode_loses_nothing_and_stays_equal(
+    tmp_path: Path,
+) -> None:
+    """The same campaign with every device in local-steps mode (an outer step every 8 inner
+    steps, the outer step beside the next inner phase): a link cut, a partition, a leave, a
+    join, a kill and heals (seed 10's plan); every committed outer step kept, no divergent
+    global state, no crash, every fault resumed, and the trainers' own audits all agree."""
+    out = tmp_path / "c.json"
+    proc = subprocess.Popen([*CLI, "chaos", "--nodes", "4", "--duration", "40", "--rate", "9",
+                             "--seed", "10", "--min-live", "2", "--loopback", "--inner-steps",
+                             "8", "--overlap", "--json", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        _stdout, stderr = proc.communicate(timeout=420)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        _stdout, stderr = proc.communicate(timeout=30)
+        pytest.fail(f"the campaign ran past 420 s:\n{stderr[-3000:]}")
+    assert proc.returncode == 0, stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert (doc["config"]["inner_steps"], doc["config"]["overlap"]) == (8, True)
+    kinds = {r["kind"] for r in doc["injections"]}
+    assert {"link_cut", "partition", "join"} <= kinds, kinds
+    assert all(r["resumed"] for r in doc["injections"]), doc["injections"]
+    integ = doc["integrity"]
+    assert integ["committed"] >= 20 and integ["lost"] == 0 and integ["divergent"] == 0, integ
+    assert doc["crashed_processes"] == 0 and not doc["crashes"]
+    assert doc["audit"]["audits"] >= 20 and doc["audit"]["mismatches"] == 0, doc["audit"]
+    # the steps are outer steps: each record carries its phase's inner steps
+    inner = [r["inner_steps"] for recs in doc["devices"].values() for r in recs
+             if r.get("kind") == "step"]  # fmt: skip
+    assert inner and max(inner) == 8
+
+
 needs_root = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
     reason="partitions cut tc-shaped veth links in network namespaces: needs root and iproute2",

@@ -53,6 +53,9 @@ def test_example_scenarios_load(path: Path) -> None:
         ({"events": [{"at_s": 1, "kind": "join", "when": 2}]}, "unknown event keys"),
         ({"bandwidth_mbps": [10]}, "bandwidth_mbps"),
         ({"scale": 2.0}, "scale"),
+        ({"inner_steps": -1}, "inner_steps"),
+        ({"inner_steps": 1.5}, "inner_steps"),
+        ({"overlap": True}, "overlap"),
     ],
 )
 def test_bad_scenarios_are_refused_with_the_field_named(doc: dict, match: str) -> None:
