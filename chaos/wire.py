@@ -27,7 +27,7 @@ BYTE_ORDER = "<"
 
 # ----------------------------------------------------------------------------- control plane
 
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 """The control plane's messages (:mod:`chaos.protocol.messages`), daemon to daemon, CLI and
 trainer to daemon. 3: one :class:`~chaos.protocol.messages.Refusal` for every msgpack channel
 (``req_id``, the shard server's reason codes). 4: a join's refusal may list other members'
@@ -44,7 +44,10 @@ trainer event's ``phase``, ``StatusReply.trainer_phase``, ``MemberActivity.phase
 ``JoinActivity.phase``). 11: one message type per trainer event instead of one
 ``trainer_event`` with a ``kind`` (``TrainerReady``, ``TrainerGone``, ``PullDone``,
 ``StepFailed``, ``CaughtUp``, ``TrainerProgress``, ``NonfiniteStep``, ``TrainerThroughput``),
-each with only its own fields; a field another event owns is refused. A new request only a
+each with only its own fields; a field another event owns is refused. 12: the refusal of a
+join whose joiner no member could dial (reason ``joiner_unreachable``), and a forwarded join's
+refusal that the forwarding member hands on to the joiner (``Refusal.joiner``). A new request
+only a
 client sends needs no new version (``doctor_request``): an older daemon refuses its unknown type
 as ``malformed``."""
 

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import msgspec
 from chaos.daemon.dispatch import Handler, scheduler_side
 from chaos.daemon.scheduler.role import DaemonContext
+from chaos.daemon.scheduler.scale_out import NAT_HELP
 from chaos.daemon.states import DaemonState
 from chaos.daemon.transport import ReplyPath, Transport
 
@@ -46,9 +47,14 @@ SILENT_SENDS = 2
 contact that forwards to a working scheduler gets the join admitted well within them)."""
 MAX_CONTACTS = 64
 """Most contacts a join holds (configured, then learned from refusals)."""
-_RETRY_REASONS = ("not_scheduler", "paused", "overloaded", "id_in_use")
+_RETRY_REASONS = ("not_scheduler", "paused", "overloaded", "id_in_use", "joiner_unreachable")
 _WRONG_CONTACT = ("not_scheduler", "paused")
 _NEIGHBOR_GONE = ("unknown_peer", "unreachable")
+FORWARD_MEMORY_S = 120.0
+"""How long a member remembers the way back to a joiner whose join it forwarded (to hand the
+scheduler's refusal on)."""
+MAX_FORWARDED = 256
+"""Most joiners a member remembers the way back to."""
 
 
 class Membership:
@@ -70,6 +76,13 @@ class Membership:
         self._join_deadline = float("inf")
         self._unknown_neighbors: str | None = None
         """The last refusal of a first join's wanted neighbours (the error if it times out)."""
+        self._unreachable: str | None = None
+        """The last ``joiner_unreachable`` refusal's words (the error if the join times out)."""
+        self._heard = False
+        """Whether any contact answered this join (else its timeout says none could be
+        reached)."""
+        self._forwarded: dict[str, tuple[ReplyPath, float]] = {}
+        """Joiners whose joins this member forwarded: the way back to each, and when."""
         self._next_join = float("inf")
         self._leave_op = ""
         self._leave_reply: ReplyPath | None = None
@@ -92,6 +105,8 @@ class Membership:
         self._learn(contacts)
         self._join_neighbors = neighbors
         self._rejoining = False
+        self._unreachable = None
+        self._heard = False
         self._join_deadline = now + h.cfg.join_timeout_s
         self._send_join(now)
 
@@ -167,6 +182,8 @@ class Membership:
         scheduler = f.election.scheduler
         if scheduler is not None and scheduler != f.node_id and msg.forwarded_by is None:
             fwd = msgspec.structs.replace(msg, forwarded_by=f.node_id, sender=f.node_id)
+            if reply is not None:  # the way back, for the scheduler's refusal
+                self._remember_forwarded(msg.node_id, reply, now)
             self.ctx.out.send(scheduler, fwd)
             return
         if msg.forwarded_by is None:
@@ -192,8 +209,11 @@ class Membership:
         when the harness's chosen neighbours were cut off a moment after it chose them).
         """
         h = self.ctx
+        if msg.joiner is not None and msg.ref_type == "join_request":
+            return self._hand_on(msg)
         if h.facts.state != DaemonState.JOINING or msg.ref_type != "join_request":
             return False
+        self._heard = True
         if self._rejoining and self._join_neighbors and msg.reason in _NEIGHBOR_GONE:
             # a rejoin's neighbours are this node's wish, not the user's: one may have gone
             h.event("rejoin_neighbors_dropped", reason=msg.reason, neighbors=self._join_neighbors)
@@ -207,6 +227,13 @@ class Membership:
                 h.event("join_neighbors_unknown", reason=msg.reason, detail=msg.detail)
             self._unknown_neighbors = detail
             return True
+        if msg.reason == Reason.JOINER_UNREACHABLE:
+            if msg.detail != self._unreachable:
+                log.warning("join refused by %s: %s; asking again until the join timeout",
+                            msg.sender or "?", msg.detail)  # fmt: skip
+                h.event("join_unreachable", peer=msg.sender, detail=msg.detail)
+            self._unreachable = msg.detail
+            return True
         if msg.reason not in _RETRY_REASONS:
             log.error("join refused by %s: %s %s", msg.sender or "?", msg.reason, msg.detail)
             h.event("join_failed", reason=msg.reason, detail=msg.detail)
@@ -217,6 +244,26 @@ class Membership:
             h.event("join_contacts_learned", peer=msg.sender, contacts=learned)
         if msg.reason in _WRONG_CONTACT and self._sent_to_contact > 0:
             self._next_contact(f"{msg.reason} from {msg.sender or '?'}")
+        return True
+
+    def _remember_forwarded(self, joiner: str, reply: ReplyPath, now: float) -> None:
+        """Keeps the way back to a joiner whose join this member forwards (the newest
+        :data:`MAX_FORWARDED`, for :data:`FORWARD_MEMORY_S`)."""
+        self._forwarded.pop(joiner, None)
+        self._forwarded[joiner] = (reply, now)
+        while len(self._forwarded) > MAX_FORWARDED:
+            self._forwarded.pop(next(iter(self._forwarded)))
+
+    def _hand_on(self, msg: Refusal) -> bool:
+        """Hands the scheduler's refusal of a join this member forwarded on to the joiner,
+        over the connection the joiner opened (it may be unreachable at its own address).
+        Only the scheduler this member follows may send one; others are dropped."""
+        f = self.ctx.facts
+        way = self._forwarded.get(msg.joiner or "")
+        if way is None or msg.sender != f.election.scheduler:
+            return True
+        self.ctx.event("join_refusal_handed_on", peer=msg.joiner, reason=msg.reason)
+        self.ctx.out.respond(way[0], msgspec.structs.replace(msg, joiner=None))
         return True
 
     def contacts_for(self, joiner_address: str) -> list[str]:
@@ -339,14 +386,29 @@ class Membership:
                           refused, why)  # fmt: skip
                 h.facts.finish(3)
             elif now > self._join_deadline:
-                more = {"detail": self._unknown_neighbors} if self._unknown_neighbors else {}
-                h.event("join_failed", reason=Reason.TIMEOUT, **more)
-                log.error("join timed out after %.1f s%s", h.cfg.join_timeout_s,
-                          f" (the neighbours asked for: {self._unknown_neighbors})"
-                          if self._unknown_neighbors else "")  # fmt: skip
-                h.facts.finish(4)
+                self._join_timed_out()
             elif now >= self._next_join:
                 self._send_join(now)
+        stale = [j for j, (_, t) in self._forwarded.items() if now - t > FORWARD_MEMORY_S]
+        for j in stale:
+            del self._forwarded[j]
         if h.facts.state == DaemonState.LEAVING and now > self._leave_deadline:
             h.event("left", ok=False, reason=Reason.TIMEOUT)
             self._finish_leave(ok=False, reason=Reason.TIMEOUT)
+
+    def _join_timed_out(self) -> None:
+        """Gives the join up (exit code 4), naming what stood in its way when a refusal said."""
+        h = self.ctx
+        detail = self._unreachable or self._unknown_neighbors
+        why = (f"no member could reach this device: {self._unreachable}" if self._unreachable
+               else f"the neighbours asked for: {self._unknown_neighbors}"
+               if self._unknown_neighbors else "")  # fmt: skip
+        if not self._heard and not self._rejoining and self._contacts:
+            detail = why = (f"no contact ever answered ({', '.join(self._contacts)}): this "
+                            "device could not reach any of them (a wrong --join address, or "
+                            "a firewall or NAT that blocks its outbound connections); "
+                            f"{NAT_HELP}")  # fmt: skip
+        h.event("join_failed", reason=Reason.TIMEOUT, **({"detail": detail} if detail else {}))
+        log.error("join timed out after %.1f s%s", h.cfg.join_timeout_s,
+                  f" ({why})" if why else "")  # fmt: skip
+        h.facts.finish(4)

@@ -269,11 +269,13 @@ def _attachment_problem(
 
 
 def _refusal_problem(msg: Message) -> str:
-    """A refusal may suggest other members (``members``) only to a joiner, each once."""
-    if not isinstance(msg, Refusal) or not msg.members:
+    """A refusal may suggest other members (``members``), each once, or name a joiner
+    (``joiner``) only when it refuses a join."""
+    if not isinstance(msg, Refusal) or not (msg.members or msg.joiner is not None):
         return ""
     if msg.ref_type != "join_request":
-        return f"members suggested in a refusal of {msg.ref_type or 'an unnamed message'!r}"
+        what = "members suggested" if msg.members else "a joiner named"
+        return f"{what} in a refusal of {msg.ref_type or 'an unnamed message'!r}"
     if len(set(msg.members)) != len(msg.members):
         return "members lists an address twice"
     return ""

@@ -98,6 +98,10 @@ class Reason(str, enum.Enum):
     PAUSED = "paused"
     DUPLICATE_ID = "duplicate_id"
     UNREACHABLE = "unreachable"
+    JOINER_UNREACHABLE = "joiner_unreachable"
+    """No member could open a connection to a joiner's advertised address (a device behind
+    NAT or a firewall, or a ``--listen`` host the cluster cannot route to). The joiner asks
+    again until its join timeout, whose error names it."""
     WOULD_DISCONNECT = "would_disconnect"
     BAD_REQUEST = "bad_request"
     TIMEOUT = "timeout"
@@ -626,6 +630,11 @@ class Refusal(_Base, frozen=True, tag="refusal"):
     them next; only a refusal of a ``join_request`` may carry it
     (:func:`chaos.protocol.codec.validate`), with at most :data:`MAX_JOIN_CONTACTS` distinct
     addresses.
+
+    ``joiner`` (protocol version 12) names the joiner a refusal of a *forwarded* join is for:
+    the scheduler sends it to the member that forwarded the join, which hands it on over the
+    connection the joiner opened to it (a joiner behind NAT cannot be dialled at its own
+    address). Only a refusal of a ``join_request`` may carry it.
     """
 
     reason: Reason
@@ -635,6 +644,7 @@ class Refusal(_Base, frozen=True, tag="refusal"):
     scheduler: NodeId | None = None
     req_id: NonNeg = 0
     members: Annotated[list[Address], msgspec.Meta(max_length=MAX_JOIN_CONTACTS)] = []
+    joiner: NodeId | None = None
 
 
 # ----------------------------------------------------------------------------- client messages

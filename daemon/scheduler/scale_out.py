@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
 from chaos.daemon.context import Context
 from chaos.daemon.scheduler.failures import FailureDetector
 from chaos.daemon.scheduler.ledger import EpochLedger
@@ -31,6 +32,17 @@ from chaos.protocol import (
     ReplicationWire,
 )
 from chaos.protocol.states import NodeState
+
+NAT_HELP = "see 'Devices behind NAT' in docs/daemon.md"
+
+
+def unreachable_detail(tried: str, address: str, timeout_s: float) -> str:
+    """The words of a ``joiner_unreachable`` refusal: who tried, where, and what to do."""
+    return (f"{tried} could not connect to {address}, the address this device advertises "
+            f"(its --listen), within {timeout_s:g} s: the cluster's members must be able to "
+            "open connections to it. A device behind NAT or a firewall cannot take part "
+            "unless it is reachable there (forward the port, or listen on an address the "
+            f"cluster can route to); {NAT_HELP}")  # fmt: skip
 
 
 class JoinerRecords(Protocol):
@@ -50,6 +62,8 @@ class ScaleOut:
     started: float
     deadline: float
     waiting: set[str]
+    reply: ReplyPath | None = None
+    """The way the join came: a refusal goes back along it."""
     reports: dict[str, LinkReport] = field(default_factory=dict)
 
 
@@ -88,21 +102,20 @@ class ScaleOuts:
         j = msg.node_id
         if j in self.joins:
             return  # a retry of a join in progress
-        if self.monitor.has(j) and not self._replace(msg, now):
+        if self.monitor.has(j) and not self._replace(msg, reply, now):
             return
         unknown = [n for n in msg.neighbors if not self.monitor.has(n)]
         known = [n for n in msg.neighbors if n not in unknown]
         if unknown and not known:
-            self._refuse(msg, Reason.UNKNOWN_PEER, f"unknown neighbor(s) {unknown}")
+            self._refuse(msg, reply, Reason.UNKNOWN_PEER, f"unknown neighbor(s) {unknown}")
             return
         # a named neighbour that is no member (removed since the joiner chose it) is left out
         # while another one is: the joiner comes in through the others (event field dropped)
         nbrs = known or [msg.forwarded_by or self.ctx.node_id]
         self.monitor.add_node(j, msg.address, NodeState.JOINING, time.time(), msg.public_key,
                               msg.sign_key)  # fmt: skip
-        so = ScaleOut(
-            msg, uuid.uuid4().hex[:12], now, now + self.cfg.probe_timeout_s + 1.0, set(nbrs)
-        )
+        so = ScaleOut(msg, uuid.uuid4().hex[:12], now, now + self.cfg.probe_timeout_s + 1.0,
+                      set(nbrs), reply)  # fmt: skip
         self.joins[j] = so
         self.ctx.event("scale_out_started", peer=j, neighbors=nbrs, op_id=so.op_id,
                         dropped=unknown)  # fmt: skip
@@ -120,7 +133,7 @@ class ScaleOuts:
                 ),
             )
 
-    def _replace(self, msg: JoinRequest, now: float) -> bool:
+    def _replace(self, msg: JoinRequest, reply: ReplyPath | None, now: float) -> bool:
         """A join under the id of a member: whether to admit it anew in place of the member.
 
         At another address, while the member is still heard from: refused (``duplicate_id``),
@@ -136,10 +149,10 @@ class ScaleOuts:
         j = msg.node_id
         fresh = self.liveness.fresh(j, now)
         if self.monitor.address(j) != msg.address and fresh:
-            self._refuse(msg, Reason.DUPLICATE_ID, f"{j} is a member at another address")
+            self._refuse(msg, reply, Reason.DUPLICATE_ID, f"{j} is a member at another address")
             return False
         if fresh and self.monitor.public_key(j) != msg.public_key:
-            self._refuse(msg, Reason.ID_IN_USE, f"{j} is a member still heard from under "
+            self._refuse(msg, reply, Reason.ID_IN_USE, f"{j} is a member still heard from under "
                          "another key: retry once that incarnation is gone")  # fmt: skip
             return False
         at, incarnation = self._admitted.get(j, (float("-inf"), ""))
@@ -153,20 +166,23 @@ class ScaleOuts:
         self._admitted.pop(j, None)
         return True
 
-    def _refuse(self, msg: JoinRequest, reason: Reason, detail: str) -> None:
+    def _refuse(
+        self, msg: JoinRequest, reply: ReplyPath | None, reason: Reason, detail: str
+    ) -> None:
+        """Refuses a join back the way it came: over the connection the joiner opened (a
+        joiner behind NAT cannot be dialled), or, for a forwarded join, to the member that
+        forwarded it, naming the joiner, which that member hands it on to. Without a way back
+        (none recorded) it goes to the joiner's advertised address."""
         self.ctx.event("join_refused", peer=msg.node_id, reason=reason, detail=detail)
-        self.ctx.out.send_to_address(
-            msg.node_id,
-            msg.address,
-            Refusal(
-                sender=self.ctx.node_id,
-                epoch=self.ledger.epoch,
-                reason=reason,
-                detail=detail,
-                ref_type="join_request",
-                term=self.ctx.facts.term,
-            ),
-        )
+        forwarded = msg.forwarded_by is not None and msg.forwarded_by != self.ctx.node_id
+        no = Refusal(sender=self.ctx.node_id, epoch=self.ledger.epoch, reason=reason,
+                     detail=detail, ref_type="join_request", term=self.ctx.facts.term,
+                     joiner=msg.node_id if forwarded else None)  # fmt: skip
+        if reply is not None:
+            self.ctx.out.respond(reply, no)
+        else:
+            self.ctx.out.send_to_address(msg.node_id, msg.address, msgspec.structs.replace(
+                no, joiner=None))  # fmt: skip
 
     def take(self, msg: LinkReport, now: float) -> bool:
         """Takes a neighbour's measurement of a joiner's link (admitting the joiner when it
@@ -189,9 +205,14 @@ class ScaleOuts:
     def _finish(self, j: str, now: float) -> None:
         so = self.joins.pop(j)
         up = {n: r for n, r in so.reports.items() if r.up and self.monitor.has(n)}
-        if not up or not self.monitor.has(j):
+        if not self.monitor.has(j):
+            self._refuse(so.req, so.reply, Reason.UNREACHABLE, "the joiner was removed")
+            return
+        if not up:
             self.monitor.remove_node(j)
-            self._refuse(so.req, Reason.UNREACHABLE, "no link to the joiner came up")
+            tried = ", ".join(sorted(so.reports) or sorted(so.waiting)) or "no member"
+            self._refuse(so.req, so.reply, Reason.JOINER_UNREACHABLE,
+                         unreachable_detail(tried, so.req.address, self.cfg.probe_timeout_s))
             return
         for n, r in up.items():
             self.monitor.set_link(

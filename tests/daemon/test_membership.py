@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from chaos.daemon.config import DaemonConfig
 from chaos.daemon.events import read_events
@@ -28,6 +29,8 @@ from chaos.protocol import (
     NodeInfo,
     OpResult,
     PolicyAck,
+    Reason,
+    Refusal,
     SyncPolicyWire,
     decode,
 )
@@ -103,7 +106,7 @@ def _joins(host: _Host) -> list[JoinRequest]:
 def test_a_join_is_resent_until_answered_then_times_out() -> None:
     host = _Host()
     ms = host.membership()
-    ms.begin_join(100.0, "tcp://127.0.0.1:7001", ["a"])
+    ms.begin_join(100.0, ["tcp://127.0.0.1:7001"], ["a"])
     assert host.state == DaemonState.JOINING
     first = _joins(host)
     assert len(first) == 1 and first[0].neighbors == ["a"] and first[0].address == host.address
@@ -115,7 +118,55 @@ def test_a_join_is_resent_until_answered_then_times_out() -> None:
     assert host.exit_code is None
     ms.tick(110.5)  # past join_timeout_s
     assert host.exit_code == 4
-    assert host.events[-1] == ("join_failed", {"reason": "timeout"})
+    name, fields = host.events[-1]
+    assert name == "join_failed" and fields["reason"] == "timeout"
+    # nothing ever came back: the error says no contact could be reached, and which
+    assert fields["detail"].startswith("no contact ever answered (tcp://127.0.0.1:7001)")
+
+
+def test_a_joiner_nobody_can_reach_asks_again_and_its_timeout_names_why() -> None:
+    """``joiner_unreachable`` (no member could dial this device back): the join is asked
+    again, not given up at once (the probes may have failed for a moment), and the timeout's
+    error names the refusal's words."""
+    host = _Host()
+    ms = host.membership()
+    ms.begin_join(100.0, ["tcp://127.0.0.1:7001"], [])
+    why = "a could not connect to tcp://127.0.0.1:7000, the address this device advertises"
+    no = Refusal(sender="s", reason=Reason.JOINER_UNREACHABLE, detail=why,
+                 ref_type="join_request")  # fmt: skip
+    assert ms.on_refusal(no) and ms.on_refusal(no)
+    assert host.exit_code is None and host.state == DaemonState.JOINING
+    assert [e for e, _ in host.events].count("join_unreachable") == 1  # said once
+    ms.tick(101.0)
+    assert len(_joins(host)) == 2  # asked again
+    ms.tick(110.5)
+    assert host.exit_code == 4
+    assert host.events[-1] == ("join_failed", {"reason": "timeout", "detail": why})
+
+
+def test_a_member_hands_the_schedulers_refusal_of_a_join_it_forwarded_to_the_joiner() -> None:
+    """A member forwards a join to its scheduler and keeps the way back; the scheduler's
+    refusal naming the joiner goes back over the joiner's own connection. One from anyone
+    but the scheduler, or for a joiner it never forwarded, goes nowhere."""
+    host = _Host(DaemonState.ACTIVE)
+    host.ctx.facts.election.adopt(1, "s", 1.0)
+    ms = host.membership()
+    join = JoinRequest(sender="j", node_id="j", address="tcp://192.168.1.5:7000")
+    joiner_path: Any = object()
+    ms.on_join_request(join, joiner_path, 2.0)
+    [(to, fwd)] = host.rec.sent
+    assert to == "s" and fwd.forwarded_by == "me"
+    no = Refusal(sender="s", reason=Reason.JOINER_UNREACHABLE, detail="nobody could connect",
+                 ref_type="join_request", joiner="j")  # fmt: skip
+    forged = msgspec.structs.replace(no, sender="x")
+    other = msgspec.structs.replace(no, joiner="k")
+    assert ms.on_refusal(forged) and ms.on_refusal(other)
+    assert host.answers == []
+    assert ms.on_refusal(no)
+    assert host.answered_to == [joiner_path]
+    assert host.answers[0].joiner is None and host.answers[0].detail == "nobody could connect"
+    ms.tick(2.0 + 121.0)  # the way back is forgotten after a while
+    assert ms.on_refusal(no) and len(host.answers) == 1
 
 
 def test_a_leave_without_a_scheduler_fails_at_once_and_stops() -> None:
