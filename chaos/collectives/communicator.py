@@ -255,6 +255,7 @@ class Communicator:
         keep_result: bool = False,
         feedback: ErrorFeedback | None = None,
         exact_tail: int = 0,
+        free_tail: int = 0,
     ) -> torch.Tensor:
         """Allreduces ``tensor`` over the current topology's members.
 
@@ -283,6 +284,11 @@ class Communicator:
                 next call's input (see :mod:`chaos.collectives.compress`). Ignored otherwise.
             exact_tail: With the ``"int8"`` wire format, the last this many elements travel as
                 float32, unrounded (the same on every member). Ignored otherwise.
+            free_tail: The last this many elements may differ in length in a result a
+                neighbour kept from an earlier attempt at this step under another membership
+                (the state audit's digests, one slot per member). Such a result is taken for
+                the elements before them, and this call's last ``free_tail`` elements come
+                back zero. 0: a kept result must match the input's length exactly.
 
         Returns:
             The reduced tensor (``out`` when given), or, when this node turns out to be a step
@@ -299,7 +305,7 @@ class Communicator:
         self._peers.renew_lost(self._lanes.drop)  # a link that dropped since: a fresh socket
         return self._driver.allreduce(
             topo, tensor, op, timeout_s, out, wire_dtype, step, keep_result, feedback,
-            exact_tail,
+            exact_tail, free_tail,
         )
 
     def _require_topology(self) -> Topology:

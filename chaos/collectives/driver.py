@@ -77,6 +77,7 @@ class RoundDriver:
         keep_result: bool,
         feedback: ErrorFeedback | None = None,
         exact_tail: int = 0,
+        free_tail: int = 0,
     ) -> torch.Tensor:
         """Allreduces ``tensor`` over ``topo``; see :meth:`Communicator.allreduce
         <chaos.collectives.communicator.Communicator.allreduce>` for the arguments.
@@ -89,8 +90,10 @@ class RoundDriver:
         key, acc, run = self._setup_round(
             topo, tensor, op, timeout_s, out, wire_dtype, step, feedback, exact_tail
         )
+        if not 0 <= free_tail <= tensor.numel():
+            raise ValueError(f"free_tail must be in 0..{tensor.numel()}, not {free_tail}")
         try:
-            caught = self._execute_round(run, key, tensor)
+            caught = self._execute_round(run, key, tensor, free_tail)
         except BaseException:
             if feedback is not None:
                 feedback.discard()  # the rerun starts from the same residual
@@ -158,7 +161,7 @@ class RoundDriver:
         return key, acc, run
 
     def _execute_round(
-        self, run: Round, key: Key, tensor: torch.Tensor
+        self, run: Round, key: Key, tensor: torch.Tensor, free_tail: int = 0
     ) -> tuple[torch.Tensor, str] | None:
         """Runs the round; on a failure, tells the neighbours and re-raises.
 
@@ -184,7 +187,7 @@ class RoundDriver:
             except CaughtUp as done:
                 self._lanes.cancel()  # this round's own frames are stale now
                 # a bad result fails the round
-                caught = (result_of(done.frame, tensor), done.frame.peer)
+                caught = (result_of(done.frame, tensor, free_tail), done.frame.peer)
         except BaseException as exc:
             self._lanes.cancel()  # the round's buffers may be reused at once
             if not isinstance(exc, (PeerFailure, ProtocolError)):

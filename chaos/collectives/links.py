@@ -147,16 +147,28 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
                         and b0 < a0 + a.untyped_storage().nbytes())  # fmt: skip
 
 
-def result_of(frame: Frame, tensor: torch.Tensor) -> torch.Tensor:
+def result_of(frame: Frame, tensor: torch.Tensor, free_tail: int = 0) -> torch.Tensor:
     """The tensor a RESULT frame carries, checked against the call's input.
+
+    With ``free_tail``, the frame's elements past the input's first ``numel - free_tail`` may
+    differ in number (a result kept from an attempt at the step under another membership,
+    whose audit digests had a slot per member): the result then takes the frame's first
+    elements and zeros for the input's last ``free_tail``.
 
     Raises:
         ProtocolError: its dtype, size or byte count does not match the input's.
     """
     h = frame.header
-    if h.dtype != tensor.dtype or h.nelem != tensor.numel():
+    fixed = tensor.numel() - free_tail
+    if h.dtype != tensor.dtype or (h.nelem != tensor.numel() and (not free_tail
+                                                                   or h.nelem < fixed)):
         raise ProtocolError(f"result frame from {frame.peer} does not match this round")
     raw = frame.payload.buffer
     if len(raw) != h.nelem * tensor.element_size():
         raise ProtocolError(f"result frame from {frame.peer} has {len(raw)} bytes")
-    return torch.frombuffer(bytearray(raw), dtype=h.dtype)
+    got = torch.frombuffer(bytearray(raw), dtype=h.dtype)
+    if h.nelem == tensor.numel():
+        return got
+    out = torch.zeros(tensor.numel(), dtype=h.dtype)
+    out[:fixed] = got[:fixed]
+    return out

@@ -153,7 +153,7 @@ class NatNetwork:
             self._veth(wan, f"p{i}", ns, "eth0")
             ip_batch(wan, [f"addr add 10.90.{i}.1/24 dev p{i}", f"link set p{i} up"],
                      timeout_s=COMMAND_TIMEOUT_S)  # fmt: skip
-            ip_batch(ns, ["addr add 10.90.%d.2/24 dev eth0" % i, "link set eth0 up",
+            ip_batch(ns, [f"addr add 10.90.{i}.2/24 dev eth0", "link set eth0 up",
                           f"route add default via 10.90.{i}.1"], timeout_s=COMMAND_TIMEOUT_S)
             self.addresses[dev] = f"10.90.{i}.2"
         for k, home in enumerate(self.layout.homes, start=1):

@@ -197,7 +197,7 @@ class DataPlane:
     # ------------------------------------------------------------------ the allreduce
 
     def allreduce(
-        self, flat: torch.Tensor, step: int, exact_tail: int = 0
+        self, flat: torch.Tensor, step: int, exact_tail: int = 0, free_tail: int = 0
     ) -> tuple[torch.Tensor, bool]:
         """Sums ``flat`` over the members for ``step`` (the trainer divides by the sample
         count the buffer's last element carries).
@@ -206,7 +206,9 @@ class DataPlane:
         audit's digests) travel unrounded, and the others with this member's error feedback.
 
         ``keep_result``: a member that never got this step's result (a member died while it was
-        going out) completes the step with it, so the survivors stay equal.
+        going out) completes the step with it, so the survivors stay equal. The last
+        ``free_tail`` elements (the audit's digests) of such a result may have another length
+        (it was kept under another membership): they then come back zero.
 
         Returns:
             The sum, and whether this node caught up with a result a peer kept.
@@ -217,7 +219,8 @@ class DataPlane:
         """
         caught_up = self._comm.stats.caught_up
         out = self._comm.allreduce(flat, "sum", step=step, keep_result=True,
-                                   feedback=self._feedback, exact_tail=exact_tail)  # fmt: skip
+                                   feedback=self._feedback, exact_tail=exact_tail,
+                                   free_tail=free_tail)  # fmt: skip
         return out, self._comm.stats.caught_up > caught_up
 
     def newer_round_seen(self) -> int | None:

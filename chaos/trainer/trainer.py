@@ -556,9 +556,10 @@ class Trainer(JoinFlows):
             try:
                 members = self._policy.members if self._policy else ()
                 folded = self._audit.fold(flat, self._step, members)  # the state audit's digest
-                # the sample count and the audit's tail travel exact in the int8 format
-                tail = folded.numel() - flat.numel() + 1
-                out, caught_up = plane.allreduce(folded, self._step, tail)
+                # the sample count and the audit's tail travel exact in the int8 format; a
+                # result kept under another membership has another audit tail (taken as none)
+                audit_tail = folded.numel() - flat.numel()
+                out, caught_up = plane.allreduce(folded, self._step, audit_tail + 1, audit_tail)
                 if caught_up:
                     self._event("caught_up", epoch=self._epoch, step=self._step)
                 self._life.move(TrainerPhase.LIVE, "a round completed")

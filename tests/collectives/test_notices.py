@@ -64,3 +64,33 @@ def test_senders_of_a_ring_and_a_tree() -> None:
     assert tree.senders("d") == ["b"]
     with pytest.raises(ValueError):
         ring.senders("z")
+
+
+def _result(nelem: int, values: torch.Tensor) -> Frame:
+    from types import SimpleNamespace
+
+    header = Header(Op.RESULT, torch.float32, 0, 1, 7, 0, nelem)
+    payload = SimpleNamespace(buffer=values.numpy().tobytes())
+    return Frame("n1", header, b"", payload)  # type: ignore[arg-type]
+
+
+def test_a_kept_result_must_match_the_call_unless_its_tail_is_free() -> None:
+    """A neighbour's kept result of the step: of the call's length, it is taken as it is. One
+    kept under another membership has an audit tail of another length: without ``free_tail``
+    it fails the round; with it, its first values are taken and the call's tail is zero. One
+    too short for the part that must match fails either way."""
+    from chaos.collectives.links import result_of
+    from chaos.errors import ProtocolError
+
+    mine = torch.zeros(10)  # 6 values that must match, then a tail of 4
+    same = torch.arange(10, dtype=torch.float32)
+    assert torch.equal(result_of(_result(10, same), mine, free_tail=4), same)
+    longer = torch.arange(13, dtype=torch.float32)  # the same 6, then a tail of 7
+    with pytest.raises(ProtocolError, match="does not match this round"):
+        result_of(_result(13, longer), mine)
+    got = result_of(_result(13, longer), mine, free_tail=4)
+    assert torch.equal(got, torch.tensor([0, 1, 2, 3, 4, 5, 0, 0, 0, 0], dtype=torch.float32))
+    shorter = torch.arange(8, dtype=torch.float32)  # the same 6, then a tail of 2
+    assert torch.equal(result_of(_result(8, shorter), mine, free_tail=4)[:6], shorter[:6])
+    with pytest.raises(ProtocolError, match="does not match this round"):
+        result_of(_result(5, torch.arange(5, dtype=torch.float32)), mine, free_tail=4)
