@@ -79,7 +79,7 @@ MODELS: dict[str, ModelSpec] = {
 # ----------------------------------------------------------------------------- the text
 
 _NOUNS = ("cat", "dog", "bird", "farmer", "child", "teacher", "river", "house", "garden",
-          "king", "queen", "horse", "tree", "ship", "city", "friend", "doctor", "window")  # fmt: skip
+          "king", "queen", "horse", "tree", "ship", "city", "friend", "doctor", "window")
 _ADJS = ("small", "old", "green", "quiet", "bright", "heavy", "little", "brave", "cold", "red")
 _VERBS = ("sees", "likes", "follows", "finds", "watches", "helps", "carries", "calls", "knows")
 _IVERBS = ("sleeps", "runs", "waits", "sings", "falls", "smiles", "works", "listens")
@@ -268,7 +268,8 @@ class Batches:
         """The next batch ``(x, y)`` (``y`` empty for ``gpt``)."""
         d = self.data
         if self.name == "gpt":
-            starts = torch.randint(0, len(d.train_x) - BLOCK - 1, (self.batch,), generator=self._gen)
+            span = len(d.train_x) - BLOCK - 1
+            starts = torch.randint(0, span, (self.batch,), generator=self._gen)
             x = torch.stack([d.train_x[s : s + BLOCK + 1] for s in starts.tolist()])
             return x, d.train_y
         idx = torch.randint(0, len(d.train_y), (self.batch,), generator=self._gen)
