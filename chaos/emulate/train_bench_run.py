@@ -57,7 +57,7 @@ PREFIX = "chaostrain-"
 """The namespaces' name prefix (``chaos-emulate cleanup --prefix chaostrain-``)."""
 PORT = 29600
 """The embedded daemons' control port on each device's own address."""
-DAEMON_ARGS = ("--heartbeat-interval", "0.5", "--failure-timeout", "3.0")
+DAEMON_ARGS: tuple[str, ...] = ()  # the daemon's own heartbeat and failure timeouts
 PROBE_BYTES = 256 << 10
 """The daemons' bandwidth probe (the default 4 MiB would take seconds of a slow link)."""
 MBIT = 1e6
