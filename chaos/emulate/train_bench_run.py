@@ -290,7 +290,7 @@ def _floats(text: str, name: str) -> tuple[float, ...]:
 @click.option("--samples", type=int, default=None,
               help="Cluster-wide sample budget of every run [gpt 24000, cnn 128000].")
 @click.option("--target-loss", type=float, default=None,
-              help="Held-out loss to reach [gpt 0.9, cnn 0.6].")
+              help="Held-out loss to reach [gpt 0.65, cnn 0.6].")
 @click.option("--repeats", type=int, default=3, show_default=True)
 @click.option("--cpu-per-device", type=float, default=0.45, show_default=True,
               help="Each device's cgroup CPU quota, cores (with one torch thread).")

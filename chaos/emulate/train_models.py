@@ -71,7 +71,7 @@ class ModelSpec:
 
 
 MODELS: dict[str, ModelSpec] = {
-    "gpt": ModelSpec("gpt", batch=16, lr=3e-3, target_loss=1.45, eval_samples=64),
+    "gpt": ModelSpec("gpt", batch=16, lr=3e-3, target_loss=0.65, eval_samples=64),
     "cnn": ModelSpec("cnn", batch=64, lr=2e-3, target_loss=0.6, eval_samples=359),
 }
 
