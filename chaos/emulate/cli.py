@@ -7,6 +7,8 @@
 - ``chaos-emulate demo``, ``run``, ``compare`` and ``chaos`` (the fault campaign): real
   clusters, see :mod:`chaos.emulate.commands` (``compare --rejoin``: what content-addressed
   joins of a returning and of fresh devices pull, :mod:`chaos.emulate.rejoin`).
+- ``chaos-emulate train``: time to a target loss with real training on shaped links,
+  :mod:`chaos.emulate.train_bench_run`.
 
 Progress goes to stderr, tables to stdout. Without root each command says so and exits with 2.
 """
@@ -338,9 +340,10 @@ def _register_run_commands() -> None:
         demo_command,
         run_command,
     )
+    from chaos.emulate.train_bench_run import train_command
 
     for cmd in (demo_command, run_command, compare_command, compare_plot_command, chaos_command,
-                chaos_report_command):  # fmt: skip
+                chaos_report_command, train_command):  # fmt: skip
         main.add_command(cmd)
 
 
