@@ -36,6 +36,8 @@ import click
 from chaos.emulate.cpu_budget import CpuBudget
 from chaos.emulate.network import LinkSpec, Network, NetworkConfig
 from chaos.emulate.train_bench import (
+    OUTER_LR,
+    OUTER_MOMENTUM,
     SLOW,
     TrainBenchConfig,
     goals,
@@ -45,7 +47,7 @@ from chaos.emulate.train_bench import (
     table,
 )
 from chaos.emulate.train_models import MODELS
-from chaos.emulate.train_worker import MODES, overlap_supported
+from chaos.emulate.train_worker import MODES
 from chaos.errors import ChaosError, ChaosTimeout, ConfigError
 from chaos.launch import ProcessExited, kill_and_reap, spawn_worker, wait_until
 from chaos.security import ClusterKey
@@ -174,8 +176,10 @@ def _argv(cfg: TrainBenchConfig, case: _Case, i: int, key: Path, toml: Path) -> 
         argv += ["--join", f"tcp://{case.address(0)}:{PORT}"]
     if cfg.inner_time_s is not None:
         argv += ["--inner-time-s", str(cfg.inner_time_s)]
-    if cfg.overlap and overlap_supported() and mode.startswith("local"):
-        argv.append("--overlap")
+    if mode.startswith("local"):
+        argv += ["--outer-lr", str(cfg.outer_lr), "--outer-momentum", str(cfg.outer_momentum)]
+        if cfg.overlap:
+            argv.append("--overlap")
     if case.mode.endswith(SLOW) and i == case.n - 1:
         argv += ["--slow-factor", str(cfg.slow_factor)]
     return argv
@@ -298,7 +302,11 @@ def _floats(text: str, name: str) -> tuple[float, ...]:
 @click.option("--inner-steps", type=int, default=32, show_default=True, help="LocalSteps' H.")
 @click.option("--inner-time-s", type=float, default=None, help="LocalSteps' inner_time_s.")
 @click.option("--overlap/--no-overlap", default=False, show_default=True,
-              help="LocalSteps(overlap=True), where LocalSteps takes it.")
+              help="LocalSteps(overlap=True): the outer step beside the next inner phase.")
+@click.option("--outer-lr", type=float, default=OUTER_LR, show_default=True,
+              help="The outer SGD's learning rate (local modes).")
+@click.option("--outer-momentum", type=float, default=OUTER_MOMENTUM, show_default=True,
+              help="The outer SGD's momentum, Nesterov's when above 0 (local modes).")
 @click.option("--slow-device", "slow_factor", type=float, default=1.0, show_default=True,
               help="Also run local modes with the last device this many times slower.")
 @click.option("--eval-points", type=int, default=12, show_default=True,
@@ -311,7 +319,8 @@ def _floats(text: str, name: str) -> tuple[float, ...]:
 def train_command(model: str, modes: str, devices: str, mbit: str, latency_ms: float,
                   samples: int | None, target_loss: float | None, repeats: int,
                   cpu_per_device: float, max_wall_s: float, inner_steps: int,
-                  inner_time_s: float | None, overlap: bool, slow_factor: float,
+                  inner_time_s: float | None, overlap: bool, outer_lr: float,
+                  outer_momentum: float, slow_factor: float,
                   eval_points: int, seed: int, json_path: Path | None,
                   plot_path: Path | None) -> None:  # fmt: skip
     """Time to a target loss with real training on tc-shaped links (needs root).
@@ -328,16 +337,14 @@ def train_command(model: str, modes: str, devices: str, mbit: str, latency_ms: f
             mbits=_floats(mbit, "--mbit"), latency_ms=latency_ms, samples=samples,
             target_loss=target_loss, repeats=repeats, cpu_per_device=cpu_per_device,
             max_wall_s=max_wall_s, inner_steps=inner_steps, inner_time_s=inner_time_s,
-            overlap=overlap, slow_factor=slow_factor, eval_points=eval_points, seed=seed)
+            overlap=overlap, outer_lr=outer_lr, outer_momentum=outer_momentum,
+            slow_factor=slow_factor, eval_points=eval_points, seed=seed)
     except ConfigError as exc:
         raise click.BadParameter(str(exc)) from exc
     if os.geteuid() != 0:
         click.echo("error: chaos-emulate train needs root (namespaces, tc, cgroups)", err=True)
         sys.exit(2)
-    if overlap and not overlap_supported():
-        click.echo("note: LocalSteps takes no overlap= option in this version: --overlap is "
-                   "ignored", err=True)  # fmt: skip
-    doc = _run_and_report(cfg, overlap and overlap_supported())
+    doc = _run_and_report(cfg, overlap)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(doc, indent=2) + "\n")

@@ -25,7 +25,7 @@ evaluation time.
 from __future__ import annotations
 
 import argparse
-import inspect
+import copy
 import math
 import sys
 import time
@@ -37,17 +37,12 @@ import torch
 
 from chaos.emulate.train_models import Batches, build_model, eval_batch, load_data, loss_of
 from chaos.launch import wait_until
-from chaos.trainer import LocalSteps, Trainer
+from chaos.trainer import LocalSteps, LocalStepsConfig, Trainer
 from chaos.trainer.worker import add_member_arguments, write_record
 
 MODES = ("single", "sync", "sync-int8", "local", "local-int8")
 """The benchmark's modes."""
 GATHER_POLL_S = 0.02
-
-
-def overlap_supported() -> bool:
-    """Whether :class:`LocalSteps` takes ``overlap=`` (the outer allreduce in the background)."""
-    return "overlap" in inspect.signature(LocalSteps.__init__).parameters
 
 
 def planned_steps(mode: str, samples: int, world: int, batch: int, inner_steps: int) -> int:
@@ -74,6 +69,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--inner-steps", type=int, default=32)
     ap.add_argument("--inner-time-s", type=float, default=None)
     ap.add_argument("--overlap", action="store_true")
+    ap.add_argument("--outer-lr", type=float, default=1.0)
+    ap.add_argument("--outer-momentum", type=float, default=0.0)
     ap.add_argument("--eval-every-samples", type=int, required=True)
     ap.add_argument("--eval-samples", type=int, required=True)
     ap.add_argument("--slow-factor", type=float, default=1.0)
@@ -112,6 +109,9 @@ class _Device:
         self.batches = Batches(args.model, data, args.batch, args.seed, args.rank)
         self.eval_x, self.eval_y = eval_batch(args.model, data, args.eval_samples)
         self.clock = _Clock()
+        self.global_snapshot: list[torch.Tensor] | None = None
+        """Local modes: the global parameters after the latest outer step (taken on the outer
+        step's thread with overlap), which device 0 evaluates."""
 
     def compute(self) -> None:
         """One step's forward and backward (and the slow device's sleep)."""
@@ -132,12 +132,19 @@ class _Device:
         self.clock.compute_s += time.perf_counter() - t
 
     def evaluate(self, out: TextIO, step: int) -> None:
-        """Device 0: the held-out loss now, recorded; its time is not counted as wall time."""
+        """Device 0: the held-out loss now (in local modes, of the latest global parameters),
+        recorded; its time is not counted as wall time."""
         t = time.perf_counter()
-        self.model.eval()
+        model = self.model
+        if self.global_snapshot is not None:
+            model = copy.deepcopy(self.model)
+            with torch.no_grad():
+                for p, g in zip(model.parameters(), self.global_snapshot, strict=True):
+                    p.copy_(g)
+        model.eval()
         with torch.no_grad():
-            loss = loss_of(self.args.model, self.model, self.eval_x, self.eval_y).item()
-        self.model.train()
+            loss = loss_of(self.args.model, model, self.eval_x, self.eval_y).item()
+        model.train()
         dt = time.perf_counter() - t
         self.clock.eval_s += dt
         write_record(out, {"kind": "eval", "step": step, "own_samples": self.clock.samples,
@@ -164,10 +171,18 @@ def _member(args: argparse.Namespace, dev: _Device) -> Trainer | LocalSteps | No
         options["wire_dtype"] = "int8"
     if args.mode.startswith("sync"):
         return Trainer(dev.model, dev.opt, **options)
-    if args.overlap:
-        options["overlap"] = True
-    return LocalSteps(dev.model, dev.opt, inner_steps=args.inner_steps,
-                      inner_time_s=args.inner_time_s, **options)  # fmt: skip
+    local = LocalStepsConfig(args.inner_steps, args.inner_time_s, outer_lr=args.outer_lr,
+                             outer_momentum=args.outer_momentum,
+                             outer_nesterov=args.outer_momentum > 0, overlap=args.overlap)
+    holder: list[LocalSteps] = []
+
+    def snapshot() -> None:  # the global state right after each outer step, for device 0
+        if holder and args.rank == 0:
+            dev.global_snapshot = [p.detach().clone() for p in holder[0].global_params.params]
+
+    member = LocalSteps(dev.model, dev.opt, local=local, after_outer_step=snapshot, **options)
+    holder.append(member)
+    return member
 
 
 def _gather(member: Trainer | LocalSteps, size: int, timeout_s: float) -> None:
