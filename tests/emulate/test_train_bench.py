@@ -84,6 +84,7 @@ def test_medians_speedup_and_goal_verdicts() -> None:
             _run("local-int8", 4, 20.0, None, 150.0, 0.95, 1.02),  # missed the target
             _run("local-int8", 4, 20.0, 30.0, 150.0, 0.95, 1.02),
             _run("local", 4, 20.0, 50.0, 600.0, 0.9, 1.0),
+            _run("local", 3, 20.0, 60.0, 600.0, 0.9, 1.0),  # the cluster without the slow one
             _run("local+slow", 4, 20.0, 80.0, 600.0, 0.9, 1.0)]  # fmt: skip
     rows = summarize(runs)
     li = next(r for r in rows if r["mode"] == "local-int8")
@@ -93,6 +94,11 @@ def test_medians_speedup_and_goal_verdicts() -> None:
     assert verdicts == {"speed-up": "PASS", "bytes/sample": "PASS", "utilisation": "PASS",
                         "final loss": "PASS", "straggler": "FAIL"}  # fmt: skip
     assert {v["status"] for v in goals(rows, "gpt", n=2)} == {"n/a"}  # cases not run
+    # 4 devices, one slow, against the 3 without it: 80 s against 60 s is 33% more (FAIL);
+    # against 70 s, 14% more (PASS)
+    runs[-2] = _run("local", 3, 20.0, 70.0, 600.0, 0.9, 1.0)
+    slow = next(v for v in goals(summarize(runs), "gpt") if v["goal"] == "straggler")
+    assert slow["status"] == "PASS" and slow["value"] == pytest.approx(80 / 70 - 1)
     assert next(v for v in goals(rows, "cnn") if v["goal"] == "final loss")["status"] == "n/a"
 
 
