@@ -361,7 +361,7 @@ def _run_and_report(cfg: TrainBenchConfig, overlap: bool) -> dict[str, Any]:
 
     result = run_bench(cfg, echo)
     rows = summarize(result["runs"])
-    verdicts = goals(rows, cfg.model)
+    verdicts = goals(rows, cfg.model, budget=cfg.budget)
     click.echo(f"chaos-emulate train: {cfg.model}, target loss {cfg.target:g}, "
                f"{cfg.budget} samples per run, median of {cfg.repeats}; "
                f"{cfg.cpu_per_device:g} cores and 1 torch thread per device")  # fmt: skip

@@ -100,6 +100,11 @@ def test_medians_speedup_and_goal_verdicts() -> None:
     slow = next(v for v in goals(summarize(runs), "gpt") if v["goal"] == "straggler")
     assert slow["status"] == "PASS" and slow["value"] == pytest.approx(80 / 70 - 1)
     assert next(v for v in goals(rows, "cnn") if v["goal"] == "final loss")["status"] == "n/a"
+    # a sync run stopped by max_wall_s short of the budget: its loss is not at equal samples
+    for r in rows:
+        r["samples"] = 24_000 if r["mode"] != "sync" else 2_048
+    short = next(v for v in goals(rows, "gpt", budget=24_000) if v["goal"] == "final loss")
+    assert short["status"] == "n/a" and "sync stopped at 2048 of 24000" in short["detail"]
 
 
 def test_a_median_of_mostly_missed_targets_is_not_reached() -> None:
