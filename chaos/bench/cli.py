@@ -16,6 +16,7 @@ from chaos.bench.convergence import convergence_command
 from chaos.bench.fuzz import fuzz_command
 from chaos.bench.hetero import hetero_command
 from chaos.bench.join_load import join_load_command
+from chaos.bench.local_sim import local_sim_command
 from chaos.bench.native import native_command
 from chaos.bench.pool import pool_command
 from chaos.bench.primitives import primitives_command
@@ -28,6 +29,7 @@ def main() -> None:
 
 
 main.add_command(allreduce_command)
+main.add_command(local_sim_command)
 main.add_command(assign_command)
 main.add_command(control_command)
 main.add_command(shard_cost_command)
