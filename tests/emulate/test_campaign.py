@@ -407,15 +407,11 @@ def _descendants_alive(pid: int) -> list[int]:
     return out
 
 
-def test_a_short_loopback_campaign_reports_every_field_and_reaps_its_processes(
-    tmp_path: Path,
-) -> None:
-    out = tmp_path / "c.json"
-    proc = subprocess.Popen([*CLI, "chaos", "--nodes", "3", "--duration", "45", "--rate", "8",
-                             "--seed", "2", "--loopback", "--sample", "2", "--warmup", "5",
-                             "--json", str(out), "--plot", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+def _campaign(args: list[str], out: Path) -> tuple[subprocess.Popen[str], str, dict[str, Any]]:
+    """Runs ``chaos-emulate chaos ARGS --json OUT`` to its end (killed past 420 s); returns the
+    process, its stdout and the report."""
+    proc = subprocess.Popen([*CLI, "chaos", *args, "--json", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=420)
     except subprocess.TimeoutExpired:
@@ -423,7 +419,16 @@ def test_a_short_loopback_campaign_reports_every_field_and_reaps_its_processes(
         stdout, stderr = proc.communicate(timeout=30)
         pytest.fail(f"the campaign ran past 420 s:\n{stderr[-3000:]}")
     assert proc.returncode == 0, stderr[-3000:]
-    doc = json.loads(out.read_text())
+    return proc, stdout, json.loads(out.read_text())
+
+
+def test_a_short_loopback_campaign_reports_every_field_and_reaps_its_processes(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "c.json"
+    proc, stdout, doc = _campaign(["--nodes", "3", "--duration", "45", "--rate", "8", "--seed",
+                                   "2", "--loopback", "--sample", "2", "--warmup", "5",
+                                   "--plot", str(tmp_path)], out)  # fmt: skip
     for key in ("config", "network", "injected_faults", "per_kind", "all_resumed",
                 "committed_steps_lost", "divergent_states", "integrity", "crashed_processes",
                 "crashes", "ettr", "resources", "survivors", "outages", "injections",
@@ -480,20 +485,9 @@ def test_a_loopback_campaign_in_local_steps_mode_loses_nothing_and_stays_equal(
     steps, the outer step beside the next inner phase): a link cut, a partition, a leave, a
     join, a kill and heals (seed 10's plan); every committed outer step kept, no divergent
     global state, no crash, every fault resumed, and the trainers' own audits all agree."""
-    out = tmp_path / "c.json"
-    proc = subprocess.Popen([*CLI, "chaos", "--nodes", "4", "--duration", "40", "--rate", "9",
-                             "--seed", "10", "--min-live", "2", "--loopback", "--inner-steps",
-                             "8", "--overlap", "--json", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        _stdout, stderr = proc.communicate(timeout=420)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        _stdout, stderr = proc.communicate(timeout=30)
-        pytest.fail(f"the campaign ran past 420 s:\n{stderr[-3000:]}")
-    assert proc.returncode == 0, stderr[-3000:]
-    doc = json.loads(out.read_text())
+    _, _, doc = _campaign(["--nodes", "4", "--duration", "40", "--rate", "9", "--seed", "10",
+                           "--min-live", "2", "--loopback", "--inner-steps", "8", "--overlap"],
+                          tmp_path / "c.json")  # fmt: skip
     assert (doc["config"]["inner_steps"], doc["config"]["overlap"]) == (8, True)
     kinds = {r["kind"] for r in doc["injections"]}
     assert {"link_cut", "partition", "join"} <= kinds, kinds
