@@ -95,6 +95,12 @@ def _worker(rank: int, n: int, numel: int, rounds: int, commands: Any, results: 
                     row["first"], row["total"] = first, total
                 rows.append(row)
         results.put(rows)
+        # closing drops what is still queued to a member finishing its last round: close
+        # only once the runner has every member's rows
+        commands.get(timeout=RESULT_TIMEOUT_S)
+    except Exception as exc:  # the runner reports it at once, not after its timeout
+        results.put(f"member m{rank} failed: {exc!r}")
+        raise
     finally:
         comm.close()
 
@@ -121,6 +127,11 @@ def run_bench(nodes: int, numel: int, rounds: int) -> dict[str, Any]:
         for q in commands:
             q.put(addrs)
         got = [q.get(timeout=RESULT_TIMEOUT_S) for q in replies]
+        failed = [g for g in got if isinstance(g, str)]
+        if failed:
+            raise click.ClickException("; ".join(failed))
+        for q in commands:
+            q.put("close")
     except queue.Empty:
         raise click.ClickException("a member sent no result in time") from None
     finally:

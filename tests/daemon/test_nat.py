@@ -2,9 +2,11 @@
 
 A public founder; a public joiner (the control: it joins); a device behind a home router that
 masquerades and forwards only its own connections (it can reach the cluster, the cluster cannot
-reach it); a device behind a router that lets nothing out. Until dial-out members exist, the
-two devices behind NAT cannot take part: each must fail within its join timeout with an error
-that names the cause, not a bare timeout. Needs root, iproute2 and nftables (CI installs them).
+reach it), joining through the public member that is not the scheduler (which forwards the
+join and hands the scheduler's refusal back); a device behind a router that lets nothing out.
+Until dial-out members exist, the two devices behind NAT cannot take part: each must fail
+within its join timeout with an error that names the cause, not a bare timeout. Needs root,
+iproute2 and nftables (CI installs them).
 """
 
 from __future__ import annotations
@@ -99,8 +101,10 @@ def test_a_device_behind_nat_fails_its_join_naming_the_cause(lab: _Lab) -> None:
     lab.start("n1", "pub1", join=lab.endpoint("pub0"))
     lab.wait(lambda: any(e.get("event") == "joined" for e in lab.events("n1")), "n1 to join",
              JOIN_TIMEOUT_S + 10)  # fmt: skip
-    # behind NAT: it reaches the cluster, the cluster cannot reach it
-    natted = lab.start("n2", "home0", join=lab.endpoint("pub0"))
+    # behind NAT: it reaches the cluster, the cluster cannot reach it. It joins through n1,
+    # which forwards the join to the scheduler n0 and hands n0's refusal back to it over the
+    # connection it opened
+    natted = lab.start("n2", "home0", join=lab.endpoint("pub1"))
     code, took = _exit_within(natted, JOIN_TIMEOUT_S + 20)
     log = lab.log("n2")
     assert code == 4, log[-3000:]
@@ -111,6 +115,8 @@ def test_a_device_behind_nat_fails_its_join_naming_the_cause(lab: _Lab) -> None:
     assert failed and "the address this device advertises" in str(failed[-1]["detail"])
     refused = [e for e in lab.events("n0") if e.get("event") == "join_refused"]
     assert refused and refused[0]["reason"] == "joiner_unreachable"
+    handed = [e for e in lab.events("n1") if e.get("event") == "join_refusal_handed_on"]
+    assert handed and handed[0]["peer"] == "n2"
     # behind a router that lets nothing out: no contact ever answers, and it says so
     shut = lab.start("n3", "shut0", join=lab.endpoint("pub0"))
     code, took = _exit_within(shut, JOIN_TIMEOUT_S + 20)
